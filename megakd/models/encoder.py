@@ -1,0 +1,294 @@
+"""A BERT/ELECTRA encoder: post-LN Transformer layers over word + position + token-type embeddings.
+
+The layout and the initialisation follow HuggingFace BERT/ELECTRA exactly so that absolute-position
+models map 1:1 onto `ElectraModel`/`BertModel` (see `hf_mapping.py`). Two options go beyond HF:
+T5 relative position buckets (one bias table shared by all layers) and Admin initialisation
+(Liu et al. 2020), whose residual scales ω are set by a profiling pass in `admin_initialize`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+POSITION_ENCODINGS = ("absolute", "t5_relative")
+INITS = ("normal", "admin")
+
+
+@dataclass
+class EncoderConfig:
+    vocab_size: int = 30522
+    hidden_size: int = 256
+    num_layers: int = 12
+    num_heads: int = 4
+    intermediate_size: int = 1024  # FFN width (4×hidden by convention; explicit here)
+    embedding_size: int | None = None  # None = hidden_size; smaller → ELECTRA-style embeddings_project
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    position_encoding: str = "absolute"  # "absolute" | "t5_relative"
+    relative_buckets: int = 32
+    relative_max_distance: int = 128
+    dropout: float = 0.1  # hidden dropout
+    attention_dropout: float = 0.1
+    layer_norm_eps: float = 1e-12
+    initializer_range: float = 0.02
+    init: str = "normal"  # "normal" (BERT/HF init) | "admin"
+    activation_checkpointing: bool = False
+    pad_token_id: int = 0
+
+    @property
+    def embed_dim(self) -> int:
+        """Width of the embedding tables (and of the tied MLM output matrix)."""
+        return self.hidden_size if self.embedding_size is None else self.embedding_size
+
+    def validate(self) -> EncoderConfig:
+        """Raise ValueError naming the first bad field; return self so calls can be chained."""
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size",
+                     "max_position_embeddings", "type_vocab_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model.{name}: expected a positive integer, got {getattr(self, name)}")
+        if self.embedding_size is not None and self.embedding_size < 1:
+            raise ValueError(f"model.embedding_size: expected a positive integer or None, got {self.embedding_size}")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"model.hidden_size: expected a multiple of num_heads={self.num_heads}, "
+                             f"got {self.hidden_size}")
+        if self.position_encoding not in POSITION_ENCODINGS:
+            raise ValueError(f"model.position_encoding: expected one of {POSITION_ENCODINGS}, "
+                             f"got {self.position_encoding!r}")
+        if self.position_encoding == "t5_relative":
+            if self.relative_buckets < 4 or self.relative_buckets % 2:
+                raise ValueError(f"model.relative_buckets: expected an even integer >= 4, got {self.relative_buckets}")
+            if self.relative_max_distance <= self.relative_buckets // 4:
+                raise ValueError(f"model.relative_max_distance: expected > relative_buckets/4 "
+                                 f"= {self.relative_buckets // 4}, got {self.relative_max_distance}")
+        if self.init not in INITS:
+            raise ValueError(f"model.init: expected one of {INITS}, got {self.init!r}")
+        for name in ("dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"model.{name}: expected a probability in [0, 1), got {getattr(self, name)}")
+        if not 0 <= self.pad_token_id < self.vocab_size:
+            raise ValueError(f"model.pad_token_id: expected an id in [0, vocab_size={self.vocab_size}), "
+                             f"got {self.pad_token_id}")
+        return self
+
+
+def init_weights(module: nn.Module, std: float) -> None:
+    """HF `_init_weights` for one module: N(0, std) weights, zero biases, identity LayerNorm."""
+    if isinstance(module, nn.Linear):
+        nn.init.normal_(module.weight, mean=0.0, std=std)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.Embedding):
+        nn.init.normal_(module.weight, mean=0.0, std=std)
+        if module.padding_idx is not None:
+            with torch.no_grad():
+                module.weight[module.padding_idx].zero_()
+    elif isinstance(module, nn.LayerNorm):
+        nn.init.ones_(module.weight)
+        nn.init.zeros_(module.bias)
+
+
+class Embeddings(nn.Module):
+    """word + (absolute position) + token type → LayerNorm → dropout → optional projection to hidden."""
+
+    def __init__(self, config: EncoderConfig):
+        super().__init__()
+        dim = config.embed_dim
+        self.word_embeddings = nn.Embedding(config.vocab_size, dim, padding_idx=config.pad_token_id)
+        self.position_embeddings = (
+            nn.Embedding(config.max_position_embeddings, dim) if config.position_encoding == "absolute" else None
+        )
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, dim)
+        self.layer_norm = nn.LayerNorm(dim, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.dropout)
+        # ELECTRA-small style: narrow embeddings projected up to the hidden width.
+        self.embeddings_project = nn.Linear(dim, config.hidden_size) if dim != config.hidden_size else None
+
+    def forward(self, word_vectors: Tensor, token_type_ids: Tensor | None = None) -> Tensor:
+        """`word_vectors` [B, L, E] is the word-embedding lookup, or TGT's perturbed replacement of it."""
+        seq_len = word_vectors.shape[1]
+        if token_type_ids is None:
+            token_type_ids = torch.zeros(word_vectors.shape[:2], dtype=torch.long, device=word_vectors.device)
+        x = word_vectors + self.token_type_embeddings(token_type_ids)
+        if self.position_embeddings is not None:
+            if seq_len > self.position_embeddings.num_embeddings:
+                raise ValueError(f"input length {seq_len} exceeds model.max_position_embeddings="
+                                 f"{self.position_embeddings.num_embeddings}")
+            positions = torch.arange(seq_len, device=word_vectors.device)
+            x = x + self.position_embeddings(positions)
+        x = self.dropout(self.layer_norm(x))
+        if self.embeddings_project is not None:
+            x = self.embeddings_project(x)
+        return x
+
+
+def relative_position_bucket(relative_position: Tensor, num_buckets: int, max_distance: int) -> Tensor:
+    """T5's bidirectional bucketing of (key − query) offsets.
+
+    Half the buckets hold positive offsets, half the rest (zero included); within each half, the
+    first half of the buckets are exact small distances and the rest are log-spaced up to
+    `max_distance`, beyond which everything shares the last bucket. Computed in float64 so that
+    distances on a bucket boundary (e.g. 16, 32, 64 with 32 buckets) round the same everywhere.
+    """
+    half = num_buckets // 2
+    bucket = (relative_position > 0).long() * half
+    distance = relative_position.abs()
+    max_exact = half // 2
+    log_ratio = torch.log(distance.double().clamp(min=1) / max_exact) / math.log(max_distance / max_exact)
+    far = max_exact + (log_ratio * (half - max_exact)).long()
+    far = far.clamp(max=half - 1)
+    return bucket + torch.where(distance < max_exact, distance, far)
+
+
+class RelativePositionBias(nn.Module):
+    """One learned [buckets, heads] table shared by every layer, turned into a [1, heads, L, L] bias."""
+
+    def __init__(self, config: EncoderConfig):
+        super().__init__()
+        self.num_buckets = config.relative_buckets
+        self.max_distance = config.relative_max_distance
+        self.relative_attention_bias = nn.Embedding(config.relative_buckets, config.num_heads)
+
+    def forward(self, seq_len: int) -> Tensor:
+        device = self.relative_attention_bias.weight.device
+        positions = torch.arange(seq_len, device=device)
+        relative = positions[None, :] - positions[:, None]  # [query, key] = key − query
+        buckets = relative_position_bucket(relative, self.num_buckets, self.max_distance)
+        return self.relative_attention_bias(buckets).permute(2, 0, 1).unsqueeze(0)
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention through `scaled_dot_product_attention`."""
+
+    def __init__(self, config: EncoderConfig):
+        super().__init__()
+        hidden = config.hidden_size
+        self.num_heads = config.num_heads
+        self.head_dim = hidden // config.num_heads
+        self.dropout_p = config.attention_dropout
+        self.query = nn.Linear(hidden, hidden)
+        self.key = nn.Linear(hidden, hidden)
+        self.value = nn.Linear(hidden, hidden)
+        self.output = nn.Linear(hidden, hidden)
+
+    def forward(self, x: Tensor, key_mask: Tensor | None, position_bias: Tensor | None) -> Tensor:
+        """`key_mask` [B, 1, 1, L] is True for real tokens; `position_bias` [1, heads, L, L] or None."""
+        batch, seq_len, hidden = x.shape
+
+        def heads(t: Tensor) -> Tensor:
+            return t.view(batch, seq_len, self.num_heads, self.head_dim).transpose(1, 2)
+
+        q, k, v = heads(self.query(x)), heads(self.key(x)), heads(self.value(x))
+        mask = key_mask
+        if position_bias is not None:
+            mask = position_bias.to(q.dtype)
+            if key_mask is not None:
+                mask = mask.masked_fill(~key_mask, torch.finfo(q.dtype).min)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=self.dropout_p if self.training else 0.0
+        )
+        return self.output(out.transpose(1, 2).reshape(batch, seq_len, hidden))
+
+
+Attention = SelfAttention
+
+
+class FeedForward(nn.Module):
+    """Position-wise FFN with exact (erf) GELU, as HF's "gelu"."""
+
+    def __init__(self, config: EncoderConfig):
+        super().__init__()
+        self.fc_in = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.fc_out = nn.Linear(config.intermediate_size, config.hidden_size)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc_out(F.gelu(self.fc_in(x)))
+
+
+class EncoderLayer(nn.Module):
+    """Post-LN BERT layer: x = LN(ω·x + Dropout(Attn(x))); x = LN(ω·x + Dropout(FFN(x))).
+
+    ω exists only under Admin init (a learnable per-channel residual scale set by
+    `admin_initialize`); without it the layer is exactly HF's and ω is implicitly 1.
+    """
+
+    def __init__(self, config: EncoderConfig):
+        super().__init__()
+        hidden = config.hidden_size
+        self.attention = SelfAttention(config)
+        self.attention_norm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
+        self.ffn = FeedForward(config)
+        self.ffn_norm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.dropout)
+        admin = config.init == "admin"
+        self.attention_omega = nn.Parameter(torch.ones(hidden)) if admin else None
+        self.ffn_omega = nn.Parameter(torch.ones(hidden)) if admin else None
+
+    def attention_branch(self, x: Tensor, key_mask: Tensor | None, position_bias: Tensor | None) -> Tensor:
+        return self.dropout(self.attention(x, key_mask, position_bias))
+
+    def ffn_branch(self, x: Tensor) -> Tensor:
+        return self.dropout(self.ffn(x))
+
+    @staticmethod
+    def residual(x: Tensor, omega: Tensor | None) -> Tensor:
+        return x if omega is None else x * omega
+
+    def forward(self, x: Tensor, key_mask: Tensor | None = None, position_bias: Tensor | None = None) -> Tensor:
+        x = self.attention_norm(self.residual(x, self.attention_omega) + self.attention_branch(x, key_mask, position_bias))
+        x = self.ffn_norm(self.residual(x, self.ffn_omega) + self.ffn_branch(x))
+        return x
+
+
+class Encoder(nn.Module):
+    """Embeddings followed by `num_layers` post-LN layers; returns the last hidden states [B, L, H]."""
+
+    def __init__(self, config: EncoderConfig):
+        super().__init__()
+        self.config = config.validate()
+        self.embeddings = Embeddings(config)
+        self.relative_bias = RelativePositionBias(config) if config.position_encoding == "t5_relative" else None
+        self.layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.num_layers))
+        for module in self.modules():
+            init_weights(module, config.initializer_range)
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """Word-embedding lookup [B, L, E]: what `forward(inputs_embeds=...)` expects (HF semantics)."""
+        return self.embeddings.word_embeddings(input_ids)
+
+    def prepare(
+        self,
+        input_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+        inputs_embeds: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """Embedding output plus the key mask and relative bias every layer takes (computed once)."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Encoder.forward: expected exactly one of input_ids or inputs_embeds")
+        word_vectors = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        x = self.embeddings(word_vectors, token_type_ids)
+        key_mask = None if attention_mask is None else attention_mask.bool()[:, None, None, :]
+        position_bias = None if self.relative_bias is None else self.relative_bias(x.shape[1])
+        return x, key_mask, position_bias
+
+    def forward(
+        self,
+        input_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+        inputs_embeds: Tensor | None = None,
+    ) -> Tensor:
+        x, key_mask, position_bias = self.prepare(input_ids, attention_mask, token_type_ids, inputs_embeds)
+        recompute = self.config.activation_checkpointing and self.training and torch.is_grad_enabled()
+        for layer in self.layers:
+            if recompute:
+                x = checkpoint(layer, x, key_mask, position_bias, use_reentrant=False)
+            else:
+                x = layer(x, key_mask, position_bias)
+        return x

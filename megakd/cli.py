@@ -1,0 +1,105 @@
+"""`megakd <command>`: the single entry point (pretrain, data, and the commands built on them).
+
+Each command is a small function that parses its arguments and calls the library; errors in
+user input (config keys, files) end the process with a one-line message and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from megakd.config import ConfigError, load_config
+
+log = logging.getLogger("megakd")
+
+
+def setup_logging(level: str = "INFO") -> None:
+    """One log format for every process; non-zero ranks only log warnings and errors."""
+    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+    logging.basicConfig(
+        level=getattr(logging, level) if rank == 0 else logging.WARNING,
+        format=f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    for noisy in ("matplotlib", "PIL", "urllib3", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def cmd_pretrain(args: argparse.Namespace) -> int:
+    from megakd.engine.pretrain import run_pretraining
+
+    cfg = load_config(args.config, args.overrides)
+    result = run_pretraining(cfg, resume=args.resume)
+    if result.preempted:
+        log.warning("preempted at step %d; run the same command with --resume auto to continue", result.step)
+    else:
+        log.info("finished %d steps; run directory %s", result.step, result.run_dir)
+    return 0
+
+
+def cmd_data_tokenizer(args: argparse.Namespace) -> int:
+    from megakd.data.tokenizer import train_tokenizer
+
+    tok = train_tokenizer(args.input, args.vocab_size, args.out, input_sentence_size=args.input_sentence_size,
+                          seed=args.seed)
+    log.info("tokenizer with %d pieces (vocab hash %s) in %s", tok.vocab_size, tok.vocab_hash, args.out)
+    return 0
+
+
+def cmd_data_shards(args: argparse.Namespace) -> int:
+    from megakd.data.shards import write_shards
+    from megakd.data.tokenizer import Tokenizer
+
+    manifest = write_shards(args.input, Tokenizer.load(args.tokenizer), args.seq_len, args.out,
+                            samples_per_shard=args.samples_per_shard, num_workers=args.workers)
+    log.info("%d samples in %d shards in %s", manifest["num_samples"], len(manifest["shards"]), args.out)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megakd", description=__doc__.splitlines()[0])
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("pretrain", help="ELECTRA (DecoupledOptim or original) or BERT-MLM pretraining")
+    p.add_argument("-c", "--config", required=True, help="YAML recipe, e.g. configs/electra-tiny.yaml")
+    p.add_argument("--resume", help="'auto' (newest checkpoint in run.dir, if any) or a checkpoint directory")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.max_steps=100")
+    p.set_defaults(func=cmd_pretrain)
+
+    data = sub.add_parser("data", help="tokenizer training and WebDataset shard writing")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    t = data_sub.add_parser("tokenizer", help="train a cased SentencePiece BPE tokenizer")
+    t.add_argument("--input", nargs="+", required=True, help="text/.gz/.jsonl files or directories")
+    t.add_argument("--vocab-size", type=int, required=True)
+    t.add_argument("--out", required=True)
+    t.add_argument("--input-sentence-size", type=int, default=2_000_000,
+                   help="sentences sampled for training (bounds memory on large corpora)")
+    t.add_argument("--seed", type=int, default=0)
+    t.set_defaults(func=cmd_data_tokenizer)
+    s = data_sub.add_parser("shards", help="tokenize and pack documents into WebDataset shards")
+    s.add_argument("--input", nargs="+", required=True, help="text/.gz/.jsonl files, directories or HF datasets")
+    s.add_argument("--tokenizer", required=True)
+    s.add_argument("--seq-len", type=int, required=True)
+    s.add_argument("--out", required=True)
+    s.add_argument("--samples-per-shard", type=int, default=10_000)
+    s.add_argument("--workers", type=int, default=1)
+    s.set_defaults(func=cmd_data_shards)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level)
+    try:
+        return args.func(args)
+    except (ConfigError, FileNotFoundError) as err:
+        print(f"megakd: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,341 @@
+"""Configuration: one dataclass tree, YAML recipes with inheritance, `a.b=c` overrides.
+
+Every key is checked: an unknown or mistyped key, or a value of the wrong type, raises
+`ConfigError` with a one-line message naming the key (and the file it came from), so a typo in a
+125K-step job fails in the first second instead of silently training the wrong model.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from megakd.models.encoder import EncoderConfig
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message names the key."""
+
+
+@dataclass
+class RunConfig:
+    dir: str = "runs/electra-tiny"
+    keep_last: int = 3  # checkpoints kept in run.dir/checkpoints (older ones are deleted)
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "megakd"
+    wandb_mode: str = "offline"  # offline | online
+    plots: bool = True
+    export_hf: bool = True  # write run.dir/hf at the end of training
+    progress_bar: bool = True
+
+
+@dataclass
+class DataConfig:
+    tokenizer: str = ""  # directory from `megakd data tokenizer`; empty = built from the bundled corpus
+    shards: str = ""  # directory from `megakd data shards`; empty = built from the bundled corpus
+    vocab_size: int = 8000  # only used when building the bundled-corpus default
+    seq_len: int = 128  # only used when building the bundled-corpus default (shards carry their own)
+    cache_dir: str = "~/.cache/megakd"  # where the bundled-corpus default is built once
+    mask_prob: float = 0.15
+    num_workers: int = 0
+    skip_bad_shards: bool = False
+
+
+@dataclass
+class ModelConfig:
+    objective: str = "electra"  # electra (generator + discriminator) | mlm (BERT-MLM: the generator alone)
+    generator: EncoderConfig = field(default_factory=EncoderConfig)
+    discriminator: EncoderConfig = field(default_factory=EncoderConfig)
+
+
+@dataclass
+class ElectraConfig:
+    decoupled: bool = True  # DecoupledOptim: separate embeddings, two optimizers
+    loss_weight: float = 50.0  # λ in L_MLM + λ·L_RTD
+    sampling_temperature: float = 1.0
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 5e-4
+    betas: tuple[float, float] = (0.9, 0.98)
+    eps: float = 1e-6
+    weight_decay: float = 0.01
+    clip_norm: float = 2.0  # 0 = no clipping
+
+
+@dataclass
+class ScheduleConfig:
+    warmup_steps: int = 0  # shared by both optimizers
+    decay: str = "linear"  # linear (to 0 at max_steps) | cosine | constant
+
+
+@dataclass
+class OptimConfig:
+    generator: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=2e-4))
+    discriminator: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1.5e-3))
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 1000
+    seed: int = 0
+    global_batch_size: int = 32
+    micro_batch_size: int = 32
+    log_every: int = 10
+    save_every: int = 0  # 0 = only the final checkpoint
+    precision: str = "fp32"  # fp32 | bf16 | fp16
+    max_bad_steps: int = 10  # stop after this many non-finite losses in a row
+
+
+@dataclass
+class BackendConfig:
+    name: str = "single"  # single | ddp | deepspeed
+    zero_stage: int = 0
+    pipeline_stages: int = 1
+    dist_backend: str = "auto"  # auto (nccl on CUDA, gloo otherwise) | gloo | nccl
+
+
+@dataclass
+class KernelsConfig:
+    backend: str = "auto"  # auto | triton | torch
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    electra: ElectraConfig = field(default_factory=ElectraConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    backend: BackendConfig = field(default_factory=BackendConfig)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+
+    def validate(self) -> Config:
+        _check_choice("model.objective", self.model.objective, ("electra", "mlm"))
+        _check_choice("optim.schedule.decay", self.optim.schedule.decay, ("linear", "cosine", "constant"))
+        _check_choice("train.precision", self.train.precision, ("fp32", "bf16", "fp16"))
+        _check_choice("backend.name", self.backend.name, ("single", "ddp", "deepspeed"))
+        _check_choice("backend.dist_backend", self.backend.dist_backend, ("auto", "gloo", "nccl"))
+        _check_choice("kernels.backend", self.kernels.backend, ("auto", "triton", "torch"))
+        _check_choice("run.wandb_mode", self.run.wandb_mode, ("offline", "online"))
+        if self.backend.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"backend.zero_stage: expected 0, 1, 2 or 3, got {self.backend.zero_stage}")
+        for key, value in (
+            ("train.max_steps", self.train.max_steps),
+            ("train.global_batch_size", self.train.global_batch_size),
+            ("train.micro_batch_size", self.train.micro_batch_size),
+            ("train.log_every", self.train.log_every),
+            ("train.max_bad_steps", self.train.max_bad_steps),
+            ("backend.pipeline_stages", self.backend.pipeline_stages),
+        ):
+            if value < 1:
+                raise ConfigError(f"{key}: expected a positive integer, got {value}")
+        if not 0.0 < self.data.mask_prob < 1.0:
+            raise ConfigError(f"data.mask_prob: expected a value in (0, 1), got {self.data.mask_prob}")
+        if self.electra.loss_weight <= 0:
+            raise ConfigError(f"electra.loss_weight: expected > 0, got {self.electra.loss_weight}")
+        for name in ("generator", "discriminator"):
+            opt: OptimizerConfig = getattr(self.optim, name)
+            if opt.lr < 0 or opt.clip_norm < 0 or opt.eps <= 0:
+                raise ConfigError(f"optim.{name}: lr and clip_norm must be >= 0 and eps > 0")
+            try:
+                getattr(self.model, name).validate()
+            except ValueError as err:
+                raise ConfigError(f"model.{name}.{err}") from None
+        if self.model.objective == "electra" and not self.electra.decoupled:
+            gen, disc = self.model.generator, self.model.discriminator
+            if (gen.embedding_size or gen.hidden_size) != (disc.embedding_size or disc.hidden_size):
+                raise ConfigError(
+                    "model.generator.embedding_size: shared embeddings (electra.decoupled=false) need the "
+                    "generator and discriminator to have the same embedding size"
+                )
+        return self
+
+    def batch_layout(self, world_size: int) -> tuple[int, int]:
+        """(micro_batch_size, gradient accumulation steps) for `world_size` data-parallel ranks."""
+        t = self.train
+        per_step = t.micro_batch_size * world_size
+        if t.global_batch_size % per_step:
+            raise ConfigError(
+                f"train.global_batch_size={t.global_batch_size} is not divisible by "
+                f"train.micro_batch_size={t.micro_batch_size} x world_size={world_size}"
+            )
+        return t.micro_batch_size, t.global_batch_size // per_step
+
+
+def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key}: expected one of {', '.join(choices)}, got {value!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Building dataclasses from nested dicts, strictly.
+
+
+def _coerce(value: Any, tp: Any, key: str, default: Any = None) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key, default)
+            except ConfigError as err:
+                errors.append(str(err))
+        raise ConfigError(errors[0] if errors else f"{key}: unexpected value {value!r}")
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return _build(tp, value, key, default if isinstance(default, tp) else None)
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(f"{key}: expected a list of {len(args)} values, got {value!r}")
+        return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if origin is list:
+        (arg,) = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_coerce(v, arg, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-4" as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    if tp is Any:
+        return value
+    raise ConfigError(f"{key}: unsupported type {tp}")
+
+
+def _build(cls: type, data: dict, prefix: str = "", base: Any = None) -> Any:
+    """Instantiate `cls` from `data`, starting from `base` (or the class defaults) field by field.
+
+    Starting from the parent's default object keeps section-specific defaults (e.g. the
+    generator's own peak LR) when an override touches only one key of that section.
+    """
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    obj = copy.deepcopy(base) if base is not None else cls()
+    for name, value in data.items():
+        key = f"{prefix}.{name}" if prefix else str(name)
+        if name not in names:
+            close = difflib.get_close_matches(str(name), names, n=1)
+            hint = f"; did you mean '{prefix + '.' if prefix else ''}{close[0]}'?" if close else ""
+            raise ConfigError(f"unknown config key '{key}'{hint}")
+        setattr(obj, name, _coerce(value, hints[name], key, getattr(obj, name)))
+    return obj
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
+    """Read a YAML recipe, resolving `inherit: other.yaml` (relative to the file) recursively."""
+    path = path.resolve()
+    if path in seen:
+        raise ConfigError(f"{path}: circular 'inherit'")
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    parents = data.pop("inherit", None) or []
+    if isinstance(parents, str):
+        parents = [parents]
+    merged: dict = {}
+    for parent in parents:
+        merged = _merge(merged, _read_yaml(path.parent / parent, (*seen, path)))
+    return _merge(merged, data)
+
+
+def parse_override(text: str) -> dict:
+    """`a.b.c=value` → {'a': {'b': {'c': value}}}, the value parsed as YAML (so 1e-4, true, [1, 2] work)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected key=value")
+    key, raw = text.split("=", 1)
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {text!r}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    out: dict = {}
+    node = out
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = value
+    return out
+
+
+def config_to_dict(cfg: Any) -> dict:
+    def plain(v: Any) -> Any:
+        if isinstance(v, tuple):
+            return [plain(x) for x in v]
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        return v
+
+    return plain(dataclasses.asdict(cfg))
+
+
+def load_config(
+    path: str | Path | None = None, overrides: list[str] = (), cls: type = Config
+) -> Any:
+    """Load a recipe (or the defaults), apply overrides, build and validate the dataclass tree."""
+    data = _read_yaml(Path(path)) if path else {}
+    for text in overrides:
+        data = _merge(data, parse_override(text))
+    try:
+        cfg = _build(cls, data)
+    except ConfigError as err:
+        raise ConfigError(f"{err} (in {path})" if path else str(err)) from None
+    return cfg.validate()
+
+
+def save_config(cfg: Any, path: str | Path) -> None:
+    path = Path(path)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    tmp.replace(path)

@@ -1,0 +1,206 @@
+"""Backends: how a set of optimized units runs on one process or many.
+
+A *unit* is one optimizer's world: the task module it trains, its optimizer, LR schedule,
+gradient clipping and loss scale. DecoupledOptim has two units (generator, discriminator);
+original ELECTRA and BERT-MLM have one. The trainer only talks to the `Backend` interface, so
+`single`, `ddp` and `deepspeed` take the same model objects (models never import a backend).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Unit:
+    name: str
+    task: nn.Module  # computes the loss in forward; what backends wrap
+    model: nn.Module  # what is checkpointed and exported
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    clip_norm: float  # 0 = off; bounds the gradient of the unweighted loss
+    loss_scale: float = 1.0  # the λ this unit's loss is multiplied by before backward
+    wrapped: nn.Module | None = None
+    scaler: torch.amp.GradScaler | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+
+def init_distributed(dist_backend: str = "auto") -> tuple[int, int, int]:
+    """Join the process group described by torchrun / deepspeed / Slurm environment variables.
+
+    Returns (rank, world_size, local_rank); a no-op returning (0, 1, 0) without a launcher.
+    """
+    if "RANK" not in os.environ and "SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ:
+        os.environ.setdefault("RANK", os.environ["SLURM_PROCID"])
+        os.environ.setdefault("WORLD_SIZE", os.environ["SLURM_NTASKS"])
+        os.environ.setdefault("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
+    if "RANK" not in os.environ:
+        return 0, 1, 0
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if not dist.is_initialized():
+        if dist_backend == "auto":
+            dist_backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if dist_backend == "nccl":
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group(dist_backend, timeout=datetime.timedelta(minutes=30))
+    return rank, world, local_rank
+
+
+class Backend:
+    """Single process. Subclasses override wrapping, gradient sync and collectives."""
+
+    name = "single"
+
+    def __init__(self, precision: str = "fp32"):
+        self.rank, self.world_size, self.local_rank = 0, 1, 0
+        self.device = torch.device("cpu")
+        self.precision = precision
+        self.accumulation_steps = 1
+
+    # -- setup -------------------------------------------------------------------------------
+    def prepare(self, units: list[Unit], accumulation_steps: int) -> None:
+        self.accumulation_steps = accumulation_steps
+        for unit in units:
+            unit.wrapped = unit.task
+            if self.precision == "fp16":
+                unit.scaler = torch.amp.GradScaler(self.device.type)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def autocast(self):
+        if self.precision == "fp32":
+            return contextlib.nullcontext()
+        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
+        return torch.autocast(self.device.type, dtype=dtype)
+
+    # -- one micro-batch -----------------------------------------------------------------------
+    def no_sync(self, unit: Unit, last_micro_batch: bool):
+        """Context for forward+backward of a micro-batch that is not the last of its step."""
+        return contextlib.nullcontext()
+
+    def forward(self, unit: Unit, *args, **kwargs) -> dict:
+        with self.autocast():
+            return unit.wrapped(*args, **kwargs)
+
+    def backward(self, unit: Unit, loss: torch.Tensor) -> None:
+        loss = loss * (unit.loss_scale / self.accumulation_steps)
+        if unit.scaler is not None:
+            loss = unit.scaler.scale(loss)
+        loss.backward()
+
+    # -- the optimizer step --------------------------------------------------------------------
+    def step(self, unit: Unit) -> float:
+        """Clip, step, schedule, zero grads. Returns the gradient norm of the unweighted loss."""
+        if unit.scaler is not None:
+            unit.scaler.unscale_(unit.optimizer)
+        params = [p for g in unit.optimizer.param_groups for p in g["params"]]
+        max_norm = unit.clip_norm * unit.loss_scale if unit.clip_norm > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if unit.scaler is not None:
+            unit.scaler.step(unit.optimizer)
+            unit.scaler.update()
+        else:
+            unit.optimizer.step()
+        unit.scheduler.step()
+        unit.optimizer.zero_grad(set_to_none=True)
+        return float(norm) / unit.loss_scale
+
+    def skip_step(self, unit: Unit) -> None:
+        """Drop this step's gradients (non-finite loss) without touching optimizer or schedule."""
+        unit.optimizer.zero_grad(set_to_none=True)
+
+    # -- collectives ---------------------------------------------------------------------------
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def barrier(self) -> None:
+        pass
+
+    # -- checkpoint state ------------------------------------------------------------------------
+    def save_units(self, units: list[Unit], directory: Path) -> None:
+        """Write every unit's model, optimizer, schedule (and scaler) state into `directory`."""
+        if not self.is_main:
+            return
+        for unit in units:
+            state = {
+                "model": unit.model.state_dict(),
+                "optimizer": unit.optimizer.state_dict(),
+                "scheduler": unit.scheduler.state_dict(),
+            }
+            if unit.scaler is not None:
+                state["scaler"] = unit.scaler.state_dict()
+            torch.save(state, directory / f"{unit.name}.pt")
+
+    def load_units(self, units: list[Unit], directory: Path) -> None:
+        for unit in units:
+            path = directory / f"{unit.name}.pt"
+            if not path.is_file():
+                raise FileNotFoundError(f"checkpoint {directory} has no state for '{unit.name}' ({path.name})")
+            state = torch.load(path, map_location=self.device, weights_only=False)
+            unit.model.load_state_dict(state["model"])
+            unit.optimizer.load_state_dict(state["optimizer"])
+            unit.scheduler.load_state_dict(state["scheduler"])
+            if unit.scaler is not None and "scaler" in state:
+                unit.scaler.load_state_dict(state["scaler"])
+
+    def close(self) -> None:
+        pass
+
+
+class DDPBackend(Backend):
+    """torch DistributedDataParallel over gloo (CPU) or nccl (GPU); one DDP wrapper per unit."""
+
+    name = "ddp"
+
+    def __init__(self, precision: str = "fp32", dist_backend: str = "auto"):
+        super().__init__(precision)
+        self.rank, self.world_size, self.local_rank = init_distributed(dist_backend)
+        if torch.cuda.is_available():
+            self.device = torch.device("cuda", self.local_rank)
+
+    def prepare(self, units: list[Unit], accumulation_steps: int) -> None:
+        super().prepare(units, accumulation_steps)
+        if self.world_size == 1:
+            return
+        for unit in units:
+            unit.task.to(self.device)
+            unit.wrapped = nn.parallel.DistributedDataParallel(
+                unit.task, device_ids=[self.local_rank] if self.device.type == "cuda" else None
+            )
+
+    def no_sync(self, unit: Unit, last_micro_batch: bool):
+        if last_micro_batch or not isinstance(unit.wrapped, nn.parallel.DistributedDataParallel):
+            return contextlib.nullcontext()
+        return unit.wrapped.no_sync()
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            tensor = tensor.to(self.device)
+            dist.all_reduce(tensor)
+        return tensor
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,121 @@
+"""Assemble a pretraining run from a config: data, models, units, backend, trainer."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from megakd.config import Config, ConfigError
+from megakd.data.shards import read_manifest
+from megakd.data.stream import PretrainingLoader
+from megakd.data.tokenizer import Tokenizer
+from megakd.engine.backends import Backend, DDPBackend, Unit
+from megakd.engine.optim import build_optimizer, build_scheduler
+from megakd.engine.tasks import DiscriminatorTask, GeneratorTask, JointElectraTask
+from megakd.engine.trainer import Trainer, TrainResult
+from megakd.models.electra import Discriminator, ElectraPair, MaskedLM
+
+log = logging.getLogger(__name__)
+
+
+def build_backend(cfg: Config) -> Backend:
+    name = cfg.backend.name
+    if name == "single":
+        return Backend(cfg.train.precision)
+    if name == "ddp":
+        return DDPBackend(cfg.train.precision, cfg.backend.dist_backend)
+    from megakd.engine.deepspeed_backend import DeepSpeedBackend
+
+    return DeepSpeedBackend(cfg)
+
+
+def resolve_data(cfg: Config) -> tuple[Path, Path]:
+    """(tokenizer dir, shards dir): the configured ones, or the bundled corpus built once in a cache."""
+    d = cfg.data
+    if bool(d.tokenizer) != bool(d.shards):
+        raise ConfigError("data.tokenizer and data.shards: set both (your own data) or neither (bundled corpus)")
+    if d.tokenizer:
+        return Path(d.tokenizer), Path(d.shards)
+    from megakd.data.default_corpus import prepare_default_data
+
+    return prepare_default_data(Path(d.cache_dir).expanduser(), vocab_size=d.vocab_size, seq_len=d.seq_len,
+                                seed=cfg.train.seed)
+
+
+def check_vocab(cfg: Config, tokenizer: Tokenizer) -> None:
+    for name in ("generator", "discriminator"):
+        if cfg.model.objective == "mlm" and name == "discriminator":
+            continue
+        size = getattr(cfg.model, name).vocab_size
+        if size != tokenizer.vocab_size:
+            raise ConfigError(
+                f"model.{name}.vocab_size={size} but the tokenizer at {tokenizer.path} has "
+                f"{tokenizer.vocab_size} pieces"
+            )
+
+
+def build_units(cfg: Config, generator: MaskedLM, discriminator: Discriminator | None) -> list[Unit]:
+    """DecoupledOptim → generator + discriminator units; original ELECTRA → one joint unit; MLM → one."""
+    kb, max_steps, sched = cfg.kernels.backend, cfg.train.max_steps, cfg.optim.schedule
+    temperature = cfg.electra.sampling_temperature
+
+    def unit(name, task, model, opt_cfg, loss_scale=1.0):
+        optimizer = build_optimizer(model.named_parameters(), opt_cfg)
+        return Unit(name=name, task=task, model=model, optimizer=optimizer,
+                    scheduler=build_scheduler(optimizer, sched, max_steps),
+                    clip_norm=opt_cfg.clip_norm, loss_scale=loss_scale)
+
+    if discriminator is None:
+        return [unit("generator", GeneratorTask(generator, kb, temperature), generator, cfg.optim.generator)]
+    if cfg.electra.decoupled:
+        return [
+            unit("generator", GeneratorTask(generator, kb, temperature), generator, cfg.optim.generator),
+            unit("discriminator", DiscriminatorTask(discriminator, kb), discriminator, cfg.optim.discriminator,
+                 loss_scale=cfg.electra.loss_weight),
+        ]
+    pair = ElectraPair(generator, discriminator, share_embeddings=True)
+    task = JointElectraTask(pair, cfg.electra.loss_weight, kb, temperature)
+    return [unit("electra", task, pair, cfg.optim.discriminator)]
+
+
+def build_models(cfg: Config) -> tuple[MaskedLM, Discriminator | None]:
+    """Both models, initialised identically on every rank from train.seed."""
+    torch.manual_seed(cfg.train.seed)
+    generator = MaskedLM(cfg.model.generator)
+    discriminator = Discriminator(cfg.model.discriminator) if cfg.model.objective == "electra" else None
+    return generator, discriminator
+
+
+def build_trainer(cfg: Config, backend: Backend | None = None) -> Trainer:
+    backend = backend or build_backend(cfg)
+    micro_batch, accumulation = cfg.batch_layout(backend.world_size)
+    tokenizer_dir, shards_dir = resolve_data(cfg)
+    tokenizer = Tokenizer.load(tokenizer_dir)
+    check_vocab(cfg, tokenizer)
+    manifest = read_manifest(shards_dir)
+    if cfg.run.dir and backend.is_main:
+        log.info("data: %s (%d samples, seq_len %d), tokenizer %s", shards_dir, manifest["num_samples"],
+                 manifest["seq_len"], tokenizer_dir)
+    generator, discriminator = build_models(cfg)
+    units = build_units(cfg, generator, discriminator)
+    backend.prepare(units, accumulation)
+    loader = PretrainingLoader(
+        shards_dir, tokenizer, micro_batch_size=micro_batch, rank=backend.rank, world_size=backend.world_size,
+        num_workers=cfg.data.num_workers, seed=cfg.train.seed, mask_prob=cfg.data.mask_prob,
+        skip_bad_shards=cfg.data.skip_bad_shards,
+    )
+    # Dropout must differ per rank but be reproducible: reseed after the shared model init.
+    torch.manual_seed(cfg.train.seed * 1_000_003 + backend.rank)
+    return Trainer(cfg, backend, units, loader, objective=cfg.model.objective)
+
+
+def run_pretraining(cfg: Config, resume: str | None = None) -> TrainResult:
+    trainer = build_trainer(cfg)
+    try:
+        if resume:
+            trainer.resume(resume)
+        return trainer.train()
+    finally:
+        trainer.backend.close()

@@ -1,0 +1,88 @@
+"""Loss-computing wrappers that a backend can wrap (DDP, DeepSpeed engines call `forward`).
+
+Backends require the loss to come out of a module's `forward` so their gradient hooks and
+accumulation logic see the whole computation; the math itself lives in `megakd.objectives`.
+Each task returns its loss plus detached statistics as *sums/counts*, so the trainer can sum
+them over micro-batches and ranks before dividing.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megakd.models.electra import Discriminator, ElectraPair, MaskedLM
+from megakd.objectives.electra import corrupt, mlm_loss, rtd_counts, rtd_labels, rtd_loss, sample_replacements
+
+
+class GeneratorTask(nn.Module):
+    """MLM over masked positions (sparse head) + sampling of replacement tokens."""
+
+    def __init__(self, model: MaskedLM, kernel_backend: str = "auto", temperature: float = 1.0):
+        super().__init__()
+        self.model = model
+        self.kernel_backend = kernel_backend
+        self.temperature = temperature
+
+    def forward(self, batch: dict[str, torch.Tensor], rng: torch.Generator | None = None) -> dict:
+        mlm_mask = batch["mlm_mask"]
+        hidden = self.model(batch["masked_input_ids"], batch["attention_mask"])
+        masked_hidden = self.model.masked_hidden(hidden, mlm_mask)
+        targets = batch["input_ids"][mlm_mask]
+        head = self.model.head
+        loss = mlm_loss(masked_hidden, head.decoder_weight, head.bias, targets, self.kernel_backend)
+        samples, argmax = sample_replacements(
+            masked_hidden, head.decoder_weight, head.bias, rng, self.temperature, self.kernel_backend
+        )
+        n = targets.numel()
+        return {
+            "loss": loss,
+            "samples": samples,
+            "stats": {
+                "gen_loss_sum": loss.detach().float() * n,
+                "gen_correct": (argmax == targets).sum(),
+                "masked": torch.tensor(n),
+            },
+        }
+
+
+class DiscriminatorTask(nn.Module):
+    """RTD over all non-padding tokens of the corrupted sequence."""
+
+    def __init__(self, model: Discriminator, kernel_backend: str = "auto"):
+        super().__init__()
+        self.model = model
+        self.kernel_backend = kernel_backend
+
+    def forward(self, corrupted: torch.Tensor, original: torch.Tensor, attention_mask: torch.Tensor) -> dict:
+        hidden = self.model(corrupted, attention_mask)
+        transformed = self.model.head.transform(hidden)
+        proj = self.model.head.prediction
+        loss = rtd_loss(transformed, proj.weight, proj.bias, corrupted, original, attention_mask, self.kernel_backend)
+        with torch.no_grad():
+            logits = proj(transformed).squeeze(-1)
+            counts = rtd_counts(logits, rtd_labels(corrupted, original), attention_mask)
+        stats = {f"rtd_{k}": v for k, v in counts.items()}
+        stats["disc_loss_sum"] = loss.detach().float() * counts["tokens"]
+        stats["replaced"] = counts["tp"] + counts["fn"]
+        return {"loss": loss, "stats": stats}
+
+
+class JointElectraTask(nn.Module):
+    """Original ELECTRA: one module, one optimizer, loss L_MLM + λ·L_RTD, shared embeddings allowed."""
+
+    def __init__(self, pair: ElectraPair, loss_weight: float, kernel_backend: str = "auto", temperature: float = 1.0):
+        super().__init__()
+        self.pair = pair
+        self.generator_task = GeneratorTask(pair.generator, kernel_backend, temperature)
+        self.discriminator_task = DiscriminatorTask(pair.discriminator, kernel_backend)
+        self.loss_weight = loss_weight
+
+    def forward(self, batch: dict[str, torch.Tensor], rng: torch.Generator | None = None) -> dict:
+        gen = self.generator_task(batch, rng)
+        corrupted = corrupt(batch["input_ids"], batch["mlm_mask"], gen["samples"])
+        disc = self.discriminator_task(corrupted, batch["input_ids"], batch["attention_mask"])
+        return {
+            "loss": gen["loss"] + self.loss_weight * disc["loss"],
+            "stats": {**gen["stats"], **disc["stats"]},
+        }

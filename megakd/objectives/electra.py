@@ -1,0 +1,100 @@
+"""ELECTRA objectives as plain functions of tensors: MLM, generator sampling, corruption, RTD.
+
+Conventions (DESIGN.md): RTD label 1 = replaced, 0 = original; a sampled token equal to the
+original is original. MLM loss is the mean CE over masked positions; RTD loss is the mean BCE
+over non-padding positions. The generator head is sparse: every function here takes hidden
+states at masked positions only, and the vocabulary projection happens inside a fused kernel
+that never builds [tokens × vocab].
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megakd.kernels import fused_linear_cross_entropy, fused_linear_sample, fused_rtd_loss
+
+
+def mlm_loss(
+    masked_hidden: torch.Tensor,
+    decoder_weight: torch.Tensor,
+    decoder_bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Mean cross-entropy of the generator at masked positions ([N, E] hidden, [N] targets)."""
+    return fused_linear_cross_entropy(masked_hidden, decoder_weight, decoder_bias, targets, backend=backend)
+
+
+@torch.no_grad()
+def sample_replacements(
+    masked_hidden: torch.Tensor,
+    decoder_weight: torch.Tensor,
+    decoder_bias: torch.Tensor | None,
+    generator: torch.Generator | None = None,
+    temperature: float = 1.0,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(samples, argmax) from the generator's softmax at masked positions; no gradient flows."""
+    return fused_linear_sample(
+        masked_hidden.detach(), decoder_weight.detach(),
+        None if decoder_bias is None else decoder_bias.detach(),
+        generator=generator, temperature=temperature, backend=backend,
+    )
+
+
+def corrupt(input_ids: torch.Tensor, mlm_mask: torch.Tensor, samples: torch.Tensor) -> torch.Tensor:
+    """x̂: the original sequence with the generator's samples written into the masked slots."""
+    corrupted = input_ids.clone()
+    corrupted[mlm_mask] = samples.to(input_ids.dtype)
+    return corrupted
+
+
+def rtd_labels(corrupted: torch.Tensor, original: torch.Tensor) -> torch.Tensor:
+    """1 where the token was replaced by something different from the original."""
+    return (corrupted != original).long()
+
+
+def rtd_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    corrupted: torch.Tensor,
+    original: torch.Tensor,
+    attention_mask: torch.Tensor,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Mean BCE of the discriminator's last projection over non-padding tokens.
+
+    `hidden` is the output of the RTD head's transform ([..., H]); `weight` [H] and `bias` []
+    are its final H→1 projection. Leading dimensions are flattened.
+    """
+    h = hidden.reshape(-1, hidden.shape[-1])
+    return fused_rtd_loss(
+        h, weight.reshape(-1), bias.reshape(()), corrupted.reshape(-1), original.reshape(-1),
+        attention_mask.reshape(-1), backend=backend,
+    )
+
+
+@torch.no_grad()
+def rtd_counts(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Confusion counts of RTD predictions (logit > 0 = replaced) over non-padding tokens.
+
+    Counts (not ratios) so they can be summed over micro-batches and ranks before computing
+    precision/recall/F1.
+    """
+    pred = (logits > 0)[mask]
+    gold = labels.bool()[mask]
+    return {
+        "tokens": mask.sum(),
+        "correct": (pred == gold).sum(),
+        "tp": (pred & gold).sum(),
+        "fp": (pred & ~gold).sum(),
+        "fn": (~pred & gold).sum(),
+    }
+
+
+def precision_recall_f1(tp: float, fp: float, fn: float) -> tuple[float, float, float]:
+    precision = tp / (tp + fp) if tp + fp else 0.0
+    recall = tp / (tp + fn) if tp + fn else 0.0
+    f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+    return precision, recall, f1

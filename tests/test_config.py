@@ -1,0 +1,89 @@
+import pytest
+
+from megakd.config import Config, ConfigError, load_config, parse_override, save_config
+
+CONFIGS = ["configs/electra-tiny.yaml", "configs/electra-base.yaml", "configs/electra-large.yaml"]
+
+
+@pytest.mark.parametrize("path", CONFIGS)
+def test_recipes_load_and_roundtrip(path, tmp_path):
+    cfg = load_config(path)
+    save_config(cfg, tmp_path / "config.yaml")
+    assert load_config(tmp_path / "config.yaml") == cfg
+
+
+def test_table_a1_values():
+    base, large = load_config("configs/electra-base.yaml"), load_config("configs/electra-large.yaml")
+    for cfg in (base, large):
+        assert cfg.train.max_steps == 125_000 and cfg.train.global_batch_size == 2048
+        assert cfg.optim.generator.lr == 2e-4 and cfg.optim.discriminator.lr == 1.5e-3
+        assert cfg.optim.schedule.warmup_steps == 10_000
+        for opt in (cfg.optim.generator, cfg.optim.discriminator):
+            assert opt.betas == (0.9, 0.98) and opt.eps == 1e-6 and opt.clip_norm == 2.0
+            assert opt.weight_decay == 0.01
+        assert cfg.model.generator.vocab_size == 128_000 and cfg.electra.decoupled
+    g, d = base.model.generator, base.model.discriminator
+    assert (g.num_layers, g.hidden_size, d.num_layers, d.hidden_size) == (12, 768, 12, 768)
+    assert (d.relative_buckets, d.relative_max_distance, d.init) == (32, 128, "admin")
+    g, d = large.model.generator, large.model.discriminator
+    assert (g.num_layers, g.hidden_size, d.num_layers, d.hidden_size) == (8, 1024, 24, 1024)
+    assert (d.relative_buckets, d.relative_max_distance, d.num_heads) == (128, 256, 16)
+
+
+def test_override_keeps_section_defaults():
+    cfg = load_config(None, ["optim.generator.clip_norm=0", "train.max_steps=7"])
+    assert cfg.optim.generator.clip_norm == 0.0
+    assert cfg.optim.generator.lr == Config().optim.generator.lr  # untouched key keeps its default
+    assert cfg.train.max_steps == 7
+
+
+def test_override_parsing():
+    assert parse_override("a.b.c=[1, 2]") == {"a": {"b": {"c": [1, 2]}}}
+    assert parse_override("x=true") == {"x": True}
+    assert load_config(None, ["optim.generator.lr=1e-4"]).optim.generator.lr == 1e-4
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.max_stpes=3", "unknown config key 'train.max_stpes'; did you mean 'train.max_steps'?"),
+        ("model.generator.hidden_size=abc", "model.generator.hidden_size: expected an integer"),
+        ("model.generator.num_heads=3", "model.generator.hidden_size: expected a multiple of num_heads=3"),
+        ("electra.decoupled=maybe", "electra.decoupled: expected true or false"),
+        ("backend.name=horovod", "backend.name: expected one of single, ddp, deepspeed"),
+        ("backend.zero_stage=4", "backend.zero_stage"),
+        ("optim.discriminator.betas=[0.9]", "optim.discriminator.betas: expected a list of 2 values"),
+        ("trainn.seed=1", "unknown config key 'trainn'"),
+        ("train.max_steps", "expected key=value"),
+    ],
+)
+def test_bad_values_name_the_key(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config("configs/electra-tiny.yaml", [override])
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_bad_file(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: {max_steps: 3\n")
+    with pytest.raises(ConfigError, match="bad.yaml: not valid YAML"):
+        load_config(bad)
+    child = tmp_path / "child.yaml"
+    child.write_text("inherit: child.yaml\n")
+    with pytest.raises(ConfigError, match="circular"):
+        load_config(child)
+
+
+def test_batch_layout():
+    cfg = load_config(None, ["train.global_batch_size=64", "train.micro_batch_size=8"])
+    assert cfg.batch_layout(2) == (8, 4)
+    with pytest.raises(ConfigError, match="not divisible"):
+        cfg.batch_layout(3)
+
+
+def test_shared_embeddings_need_equal_widths():
+    with pytest.raises(ConfigError, match="same embedding size"):
+        load_config(None, ["electra.decoupled=false", "model.generator.embedding_size=32"])

@@ -44,7 +44,7 @@ class DataConfig:
     shards: str = ""  # directory from `megakd data shards`; empty = built from the bundled corpus
     vocab_size: int = 8000  # only used when building the bundled-corpus default
     seq_len: int = 128  # only used when building the bundled-corpus default (shards carry their own)
-    cache_dir: str = "~/.cache/megakd"  # where the bundled-corpus default is built once
+    cache_dir: str = ""  # where the bundled-corpus default is built once; "" = $MEGAKD_CACHE or ~/.cache/megakd
     mask_prob: float = 0.15
     num_workers: int = 0
     skip_bad_shards: bool = False
@@ -153,7 +153,8 @@ class Config:
             try:
                 getattr(self.model, name).validate()
             except ValueError as err:
-                raise ConfigError(f"model.{name}.{err}") from None
+                # EncoderConfig names its fields "model.<field>"; qualify them with the model.
+                raise ConfigError(str(err).replace("model.", f"model.{name}.", 1)) from None
         if self.model.objective == "electra" and not self.electra.decoupled:
             gen, disc = self.model.generator, self.model.discriminator
             if (gen.embedding_size or gen.hidden_size) != (disc.embedding_size or disc.hidden_size):

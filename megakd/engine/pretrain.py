@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -40,8 +41,8 @@ def resolve_data(cfg: Config) -> tuple[Path, Path]:
         return Path(d.tokenizer), Path(d.shards)
     from megakd.data.default_corpus import prepare_default_data
 
-    return prepare_default_data(Path(d.cache_dir).expanduser(), vocab_size=d.vocab_size, seq_len=d.seq_len,
-                                seed=cfg.train.seed)
+    cache = Path(d.cache_dir or os.environ.get("MEGAKD_CACHE", "~/.cache/megakd")).expanduser()
+    return prepare_default_data(cache, vocab_size=d.vocab_size, seq_len=d.seq_len)
 
 
 def check_vocab(cfg: Config, tokenizer: Tokenizer) -> None:
@@ -108,7 +109,7 @@ def build_trainer(cfg: Config, backend: Backend | None = None) -> Trainer:
     )
     # Dropout must differ per rank but be reproducible: reseed after the shared model init.
     torch.manual_seed(cfg.train.seed * 1_000_003 + backend.rank)
-    return Trainer(cfg, backend, units, loader, objective=cfg.model.objective)
+    return Trainer(cfg, backend, units, loader, objective=cfg.model.objective, tokenizer_dir=tokenizer_dir)
 
 
 def run_pretraining(cfg: Config, resume: str | None = None) -> TrainResult:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
+import shutil
 import signal
 import time
 from collections import defaultdict
@@ -39,8 +40,10 @@ class TrainResult:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, backend: Backend, units: list[Unit], loader, *, objective: str):
+    def __init__(self, cfg: Config, backend: Backend, units: list[Unit], loader, *, objective: str,
+                 tokenizer_dir: Path):
         self.cfg = cfg
+        self.tokenizer_dir = Path(tokenizer_dir)
         self.backend = backend
         self.units = {u.name: u for u in units}
         self.loader = loader
@@ -88,6 +91,8 @@ class Trainer:
         self.backend.barrier()
         if self.backend.is_main:
             save_config(self.cfg, tmp / "config.yaml")
+            # A checkpoint is self-contained: conversion and resumption need no external paths.
+            shutil.copytree(self.tokenizer_dir, tmp / "tokenizer")
         self.backend.save_units(list(self.units.values()), tmp)
         checkpoint.save_rank_state(tmp, self.backend.rank, self.rank_state())
         self.backend.barrier()

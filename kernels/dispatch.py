@@ -1,0 +1,85 @@
+"""Backend resolution shared by every kernel: ``backend="auto" | "triton" | "torch"``.
+
+Rules (one place, so every kernel behaves the same):
+
+- ``"torch"``: the chunked torch implementation (bounded memory, runs anywhere).
+- ``"triton"``: the Triton kernel. On CUDA tensors it compiles; on CPU tensors it needs the Triton
+  interpreter, i.e. ``TRITON_INTERPRET=1`` set before the kernel modules are first used (they are
+  imported lazily, on the first Triton call, for exactly this reason). Anything else is an error,
+  never a silent fallback.
+- ``"auto"``: Triton when the tensors are on CUDA and Triton imports; otherwise the torch path.
+  ``auto`` never picks the interpreter even when ``TRITON_INTERPRET=1``: it is a debugging tool
+  100-300x slower than torch on CPU, so it must be asked for explicitly. Each fallback is logged
+  once at INFO, naming the kernel and the reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "triton", "torch")
+
+
+@functools.cache
+def triton_available() -> bool:
+    """True when the ``triton`` package can be imported (checked without importing it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_interpret() -> bool:
+    """True when ``TRITON_INTERPRET`` asks for the interpreter (how Triton runs on CPU)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+@functools.cache
+def _log_once(op: str, message: str) -> None:
+    logger.info("megakd.kernels.%s: %s", op, message)
+
+
+def resolve_backend(backend: str, device: torch.device, op: str) -> str:
+    """Return ``"triton"`` or ``"torch"`` for a kernel ``op`` whose tensors live on ``device``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    if backend == "torch":
+        return "torch"
+    if backend == "triton":
+        if not triton_available():
+            raise RuntimeError(f"{op}: backend='triton' but the triton package is not installed")
+        if device.type == "cuda":
+            return "triton"
+        if device.type == "cpu":
+            if not triton_interpret():
+                raise RuntimeError(
+                    f"{op}: backend='triton' with CPU tensors needs TRITON_INTERPRET=1 set before the "
+                    "first Triton call (or use backend='torch' / 'auto')"
+                )
+            return "triton"
+        raise RuntimeError(f"{op}: backend='triton' supports cuda or cpu tensors, got device {device}")
+    if device.type == "cuda" and triton_available():
+        _log_once(op, "backend=auto chose triton (CUDA)")
+        return "triton"
+    reason = "no CUDA tensors" if device.type != "cuda" else "triton not installed"
+    _log_once(op, f"backend=auto chose the chunked torch path ({reason})")
+    return "torch"
+
+
+def check_tensor(name: str, t: object, ndim: int, op: str) -> torch.Tensor:
+    """Validate that argument ``name`` is a tensor with ``ndim`` dimensions (one-line error if not)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{op}: {name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    return t
+
+
+def check_float(name: str, t: torch.Tensor, op: str) -> None:
+    """Reject non-floating tensors where the kernel computes in floating point."""
+    if not t.is_floating_point():
+        raise TypeError(f"{op}: {name} must be a floating tensor, got {t.dtype}")

@@ -1,0 +1,305 @@
+"""Fused linear output head + loss over a large vocabulary, never materializing [tokens x vocab].
+
+Three operations share one tiling (rows of hidden states x vocabulary of an output matrix):
+
+- :func:`fused_linear_kl`: KL(softmax(teacher/tau) || softmax(student/tau)) for distillation (DWT);
+- :func:`fused_linear_cross_entropy`: the generator's MLM cross-entropy;
+- :func:`fused_linear_sample`: Gumbel-max sampling (plus argmax) at masked positions.
+
+With a 128K vocabulary the logits of a few thousand tokens are gigabytes, while the inputs are
+megabytes. The torch path processes rows in chunks of about ``_CHUNK_ELEMS / V`` rows and, as
+Liger-Kernel's fused linear cross-entropy does, computes the gradients for hidden states, weight
+and bias inside the forward (chunk by chunk) so the chunk's logits can be freed at once; backward
+only scales the stored gradients by ``grad_output``. Peak extra memory is O(chunk x V + V x H)
+instead of several N x V tensors. The Triton path goes further: an online softmax over vocabulary
+tiles keeps O(N) state in forward and recomputes logit tiles in backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .dispatch import check_float, check_tensor, resolve_backend
+
+# Elements of one [rows x V] chunk temporary. 2**25 fp32 = 128 MiB; at V = 128K that is 256 rows,
+# enough for the chunk GEMMs to stay compute-bound on CPU.
+_CHUNK_ELEMS = 1 << 25
+
+
+def _rows_per_chunk(n: int, v: int) -> int:
+    return max(1, min(n, _CHUNK_ELEMS // max(v, 1)))
+
+
+def _acc_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, acc: torch.dtype) -> torch.Tensor:
+    return F.linear(h, w, b).to(acc)
+
+
+# ----------------------------------------------------------------------------------------------
+# References: naive, materializing, plain autograd. Tests and benchmarks compare against these.
+
+
+def fused_linear_kl_reference(
+    student_hidden: torch.Tensor,
+    student_weight: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    temperature: float = 1.0,
+    student_bias: torch.Tensor | None = None,
+    teacher_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Naive reference of :func:`fused_linear_kl` (materializes both [N, V] logit tensors)."""
+    s = F.linear(student_hidden, student_weight, student_bias) / temperature
+    t = F.linear(teacher_hidden, teacher_weight, teacher_bias) / temperature
+    log_ps = torch.log_softmax(s, dim=-1)
+    log_pt = torch.log_softmax(t, dim=-1)
+    kl_rows = (log_pt.exp() * (log_pt - log_ps)).sum(-1)
+    return kl_rows.sum() / max(kl_rows.shape[0], 1)
+
+
+def fused_linear_cross_entropy_reference(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """Naive reference of :func:`fused_linear_cross_entropy` (materializes [N, V] logits)."""
+    logits = F.linear(hidden, weight, bias)
+    if not bool((target != ignore_index).any()):
+        return logits.sum() * 0.0
+    return F.cross_entropy(logits, target, ignore_index=ignore_index)
+
+
+def fused_linear_sample_reference(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    generator: torch.Generator | None = None,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Naive reference of :func:`fused_linear_sample`: one [N, V] float64 uniform draw, Gumbel-max.
+
+    Consumes ``generator`` exactly as the chunked torch path does, so both give identical samples.
+    """
+    logits = F.linear(hidden, weight, bias)
+    u = torch.rand(logits.shape, generator=generator, dtype=torch.float64, device=logits.device)
+    noisy = logits.to(torch.float64) / temperature - torch.log(-torch.log(u))
+    return noisy.argmax(-1), logits.argmax(-1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Chunked torch path.
+
+
+class _ChunkedLinearLoss(torch.autograd.Function):
+    """Loss and gradients in one chunked pass; backward rescales the stored gradients."""
+
+    @staticmethod
+    def forward(ctx, kind, hidden, weight, bias, extra, temperature, ignore_index):
+        # kind "kl": extra = (teacher_hidden, teacher_weight, teacher_bias); "ce": extra = target.
+        n, v = hidden.shape[0], weight.shape[0]
+        acc = _acc_dtype(hidden)
+        need = ctx.needs_input_grad
+        want_h, want_w, want_b = need[1], need[2], bias is not None and need[3]
+        grad = want_h or want_w or want_b
+        inv_tau = 1.0 / temperature
+        if kind == "ce":
+            valid_all = extra != ignore_index
+            denom = max(int(valid_all.sum()), 1)
+        else:
+            t_hidden, t_weight, t_bias = extra
+            denom = max(n, 1)
+        gh = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if want_h else None
+        gw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_w else None
+        gb = torch.zeros(v, dtype=acc, device=weight.device) if want_b else None
+        total = torch.zeros((), dtype=acc, device=hidden.device)
+        step = _rows_per_chunk(n, v)
+        for r0 in range(0, n, step):
+            h = hidden[r0 : r0 + step]
+            s = _logits(h, weight, bias, acc)
+            if kind == "kl":
+                s.mul_(inv_tau)
+                log_ps = s.sub_(torch.logsumexp(s, -1, keepdim=True))  # in place: s is now log p_s
+                log_pt = _logits(t_hidden[r0 : r0 + step], t_weight, t_bias, acc).mul_(inv_tau)
+                log_pt.sub_(torch.logsumexp(log_pt, -1, keepdim=True))
+                p_t = log_pt.exp()
+                # Row-major dot products avoid another [chunk x V] temporary.
+                total += torch.dot(p_t.view(-1), log_pt.view(-1)) - torch.dot(p_t.view(-1), log_ps.view(-1))
+                if not grad:
+                    continue
+                dz = log_ps.exp_().sub_(p_t).mul_(inv_tau / denom)  # (p_s - p_t) / tau / N
+                del log_pt, p_t
+            else:
+                tgt = extra[r0 : r0 + step]
+                valid = tgt != ignore_index
+                safe = torch.where(valid, tgt, 0).unsqueeze(1)
+                lse = torch.logsumexp(s, -1)
+                total += ((lse - s.gather(1, safe).squeeze(1)) * valid).sum()
+                if not grad:
+                    continue
+                dz = s.sub_(lse.unsqueeze(1)).exp_()  # softmax, in place
+                dz.scatter_add_(1, safe, torch.full_like(safe, -1, dtype=acc))
+                dz.mul_((valid.to(acc) / denom).unsqueeze(1))
+            dz_in = dz.to(hidden.dtype)
+            if want_h:
+                gh[r0 : r0 + step] = dz_in @ weight
+            if want_w:
+                gw.addmm_(dz.t(), h.to(acc))
+            if want_b:
+                gb += dz.sum(0)
+            del s, dz, dz_in
+        ctx.save_for_backward(gh, gw, gb)
+        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return (total / denom).to(hidden.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        gh, gw, gb = ctx.saved_tensors
+        dt_h, dt_w, dt_b = ctx.dtypes
+        out = [None] * 7
+        for i, (g, dt) in enumerate(((gh, dt_h), (gw, dt_w), (gb, dt_b)), start=1):
+            if g is not None:
+                out[i] = (g * grad_out.to(g.dtype)).to(dt)
+        return tuple(out)
+
+
+def _sample_torch(hidden, weight, bias, generator, temperature):
+    n, v = hidden.shape[0], weight.shape[0]
+    samples = torch.empty(n, dtype=torch.long, device=hidden.device)
+    argmax = torch.empty(n, dtype=torch.long, device=hidden.device)
+    step = _rows_per_chunk(n, v)
+    for r0 in range(0, n, step):
+        logits = F.linear(hidden[r0 : r0 + step], weight, bias)
+        argmax[r0 : r0 + step] = logits.argmax(-1)
+        u = torch.rand(logits.shape, generator=generator, dtype=torch.float64, device=logits.device)
+        noisy = u.log_().neg_().log_().neg_()  # Gumbel noise, in place
+        noisy += logits.to(torch.float64) / temperature
+        samples[r0 : r0 + step] = noisy.argmax(-1)
+        del logits, u, noisy
+    return samples, argmax
+
+
+# ----------------------------------------------------------------------------------------------
+# Public API.
+
+
+def _check_head(op: str, hname: str, hidden, wname: str, weight, bname: str, bias) -> None:
+    check_tensor(hname, hidden, 2, op)
+    check_tensor(wname, weight, 2, op)
+    check_float(hname, hidden, op)
+    if weight.shape[1] != hidden.shape[1]:
+        raise ValueError(
+            f"{op}: {wname} must be [V, {hidden.shape[1]}] to match {hname}, got {tuple(weight.shape)}"
+        )
+    if bias is not None:
+        check_tensor(bname, bias, 1, op)
+        if bias.shape[0] != weight.shape[0]:
+            raise ValueError(f"{op}: {bname} must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+
+
+def _check_temperature(op: str, temperature: float) -> None:
+    if not isinstance(temperature, (int, float)) or not temperature > 0:
+        raise ValueError(f"{op}: temperature must be a positive number, got {temperature!r}")
+
+
+def fused_linear_kl(
+    student_hidden: torch.Tensor,
+    student_weight: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    temperature: float = 1.0,
+    student_bias: torch.Tensor | None = None,
+    teacher_bias: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Mean over rows of KL(softmax(teacher/tau) || softmax(student/tau)); no tau**2 (caller scales).
+
+    The teacher is treated as frozen: no gradient reaches ``teacher_*``. Gradients flow to
+    ``student_hidden``, ``student_weight`` and ``student_bias``.
+    """
+    op = "fused_linear_kl"
+    _check_head(op, "student_hidden", student_hidden, "student_weight", student_weight, "student_bias", student_bias)
+    _check_head(op, "teacher_hidden", teacher_hidden, "teacher_weight", teacher_weight, "teacher_bias", teacher_bias)
+    if teacher_hidden.shape[0] != student_hidden.shape[0]:
+        raise ValueError(
+            f"{op}: teacher_hidden must have {student_hidden.shape[0]} rows like student_hidden, "
+            f"got {teacher_hidden.shape[0]}"
+        )
+    if teacher_weight.shape[0] != student_weight.shape[0]:
+        raise ValueError(
+            f"{op}: teacher_weight vocabulary {teacher_weight.shape[0]} != student_weight vocabulary "
+            f"{student_weight.shape[0]}"
+        )
+    _check_temperature(op, temperature)
+    teacher = tuple(None if t is None else t.detach() for t in (teacher_hidden, teacher_weight, teacher_bias))
+    if resolve_backend(backend, student_hidden.device, op) == "torch":
+        return _ChunkedLinearLoss.apply(
+            "kl", student_hidden, student_weight, student_bias, teacher, float(temperature), 0
+        )
+    from .linear_kl_triton import linear_kl_triton
+
+    return linear_kl_triton(student_hidden, student_weight, student_bias, *teacher, float(temperature))
+
+
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    ignore_index: int = -100,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Mean cross-entropy of ``hidden @ weight.T + bias`` over rows whose target != ignore_index.
+
+    Returns 0 (with zero gradients) when every row is ignored. Gradients flow to all three inputs.
+    """
+    op = "fused_linear_cross_entropy"
+    _check_head(op, "hidden", hidden, "weight", weight, "bias", bias)
+    check_tensor("target", target, 1, op)
+    if target.shape[0] != hidden.shape[0] or target.dtype not in (torch.int64, torch.int32):
+        raise ValueError(
+            f"{op}: target must be an integer tensor of shape ({hidden.shape[0]},), "
+            f"got {target.dtype} {tuple(target.shape)}"
+        )
+    valid = target[target != ignore_index]
+    if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= weight.shape[0]):
+        raise ValueError(f"{op}: target values must be in [0, {weight.shape[0]}) or ignore_index={ignore_index}")
+    if resolve_backend(backend, hidden.device, op) == "torch":
+        return _ChunkedLinearLoss.apply("ce", hidden, weight, bias, target.long(), 1.0, int(ignore_index))
+    from .linear_kl_triton import linear_cross_entropy_triton
+
+    return linear_cross_entropy_triton(hidden, weight, bias, target, int(ignore_index))
+
+
+@torch.no_grad()
+def fused_linear_sample(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    generator: torch.Generator | None = None,
+    temperature: float = 1.0,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row from softmax((hidden @ weight.T + bias) / tau) and return the row argmax.
+
+    Gumbel-max over vocabulary chunks, no gradient. The torch path draws float64 uniforms from
+    ``generator`` in row-major order, so it is reproducible and equals
+    :func:`fused_linear_sample_reference` for the same seed. The Triton path draws a 31-bit seed
+    from ``generator`` (or torch's default generator) and uses Triton's Philox RNG: reproducible for
+    the same generator state, but a different stream from the torch path.
+    """
+    op = "fused_linear_sample"
+    _check_head(op, "hidden", hidden, "weight", weight, "bias", bias)
+    _check_temperature(op, temperature)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"{op}: generator must be a torch.Generator or None, got {type(generator).__name__}")
+    if resolve_backend(backend, hidden.device, op) == "torch":
+        return _sample_torch(hidden, weight, bias, generator, float(temperature))
+    from .linear_kl_triton import linear_sample_triton
+
+    return linear_sample_triton(hidden, weight, bias, generator, float(temperature))

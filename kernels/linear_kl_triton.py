@@ -1,0 +1,296 @@
+"""Triton kernels for :mod:`kernels.linear_kl` (imported lazily by the dispatcher).
+
+Forward: one program per block of ``BLOCK_N`` rows walks the vocabulary in ``BLOCK_V`` tiles; each
+logit tile is a ``tl.dot`` over ``BLOCK_H`` slices of the hidden size and is folded into an online
+softmax (running max and sum, and for KL the running teacher-weighted log-ratio), so only O(N)
+numbers leave the kernel: per-row loss and log-sum-exp. Backward: one program per (row block,
+vocab tile) recomputes its logit tile, forms d(loss)/d(logits) from the saved log-sum-exp, and
+atomically adds its contributions to ``grad_hidden``, ``grad_weight`` and ``grad_bias``. Nothing of
+size [N x V] is ever allocated. Float32 atomics make the Triton gradients non-bitwise-deterministic
+on GPU (summation order); use the torch path where bitwise determinism matters.
+
+Fixed block sizes (no autotune: the interpreter rejects multi-config autotuning).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .dispatch import triton_interpret
+
+
+def _blocks() -> tuple[int, int, int]:
+    # Small tiles under the interpreter so that small test shapes still span several tiles.
+    return (16, 32, 16) if triton_interpret() else (64, 128, 32)
+
+
+def _precision(t: torch.Tensor) -> str:
+    # Match torch: fp32 matmuls use TF32 only when torch itself is allowed to.
+    if t.dtype == torch.float32 and t.is_cuda and torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    return "ieee"
+
+
+@triton.jit
+def _logit_tile(
+    h_ptr, w_ptr, b_ptr, rows, cols, row_ok, col_ok, H, stride_h, stride_w,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    ACC: tl.constexpr, PREC: tl.constexpr,
+):
+    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=ACC)
+    for k0 in range(0, H, BLOCK_H):
+        ks = k0 + tl.arange(0, BLOCK_H)
+        k_ok = ks < H
+        a = tl.load(h_ptr + rows[:, None].to(tl.int64) * stride_h + ks[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_ptr + cols[None, :].to(tl.int64) * stride_w + ks[:, None],
+                    mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PREC)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(ACC)[None, :]
+    return acc
+
+
+@triton.jit
+def _forward_kernel(
+    hs_ptr, ws_ptr, bs_ptr, ht_ptr, wt_ptr, bt_ptr, tgt_ptr,
+    lse_s_ptr, lse_t_ptr, loss_ptr,
+    N, V, Hs, Ht, stride_hs, stride_ws, stride_ht, stride_wt, inv_tau_ptr, ignore_index,
+    KL: tl.constexpr, HAS_BS: tl.constexpr, HAS_BT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    ACC: tl.constexpr, PREC: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    m_s = tl.full((BLOCK_N,), float("-inf"), ACC)
+    z_s = tl.zeros((BLOCK_N,), ACC)
+    m_t = tl.full((BLOCK_N,), float("-inf"), ACC)
+    z_t = tl.zeros((BLOCK_N,), ACC)
+    a_t = tl.zeros((BLOCK_N,), ACC)  # sum exp(t - m_t) * (t - s): the teacher-weighted log-ratio
+    z_tgt = tl.zeros((BLOCK_N,), ACC)
+    inv_tau = tl.load(inv_tau_ptr)
+    if KL:
+        target = rows  # unused
+    else:
+        target = tl.load(tgt_ptr + rows, mask=row_ok, other=0)
+    for v0 in range(0, V, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        col_ok = cols < V
+        s_raw = _logit_tile(hs_ptr, ws_ptr, bs_ptr, rows, cols, row_ok, col_ok, Hs, stride_hs, stride_ws,
+                            HAS_BS, BLOCK_N, BLOCK_V, BLOCK_H, ACC, PREC) * inv_tau
+        s = tl.where(col_ok[None, :], s_raw, float("-inf"))
+        m_new = tl.maximum(m_s, tl.max(s, axis=1))
+        z_s = z_s * tl.exp(m_s - m_new) + tl.sum(tl.exp(s - m_new[:, None]), axis=1)
+        m_s = m_new
+        if KL:
+            t_raw = _logit_tile(ht_ptr, wt_ptr, bt_ptr, rows, cols, row_ok, col_ok, Ht, stride_ht, stride_wt,
+                                HAS_BT, BLOCK_N, BLOCK_V, BLOCK_H, ACC, PREC) * inv_tau
+            t = tl.where(col_ok[None, :], t_raw, float("-inf"))
+            mt_new = tl.maximum(m_t, tl.max(t, axis=1))
+            alpha = tl.exp(m_t - mt_new)
+            e = tl.exp(t - mt_new[:, None])
+            z_t = z_t * alpha + tl.sum(e, axis=1)
+            # e is 0 on padding columns, and the raw logits keep t - s finite there
+            a_t = a_t * alpha + tl.sum(e * (t_raw - s_raw), axis=1)
+            m_t = mt_new
+        else:
+            z_tgt += tl.sum(tl.where(cols[None, :] == target[:, None], s, 0.0), axis=1)
+    lse_s = m_s + tl.log(z_s)
+    tl.store(lse_s_ptr + rows, lse_s, mask=row_ok)
+    if KL:
+        lse_t = m_t + tl.log(z_t)
+        tl.store(lse_t_ptr + rows, lse_t, mask=row_ok)
+        tl.store(loss_ptr + rows, a_t / z_t - lse_t + lse_s, mask=row_ok)
+    else:
+        tl.store(loss_ptr + rows, tl.where(target != ignore_index, lse_s - z_tgt, 0.0), mask=row_ok)
+
+
+@triton.jit
+def _backward_kernel(
+    hs_ptr, ws_ptr, bs_ptr, ht_ptr, wt_ptr, bt_ptr, tgt_ptr,
+    lse_s_ptr, lse_t_ptr, scale_ptr, gh_ptr, gw_ptr, gb_ptr,
+    N, V, Hs, Ht, stride_hs, stride_ws, stride_ht, stride_wt, inv_tau_ptr, ignore_index,
+    KL: tl.constexpr, HAS_BS: tl.constexpr, HAS_BT: tl.constexpr,
+    GRAD_H: tl.constexpr, GRAD_W: tl.constexpr, GRAD_B: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    ACC: tl.constexpr, PREC: tl.constexpr,
+):
+    inv_tau = tl.load(inv_tau_ptr)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    row_ok = rows < N
+    col_ok = cols < V
+    s = _logit_tile(hs_ptr, ws_ptr, bs_ptr, rows, cols, row_ok, col_ok, Hs, stride_hs, stride_ws,
+                    HAS_BS, BLOCK_N, BLOCK_V, BLOCK_H, ACC, PREC) * inv_tau
+    p_s = tl.exp(s - tl.load(lse_s_ptr + rows, mask=row_ok, other=0.0)[:, None])
+    keep = row_ok[:, None] & col_ok[None, :]
+    if KL:
+        t = _logit_tile(ht_ptr, wt_ptr, bt_ptr, rows, cols, row_ok, col_ok, Ht, stride_ht, stride_wt,
+                        HAS_BT, BLOCK_N, BLOCK_V, BLOCK_H, ACC, PREC) * inv_tau
+        dz = p_s - tl.exp(t - tl.load(lse_t_ptr + rows, mask=row_ok, other=0.0)[:, None])
+    else:
+        target = tl.load(tgt_ptr + rows, mask=row_ok, other=ignore_index)
+        dz = p_s - tl.where(cols[None, :] == target[:, None], 1.0, 0.0).to(ACC)
+        keep = keep & (target != ignore_index)[:, None]
+    # scale = grad_output / denominator (/ tau for KL), computed by the host wrapper
+    dz = tl.where(keep, dz * tl.load(scale_ptr), 0.0)
+    if GRAD_B:
+        tl.atomic_add(gb_ptr + cols, tl.sum(dz, axis=0), mask=col_ok)
+    dz_in = dz.to(hs_ptr.dtype.element_ty)
+    for k0 in range(0, Hs, BLOCK_H):
+        ks = k0 + tl.arange(0, BLOCK_H)
+        k_ok = ks < Hs
+        if GRAD_H:
+            w = tl.load(ws_ptr + cols[:, None].to(tl.int64) * stride_ws + ks[None, :],
+                        mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            tl.atomic_add(gh_ptr + rows[:, None].to(tl.int64) * Hs + ks[None, :],
+                          tl.dot(dz_in, w, out_dtype=ACC, input_precision=PREC),
+                          mask=row_ok[:, None] & k_ok[None, :])
+        if GRAD_W:
+            h = tl.load(hs_ptr + rows[:, None].to(tl.int64) * stride_hs + ks[None, :],
+                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            tl.atomic_add(gw_ptr + cols[:, None].to(tl.int64) * Hs + ks[None, :],
+                          tl.dot(tl.trans(dz_in), h, out_dtype=ACC, input_precision=PREC),
+                          mask=col_ok[:, None] & k_ok[None, :])
+
+
+@triton.jit
+def _sample_kernel(
+    h_ptr, w_ptr, b_ptr, sample_ptr, argmax_ptr, seed,
+    N, V, H, stride_h, stride_w, inv_tau_ptr,
+    HAS_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    ACC: tl.constexpr, PREC: tl.constexpr,
+):
+    inv_tau = tl.load(inv_tau_ptr)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    best_noisy = tl.full((BLOCK_N,), float("-inf"), tl.float64)
+    best_sample = tl.zeros((BLOCK_N,), tl.int64)
+    best_raw = tl.full((BLOCK_N,), float("-inf"), ACC)
+    best_arg = tl.zeros((BLOCK_N,), tl.int64)
+    for v0 in range(0, V, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        col_ok = cols < V
+        z = _logit_tile(h_ptr, w_ptr, b_ptr, rows, cols, row_ok, col_ok, H, stride_h, stride_w,
+                        HAS_B, BLOCK_N, BLOCK_V, BLOCK_H, ACC, PREC)
+        z = tl.where(col_ok[None, :], z, float("-inf"))
+        # Strict ">" keeps the earlier tile on ties: first maximal index, like torch.argmax.
+        tile_max = tl.max(z, axis=1)
+        tile_arg = tl.argmax(z, axis=1).to(tl.int64) + v0
+        better = tile_max > best_raw
+        best_raw = tl.where(better, tile_max, best_raw)
+        best_arg = tl.where(better, tile_arg, best_arg)
+        # 53-bit uniform from two Philox words (genrand_res53), so the Gumbel tail is not cut at
+        # float32 resolution; one counter per (row, column) makes the draw independent of tiling.
+        offs = rows[:, None].to(tl.int64) * V + cols[None, :]
+        r0, r1, _, _ = tl.randint4x(seed, offs)
+        u = ((r0 >> 5).to(tl.float64) * 67108864.0 + (r1 >> 6).to(tl.float64)) * (1.0 / 9007199254740992.0)
+        noisy = z.to(tl.float64) * inv_tau - tl.log(-tl.log(u))
+        noisy = tl.where(col_ok[None, :], noisy, float("-inf"))
+        tile_max = tl.max(noisy, axis=1)
+        tile_arg = tl.argmax(noisy, axis=1).to(tl.int64) + v0
+        better = tile_max > best_noisy
+        best_noisy = tl.where(better, tile_max, best_noisy)
+        best_sample = tl.where(better, tile_arg, best_sample)
+    tl.store(sample_ptr + rows, best_sample, mask=row_ok)
+    tl.store(argmax_ptr + rows, best_arg, mask=row_ok)
+
+
+def _acc(t: torch.Tensor) -> tuple[torch.dtype, tl.dtype]:
+    return (torch.float64, tl.float64) if t.dtype == torch.float64 else (torch.float32, tl.float32)
+
+
+def _row_major(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
+
+
+class _LinearLossTriton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, kl, hs, ws, bs, ht, wt, bt, target, inv_tau, ignore_index):
+        hs, ws, bs = _row_major(hs), _row_major(ws), _row_major(bs)
+        ht, wt, bt = _row_major(ht), _row_major(wt), _row_major(bt)
+        n, v = hs.shape[0], ws.shape[0]
+        acc_t, acc_tl = _acc(hs)
+        bn, bv, bh = _blocks()
+        dev = hs.device
+        lse_s = torch.empty(n, dtype=acc_t, device=dev)
+        lse_t = torch.empty(n if kl else 0, dtype=acc_t, device=dev)
+        loss_rows = torch.empty(n, dtype=acc_t, device=dev)
+        tgt = target if target is not None else lse_s  # dummy pointer for KL
+        teacher = (ht, wt, bt) if kl else (hs, ws, bs)  # dummies for CE, never read
+        args = (
+            hs, ws, bs if bs is not None else ws, teacher[0], teacher[1],
+            teacher[2] if teacher[2] is not None else teacher[1], tgt,
+        )
+        dims = (
+            n, v, hs.shape[1], teacher[0].shape[1], hs.stride(0), ws.stride(0),
+            teacher[0].stride(0), teacher[1].stride(0),
+            torch.tensor([inv_tau], dtype=acc_t, device=dev), ignore_index,
+        )
+        flags = dict(KL=kl, HAS_BS=bs is not None, HAS_BT=kl and bt is not None,
+                     BLOCK_N=bn, BLOCK_V=bv, BLOCK_H=bh, ACC=acc_tl, PREC=_precision(hs))
+        if n > 0:
+            _forward_kernel[(triton.cdiv(n, bn),)](*args, lse_s, lse_t, loss_rows, *dims, **flags)
+        if kl:
+            denom = torch.tensor(float(max(n, 1)), dtype=acc_t, device=dev)
+        else:
+            denom = (target != ignore_index).sum().to(acc_t).clamp(min=1.0)
+        ctx.save_for_backward(*args[:6], target, lse_s, lse_t, denom)
+        ctx.meta = (kl, bs is not None, inv_tau, dims, flags, hs.dtype, ws.dtype)
+        return (loss_rows.sum() / denom).to(hs.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hs, ws, bs, ht, wt, bt, target, lse_s, lse_t, denom = ctx.saved_tensors
+        kl, has_bs, inv_tau, dims, flags, dt_h, dt_w = ctx.meta
+        want_h, want_w, want_b = ctx.needs_input_grad[1], ctx.needs_input_grad[2], has_bs and ctx.needs_input_grad[3]
+        acc_t, _ = _acc(hs)
+        n, v = hs.shape[0], ws.shape[0]
+        gh = torch.zeros(hs.shape, dtype=acc_t, device=hs.device) if want_h else lse_s
+        gw = torch.zeros(ws.shape, dtype=acc_t, device=ws.device) if want_w else lse_s
+        gb = torch.zeros(v, dtype=acc_t, device=ws.device) if want_b else lse_s
+        scale = (grad_out.to(acc_t) / denom * (inv_tau if kl else 1.0)).reshape(1)
+        tgt = target if target is not None else lse_s
+        if n > 0 and (want_h or want_w or want_b):
+            grid = (triton.cdiv(n, flags["BLOCK_N"]), triton.cdiv(v, flags["BLOCK_V"]))
+            _backward_kernel[grid](hs, ws, bs, ht, wt, bt, tgt, lse_s, lse_t, scale, gh, gw, gb, *dims,
+                                   GRAD_H=want_h, GRAD_W=want_w, GRAD_B=want_b, **flags)
+        return (
+            None,
+            gh.to(dt_h) if want_h else None,
+            gw.to(dt_w) if want_w else None,
+            gb.to(dt_w) if want_b else None,
+            None, None, None, None, None, None,
+        )
+
+
+def linear_kl_triton(hs, ws, bs, ht, wt, bt, temperature: float) -> torch.Tensor:
+    """Triton path of ``fused_linear_kl`` (teacher tensors already detached)."""
+    return _LinearLossTriton.apply(True, hs, ws, bs, ht, wt, bt, None, 1.0 / temperature, 0)
+
+
+def linear_cross_entropy_triton(hidden, weight, bias, target, ignore_index: int) -> torch.Tensor:
+    """Triton path of ``fused_linear_cross_entropy``."""
+    return _LinearLossTriton.apply(False, hidden, weight, bias, None, None, None, target, 1.0, ignore_index)
+
+
+def linear_sample_triton(hidden, weight, bias, generator, temperature: float):
+    """Triton path of ``fused_linear_sample``; the Philox seed is drawn from ``generator``."""
+    hidden, weight, bias = _row_major(hidden), _row_major(weight), _row_major(bias)
+    n, v = hidden.shape[0], weight.shape[0]
+    seed = int(torch.randint(0, 2**31 - 1, (), generator=generator, device="cpu" if generator is None
+                             else generator.device))
+    samples = torch.empty(n, dtype=torch.long, device=hidden.device)
+    argmax = torch.empty(n, dtype=torch.long, device=hidden.device)
+    bn, bv, bh = _blocks()
+    _, acc_tl = _acc(hidden)
+    if n > 0:
+        _sample_kernel[(triton.cdiv(n, bn),)](
+            hidden, weight, bias if bias is not None else weight, samples, argmax, seed,
+            n, v, hidden.shape[1], hidden.stride(0), weight.stride(0),
+            torch.tensor([1.0 / temperature], dtype=torch.float64, device=hidden.device),
+            HAS_B=bias is not None, BLOCK_N=bn, BLOCK_V=bv, BLOCK_H=bh, ACC=acc_tl, PREC=_precision(hidden),
+        )
+    return samples, argmax

@@ -1,0 +1,94 @@
+"""MLM masking and collation as pure functions of (seed, epoch, global sample index).
+
+Masks come from a counter-based hash, not a stateful RNG, so the same sample gets the same mask in
+the same epoch whatever the worker count, batch composition, padding length or resume point.
+Per sample, exactly ``max(1, floor(mask_prob * n + 0.5))`` of its ``n`` maskable tokens are
+masked (0 if ``n == 0``): the positions with the smallest hash keys, i.e. a uniform random subset.
+Specials ([CLS], [SEP], [PAD], [UNK], [MASK]) and padding are never maskable. Masked positions
+are replaced by [MASK] only (no 80/10/10 split; SPEC §1.1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MAX = np.iinfo(np.uint64).max
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64 finalizer: a bijective, well-scrambled map of uint64 (wrapping arithmetic)."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def mask_keys(seed: int, epochs: np.ndarray, indices: np.ndarray, length: int) -> np.ndarray:
+    """uint64 keys [B, length]; key (b, i) depends only on (seed, epochs[b], indices[b], i)."""
+    with np.errstate(over="ignore"):
+        base = _mix(np.full(len(indices), seed, dtype=np.uint64) + _GOLDEN)
+        base = _mix(base ^ epochs.astype(np.uint64))
+        base = _mix(base ^ indices.astype(np.uint64))
+        pos = (np.arange(length, dtype=np.uint64) + np.uint64(1)) * _GOLDEN
+        return _mix(base[:, None] ^ pos[None, :])
+
+
+def num_to_mask(n_maskable: np.ndarray, mask_prob: float) -> np.ndarray:
+    k = np.floor(mask_prob * n_maskable + 0.5).astype(np.int64)
+    return np.where(n_maskable > 0, np.maximum(k, 1), 0)
+
+
+def mlm_mask(
+    input_ids: np.ndarray,
+    attention_mask: np.ndarray,
+    epochs: np.ndarray,
+    indices: np.ndarray,
+    *,
+    seed: int,
+    mask_prob: float,
+    special_ids: Sequence[int],
+) -> np.ndarray:
+    """Boolean [B, L] mask of the positions to replace by [MASK]."""
+    maskable = attention_mask & ~np.isin(input_ids, np.asarray(list(special_ids)))
+    keys = mask_keys(seed, epochs, indices, input_ids.shape[1])
+    keys[~maskable] = _MAX
+    order = np.argsort(keys, axis=1, kind="stable")
+    rank = np.empty_like(order)
+    np.put_along_axis(rank, order, np.arange(order.shape[1])[None, :].repeat(len(order), 0), axis=1)
+    k = num_to_mask(maskable.sum(axis=1), mask_prob)
+    return rank < k[:, None]
+
+
+def collate(
+    samples: Sequence[np.ndarray],
+    epochs: Sequence[int],
+    indices: Sequence[int],
+    *,
+    pad_id: int,
+    mask_id: int,
+    special_ids: Sequence[int],
+    seed: int,
+    mask_prob: float,
+) -> dict[str, torch.Tensor]:
+    """Pad to the longest sample and mask; returns the batch dict the trainer consumes."""
+    length = max(len(s) for s in samples)
+    ids = np.full((len(samples), length), pad_id, dtype=np.int64)
+    attn = np.zeros((len(samples), length), dtype=bool)
+    for b, s in enumerate(samples):
+        ids[b, : len(s)] = s
+        attn[b, : len(s)] = True
+    ep = np.asarray(epochs, dtype=np.int64)
+    idx = np.asarray(indices, dtype=np.int64)
+    mask = mlm_mask(ids, attn, ep, idx, seed=seed, mask_prob=mask_prob, special_ids=special_ids)
+    masked = np.where(mask, mask_id, ids)
+    return {
+        "input_ids": torch.from_numpy(ids),
+        "attention_mask": torch.from_numpy(attn),
+        "masked_input_ids": torch.from_numpy(masked),
+        "mlm_mask": torch.from_numpy(mask),
+        "index": torch.from_numpy(idx),
+        "epoch": torch.from_numpy(ep),
+    }

@@ -1,0 +1,286 @@
+"""Pack tokenized documents into fixed-maximum-length samples and write WebDataset shards.
+
+Packing rule: a document's tokens are cut into consecutive chunks of at most ``seq_len - 2``
+tokens, and each chunk becomes ``[CLS] chunk [SEP]``; samples never cross a document boundary
+(SPEC §1.6). A chunk with fewer than ``min_tokens`` tokens (a document's short tail, or a short
+document) is not written; the manifest counts such chunks and their tokens.
+
+Layout of ``out_dir``: ``shard-000000.tar`` ... and ``manifest.json``. Each tar member is
+``{index:012d}.ids.npy``: a 1-D uint16 (vocab ≤ 65536) or uint32 array of token ids, keyed by the
+sample's global index (its position in write order). Tar headers carry no time or owner, so the
+same inputs, tokenizer and settings give byte-identical shards for any ``num_workers``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import shutil
+import tarfile
+import tempfile
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from megakd.data.sources import expand_inputs, iter_documents
+from megakd.data.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = "megakd-shards"
+MANIFEST_VERSION = 1
+_TASK_CHARS = 1 << 20  # documents are sent to workers in batches of about this many characters
+
+
+def shard_name(i: int) -> str:
+    return f"shard-{i:06d}.tar"
+
+
+def sample_key(index: int) -> str:
+    return f"{index:012d}"
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
+
+
+def pack_document(ids: list[int], seq_len: int, cls_id: int, sep_id: int, min_tokens: int) -> tuple[list[list[int]], int, int]:
+    """Cut one document into samples; returns (samples, dropped_chunks, dropped_tokens)."""
+    body = seq_len - 2
+    samples, dropped_chunks, dropped_tokens = [], 0, 0
+    for start in range(0, len(ids), body):
+        chunk = ids[start : start + body]
+        if len(chunk) < min_tokens:
+            dropped_chunks += 1
+            dropped_tokens += len(chunk)
+            continue
+        samples.append([cls_id, *chunk, sep_id])
+    return samples, dropped_chunks, dropped_tokens
+
+
+# Worker-process state: one SentencePiece model per process, loaded once.
+_worker_tok: Tokenizer | None = None
+
+
+def _init_worker(tokenizer_dir: str) -> None:
+    global _worker_tok
+    _worker_tok = Tokenizer.load(tokenizer_dir)
+
+
+def _pack_batch(docs: list[str], seq_len: int, min_tokens: int, dtype: str, tok: Tokenizer | None = None) -> dict:
+    tok = tok or _worker_tok
+    assert tok is not None
+    samples: list[list[int]] = []
+    stats = {"documents": len(docs), "empty_documents": 0, "dropped_chunks": 0, "dropped_tokens": 0}
+    for ids in tok.encode_batch(docs):
+        if not ids:
+            stats["empty_documents"] += 1
+            continue
+        s, dc, dt = pack_document(ids, seq_len, tok.cls_id, tok.sep_id, min_tokens)
+        samples.extend(s)
+        stats["dropped_chunks"] += dc
+        stats["dropped_tokens"] += dt
+    lengths = np.array([len(s) for s in samples], dtype=np.int64)
+    flat = np.concatenate([np.asarray(s, dtype=dtype) for s in samples]) if samples else np.zeros(0, dtype)
+    return {"flat": flat, "lengths": lengths, "stats": stats}
+
+
+def _doc_batches(sources: list[Path], text_field: str, counts: dict[str, int]) -> Iterator[list[str]]:
+    batch: list[str] = []
+    chars = 0
+    for src in sources:
+        for doc in iter_documents(src, text_field):
+            counts[str(src)] = counts.get(str(src), 0) + 1
+            batch.append(doc)
+            chars += len(doc)
+            if chars >= _TASK_CHARS:
+                yield batch
+                batch, chars = [], 0
+    if batch:
+        yield batch
+
+
+class _ShardWriter:
+    """Collects samples and writes full shards in order, with deterministic tar headers."""
+
+    def __init__(self, out: Path, samples_per_shard: int) -> None:
+        self.out = out
+        self.samples_per_shard = samples_per_shard
+        self.pending: list[np.ndarray] = []
+        self.next_index = 0
+        self.shards: list[dict[str, Any]] = []
+        self.tokens = 0
+
+    def add(self, flat: np.ndarray, lengths: np.ndarray) -> None:
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        for i in range(len(lengths)):
+            self.pending.append(flat[offsets[i] : offsets[i + 1]])
+            if len(self.pending) == self.samples_per_shard:
+                self.flush()
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        name = shard_name(len(self.shards))
+        path = self.out / name
+        first = self.next_index
+        with open(path, "wb") as raw:
+            with tarfile.open(fileobj=raw, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+                for j, arr in enumerate(self.pending):
+                    buf = io.BytesIO()
+                    np.save(buf, arr, allow_pickle=False)
+                    info = tarfile.TarInfo(f"{sample_key(first + j)}.ids.npy")
+                    info.size = buf.tell()
+                    info.mode = 0o644
+                    info.mtime = 0
+                    buf.seek(0)
+                    tar.addfile(info, buf)
+                    self.tokens += len(arr)
+        self.shards.append({"file": name, "samples": len(self.pending), "first_index": first,
+                            "bytes": path.stat().st_size, "sha256": file_sha256(path)})
+        self.next_index += len(self.pending)
+        self.pending = []
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_shards(
+    inputs: list[str | Path],
+    tokenizer: Tokenizer,
+    seq_len: int,
+    out_dir: str | Path,
+    *,
+    samples_per_shard: int = 8192,
+    num_workers: int = 1,
+    text_field: str = "text",
+    min_tokens: int = 8,
+) -> dict:
+    """Tokenize and pack ``inputs`` into WebDataset shards in ``out_dir``; returns the manifest.
+
+    ``num_workers`` processes tokenize batches of documents; results are consumed in submission
+    order, so the output does not depend on the number of workers. The whole directory is built
+    under a temporary sibling name and renamed at the end: a killed run leaves no half-written
+    shards under ``out_dir``. An existing non-empty ``out_dir`` is an error, never overwritten.
+    """
+    out = Path(out_dir)
+    if seq_len < 3:
+        raise ValueError(f"seq_len={seq_len}: expected at least 3 ([CLS], one token, [SEP])")
+    if not 1 <= min_tokens <= seq_len - 2:
+        raise ValueError(f"min_tokens={min_tokens}: expected 1..seq_len-2={seq_len - 2}")
+    if samples_per_shard < 1 or num_workers < 1:
+        raise ValueError(f"samples_per_shard={samples_per_shard}, num_workers={num_workers}: expected ≥ 1")
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"shards output {out}: directory exists and is not empty")
+    sources = expand_inputs(inputs)
+    dtype = token_dtype(tokenizer.vocab_size).name
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary output directory
+    try:
+        writer = _ShardWriter(tmp, samples_per_shard)
+        doc_counts: dict[str, int] = {}
+        stats = {"documents": 0, "empty_documents": 0, "dropped_chunks": 0, "dropped_tokens": 0}
+
+        def consume(result: dict) -> None:
+            for k, v in result["stats"].items():
+                stats[k] += v
+            writer.add(result["flat"], result["lengths"])
+
+        batches = _doc_batches(sources, text_field, doc_counts)
+        if num_workers == 1:
+            for docs in batches:
+                consume(_pack_batch(docs, seq_len, min_tokens, dtype, tokenizer))
+        else:
+            with ProcessPoolExecutor(num_workers, initializer=_init_worker,
+                                     initargs=(str(tokenizer.path),)) as pool:
+                # Bounded in-flight queue: Executor.map would read the whole corpus ahead.
+                inflight: deque[Future] = deque()
+                for docs in batches:
+                    inflight.append(pool.submit(_pack_batch, docs, seq_len, min_tokens, dtype))
+                    if len(inflight) >= 2 * num_workers:
+                        consume(inflight.popleft().result())
+                while inflight:
+                    consume(inflight.popleft().result())
+        writer.flush()
+        if writer.next_index == 0:
+            raise ValueError(f"inputs {[str(s) for s in sources]}: produced no samples "
+                             f"(every document shorter than min_tokens={min_tokens})")
+        manifest = {
+            "format": MANIFEST_FORMAT,
+            "version": MANIFEST_VERSION,
+            "seq_len": seq_len,
+            "dtype": dtype,
+            "min_tokens": min_tokens,
+            "samples_per_shard": samples_per_shard,
+            "num_samples": writer.next_index,
+            "total_tokens": writer.tokens,
+            "mean_fill": round(writer.tokens / (writer.next_index * seq_len), 6),
+            "tokenizer": {"vocab_hash": tokenizer.vocab_hash, "vocab_size": tokenizer.vocab_size,
+                          "pad_id": tokenizer.pad_id, "cls_id": tokenizer.cls_id,
+                          "sep_id": tokenizer.sep_id, "mask_id": tokenizer.mask_id},
+            "sources": [{"path": str(s), "documents": doc_counts.get(str(s), 0)} for s in sources],
+            **stats,
+            "shards": writer.shards,
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("wrote %d samples in %d shards to %s (mean fill %.3f, %d short chunks dropped)",
+                manifest["num_samples"], len(manifest["shards"]), out, manifest["mean_fill"],
+                manifest["dropped_chunks"])
+    return manifest
+
+
+def read_manifest(shards_dir: str | Path) -> dict:
+    """Read and sanity-check ``manifest.json``; errors name the file and the problem."""
+    path = Path(shards_dir) / MANIFEST
+    if not path.is_file():
+        raise FileNotFoundError(f"shards {shards_dir}: missing {MANIFEST}")
+    try:
+        m = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON ({e.msg} at line {e.lineno})") from None
+    if m.get("format") != MANIFEST_FORMAT or m.get("version") != MANIFEST_VERSION:
+        raise ValueError(f"{path}: expected format {MANIFEST_FORMAT!r} version {MANIFEST_VERSION}, "
+                         f"got {m.get('format')!r} version {m.get('version')!r}")
+    for key in ("seq_len", "dtype", "num_samples", "tokenizer", "shards"):
+        if key not in m:
+            raise ValueError(f"{path}: missing key {key!r}")
+    first = 0
+    for s in m["shards"]:
+        if s.get("first_index") != first or not isinstance(s.get("samples"), int) or s["samples"] < 1:
+            raise ValueError(f"{path}: shard entry {s.get('file')!r} has inconsistent first_index/samples")
+        first += s["samples"]
+    if first != m["num_samples"]:
+        raise ValueError(f"{path}: shard sample counts sum to {first}, num_samples says {m['num_samples']}")
+    return m
+
+
+def verify_shards(shards_dir: str | Path) -> None:
+    """Check every shard's size and sha256 against the manifest (a full read of the data)."""
+    m = read_manifest(shards_dir)
+    for s in m["shards"]:
+        path = Path(shards_dir) / s["file"]
+        if not path.is_file():
+            raise FileNotFoundError(f"shard {path}: missing (listed in manifest)")
+        if path.stat().st_size != s["bytes"] or file_sha256(path) != s["sha256"]:
+            raise ValueError(f"shard {path}: size or sha256 differs from {MANIFEST}")
+

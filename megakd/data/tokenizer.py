@@ -1,0 +1,161 @@
+"""Cased SentencePiece BPE tokenizer with DeBERTa-v3's special-token layout.
+
+The ids ``[PAD]=0, [CLS]=1, [SEP]=2, [UNK]=3, [MASK]=4`` match DeBERTa-v3's ``spm.model`` so that
+HF ``DebertaV2Tokenizer(vocab_file=.../spm.model)`` reads our model with the same special ids.
+``[MASK]`` is a control symbol: the literal text "[MASK]" in a corpus is tokenized as ordinary
+characters, never as the mask id.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import sentencepiece as spm
+
+from megakd.data.sources import expand_inputs, iter_documents
+
+logger = logging.getLogger(__name__)
+
+MODEL_FILE = "spm.model"
+VOCAB_FILE = "spm.vocab"
+# Not "tokenizer.json": HF AutoTokenizer would take that name for a fast-tokenizer file.
+META_FILE = "megakd_tokenizer.json"
+META_FORMAT = "megakd-tokenizer/1"
+SPECIALS = {"pad": "[PAD]", "cls": "[CLS]", "sep": "[SEP]", "unk": "[UNK]", "mask": "[MASK]"}
+# SentencePiece skips training sentences longer than max_sentence_length bytes; cut long lines below it.
+_MAX_LINE_CHARS = 2000
+
+
+def _training_lines(inputs: list[str | Path]) -> Iterator[str]:
+    for source in expand_inputs(inputs):
+        for doc in iter_documents(source):
+            for line in doc.split("\n"):
+                line = line.strip()
+                while len(line) > _MAX_LINE_CHARS:
+                    cut = line.rfind(" ", 0, _MAX_LINE_CHARS)
+                    cut = cut if cut > 0 else _MAX_LINE_CHARS
+                    yield line[:cut]
+                    line = line[cut:].lstrip()
+                if line:
+                    yield line
+
+
+def _vocab_hash(sp: spm.SentencePieceProcessor) -> str:
+    h = hashlib.sha256()
+    for i in range(sp.get_piece_size()):
+        h.update(f"{i}\t{sp.id_to_piece(i)}\t{sp.get_score(i)!r}\t{int(sp.is_control(i))}\n".encode())
+    return h.hexdigest()[:16]
+
+
+class Tokenizer:
+    """A trained SentencePiece model plus the ids the rest of megakd relies on."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        model = self.path / MODEL_FILE
+        if not model.is_file():
+            raise FileNotFoundError(f"tokenizer {self.path}: missing {MODEL_FILE}")
+        self.sp = spm.SentencePieceProcessor(model_file=str(model))
+        self.vocab_size: int = self.sp.get_piece_size()
+        ids = {k: self.sp.piece_to_id(p) for k, p in SPECIALS.items()}
+        expected = {"pad": 0, "cls": 1, "sep": 2, "unk": 3, "mask": 4}
+        if ids != expected or self.sp.id_to_piece(4) != SPECIALS["mask"]:
+            raise ValueError(f"tokenizer {model}: special ids {ids}, expected {expected}")
+        self.pad_id, self.cls_id, self.sep_id, self.unk_id, self.mask_id = (ids[k] for k in expected)
+        self.special_ids: frozenset[int] = frozenset(ids.values())
+        self.vocab_hash: str = _vocab_hash(self.sp)
+        meta = self.path / META_FILE
+        if meta.is_file():
+            stored = json.loads(meta.read_text()).get("vocab_hash")
+            if stored != self.vocab_hash:
+                raise ValueError(f"tokenizer {meta}: vocab_hash {stored} does not match {model} ({self.vocab_hash})")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Tokenizer:
+        return cls(Path(path))
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids without [CLS]/[SEP]."""
+        return self.sp.encode(text, out_type=int)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self.sp.encode(texts, out_type=int)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.sp.decode([int(i) for i in ids])
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({str(self.path)!r}, vocab_size={self.vocab_size}, vocab_hash={self.vocab_hash!r})"
+
+
+def train_tokenizer(
+    inputs: list[str | Path],
+    vocab_size: int,
+    out_dir: str | Path,
+    *,
+    input_sentence_size: int = 2_000_000,
+    seed: int = 0,
+    num_threads: int = 2,
+) -> Tokenizer:
+    """Train a cased BPE model on lines sampled from ``inputs``.
+
+    Text is streamed (sentencepiece keeps a reservoir sample of ``input_sentence_size`` lines), so
+    the corpus never has to fit in memory. Same inputs and settings give the same vocab_hash.
+    The directory is written under a temporary name and renamed, so it is complete or absent.
+    """
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"tokenizer output {out}: directory exists and is not empty")
+    if vocab_size < 300:
+        raise ValueError(f"vocab_size={vocab_size}: expected at least 300 (256 byte-fallback pieces + specials)")
+    sources = [str(p) for p in expand_inputs(inputs)]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary output directory
+    try:
+        spm.set_random_generator_seed(seed)
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=_training_lines(inputs),
+            model_prefix=str(tmp / "spm"),
+            model_type="bpe",
+            vocab_size=vocab_size,
+            character_coverage=0.9999,
+            byte_fallback=True,
+            split_digits=True,
+            input_sentence_size=input_sentence_size,
+            shuffle_input_sentence=True,
+            num_threads=num_threads,
+            pad_id=0, pad_piece=SPECIALS["pad"],
+            bos_id=1, bos_piece=SPECIALS["cls"],
+            eos_id=2, eos_piece=SPECIALS["sep"],
+            unk_id=3, unk_piece=SPECIALS["unk"],
+            control_symbols=[SPECIALS["mask"]],
+            minloglevel=2,
+        )
+        tok = Tokenizer(tmp)
+        meta = {
+            "format": META_FORMAT,
+            "model_type": "bpe",
+            "cased": True,
+            "vocab_size": tok.vocab_size,
+            "vocab_hash": tok.vocab_hash,
+            "special_ids": {k: tok.sp.piece_to_id(p) for k, p in SPECIALS.items()},
+            "special_tokens": SPECIALS,
+            "training": {"input_sentence_size": input_sentence_size, "seed": seed, "sources": sources},
+        }
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("trained tokenizer %s: vocab %d, hash %s", out, tok.vocab_size, tok.vocab_hash)
+    return Tokenizer(out)

@@ -240,7 +240,8 @@ class EncoderLayer(nn.Module):
         return x if omega is None else x * omega
 
     def forward(self, x: Tensor, key_mask: Tensor | None = None, position_bias: Tensor | None = None) -> Tensor:
-        x = self.attention_norm(self.residual(x, self.attention_omega) + self.attention_branch(x, key_mask, position_bias))
+        attended = self.attention_branch(x, key_mask, position_bias)
+        x = self.attention_norm(self.residual(x, self.attention_omega) + attended)
         x = self.ffn_norm(self.residual(x, self.ffn_omega) + self.ffn_branch(x))
         return x
 

@@ -9,6 +9,7 @@ characters, never as the mask id.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import os
@@ -121,9 +122,12 @@ def train_tokenizer(
     tmp.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary output directory
     try:
         spm.set_random_generator_seed(seed)
+        # model_writer instead of model_prefix: the prefix (a temp path) would be stored in the
+        # model and make identical trainings differ byte-wise.
+        model = io.BytesIO()
         spm.SentencePieceTrainer.train(
             sentence_iterator=_training_lines(inputs),
-            model_prefix=str(tmp / "spm"),
+            model_writer=model,
             model_type="bpe",
             vocab_size=vocab_size,
             character_coverage=0.9999,
@@ -139,7 +143,11 @@ def train_tokenizer(
             control_symbols=[SPECIALS["mask"]],
             minloglevel=2,
         )
+        (tmp / MODEL_FILE).write_bytes(model.getvalue())
         tok = Tokenizer(tmp)
+        (tmp / VOCAB_FILE).write_text(
+            "".join(f"{tok.sp.id_to_piece(i)}\t{tok.sp.get_score(i):g}\n" for i in range(tok.vocab_size)),
+            encoding="utf-8")
         meta = {
             "format": META_FORMAT,
             "model_type": "bpe",

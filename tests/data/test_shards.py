@@ -1,0 +1,106 @@
+import filecmp
+import gzip
+import json
+
+import numpy as np
+import pytest
+
+from megakd.data.shards import MANIFEST, read_manifest, verify_shards, write_shards
+from megakd.data.sources import expand_inputs, iter_documents
+from megakd.data.stream import read_shard
+
+from .conftest import corpus_docs, write_jsonl
+
+
+def all_samples(shards_dir) -> list[np.ndarray]:
+    m = read_manifest(shards_dir)
+    out = []
+    for entry in m["shards"]:
+        out.extend(read_shard(shards_dir / entry["file"], entry, m["dtype"]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def packed(tokenizer, corpus_jsonl, tmp_path_factory):
+    out = tmp_path_factory.mktemp("packed") / "s1"
+    manifest = write_shards([corpus_jsonl], tokenizer, 48, out, samples_per_shard=100, min_tokens=5)
+    return out, manifest
+
+
+def test_samples_reassemble_documents_without_crossing_boundaries(packed, tokenizer, corpus_jsonl):
+    out, manifest = packed
+    samples = all_samples(out)
+    assert len(samples) == manifest["num_samples"]
+    specials = np.array(sorted(tokenizer.special_ids))
+    for s in samples:
+        assert 3 <= len(s) <= 48 and s[0] == tokenizer.cls_id and s[-1] == tokenizer.sep_id
+        assert not np.isin(s[1:-1], specials).any()
+    # Walk documents in order: each one must be exactly its run of consecutive samples' bodies,
+    # missing at most a final chunk shorter than min_tokens. So no sample spans two documents.
+    k = dropped = 0
+    for doc in iter_documents(corpus_jsonl):
+        ids = tokenizer.encode(doc)
+        pos = 0
+        while pos < len(ids) and k < len(samples) and len(ids) - pos >= 5:
+            body = samples[k][1:-1].tolist()
+            assert body == ids[pos : pos + len(body)], f"sample {k} does not continue its document"
+            assert len(body) == 46 or pos + len(body) == len(ids)
+            pos += len(body)
+            k += 1
+        if pos < len(ids):
+            assert len(ids) - pos < 5
+            dropped += 1
+    assert k == len(samples) and dropped == manifest["dropped_chunks"]
+    assert manifest["num_samples"] == k and manifest["documents"] == 52
+    assert manifest["mean_fill"] == round(sum(map(len, samples)) / (48 * k), 6)
+
+
+def test_manifest_contents(packed, tokenizer):
+    out, m = packed
+    assert m == json.loads((out / MANIFEST).read_text())
+    assert m["seq_len"] == 48 and m["dtype"] == "uint16"
+    assert m["tokenizer"]["vocab_hash"] == tokenizer.vocab_hash and m["tokenizer"]["vocab_size"] == 600
+    assert [s["file"] for s in m["shards"]] == [f"shard-{i:06d}.tar" for i in range(len(m["shards"]))]
+    assert all(s["samples"] == 100 for s in m["shards"][:-1]) and 0 < m["shards"][-1]["samples"] <= 100
+    assert sorted(p.name for p in out.iterdir()) == sorted([MANIFEST] + [s["file"] for s in m["shards"]])
+    verify_shards(out)
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_parallel_writing_is_byte_identical(packed, tokenizer, corpus_jsonl, tmp_path, workers):
+    out, _ = packed
+    other = tmp_path / "par"
+    write_shards([corpus_jsonl], tokenizer, 48, other, samples_per_shard=100, min_tokens=5, num_workers=workers)
+    names = sorted(p.name for p in out.iterdir())
+    assert names == sorted(p.name for p in other.iterdir())
+    match, mismatch, errors = filecmp.cmpfiles(out, other, names, shallow=False)
+    assert mismatch == [] and errors == [] and len(match) == len(names)
+
+
+def test_text_documents_split_on_two_blank_lines(tmp_path):
+    path = tmp_path / "a.txt.gz"
+    with gzip.open(path, "wt") as f:
+        f.write("\n\nfirst line\nsame doc\n\nnew paragraph, same doc\n\n\nsecond doc\n \n\t\n\nthird doc\n")
+    assert list(iter_documents(path)) == [
+        "first line\nsame doc\n\nnew paragraph, same doc", "second doc", "third doc"]
+
+
+def test_inputs_txt_jsonl_and_hf_dataset_agree(tokenizer, tmp_path):
+    datasets = pytest.importorskip("datasets")
+    docs = corpus_docs(0, 4)  # KJV passages: no blank lines inside, so the .txt rule keeps them whole
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "a.txt").write_text("\n\n\n".join(docs))
+    write_jsonl(tmp_path / "b.jsonl", docs)
+    datasets.Dataset.from_dict({"body": docs}).save_to_disk(str(tmp_path / "hf"))
+    assert expand_inputs([tmp_path / "hf"]) == [tmp_path / "hf"]
+    m_txt = write_shards([tmp_path / "t"], tokenizer, 64, tmp_path / "o1")
+    m_jsonl = write_shards([tmp_path / "b.jsonl"], tokenizer, 64, tmp_path / "o2")
+    m_hf = write_shards([tmp_path / "hf"], tokenizer, 64, tmp_path / "o3", text_field="body")
+    assert m_txt["documents"] == m_jsonl["documents"] == m_hf["documents"] == 4
+    assert m_txt["shards"][0]["sha256"] == m_jsonl["shards"][0]["sha256"] == m_hf["shards"][0]["sha256"]
+
+
+def test_uint32_tokens_for_large_vocabularies():
+    from megakd.data.shards import token_dtype
+
+    assert token_dtype(65536) == np.uint16 and token_dtype(128_000) == np.uint32

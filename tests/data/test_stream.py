@@ -1,0 +1,142 @@
+import itertools
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from megakd.data.shards import read_manifest
+from megakd.data.stream import PretrainingLoader, slot_range
+
+from .test_shards import all_samples
+
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+
+KEYS = ("input_ids", "attention_mask", "masked_input_ids", "mlm_mask", "index", "epoch")
+
+
+def take(loader, n):
+    return list(itertools.islice(iter(loader), n))
+
+
+def assert_same_batches(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys() == set(KEYS)
+        for k in KEYS:
+            assert x[k].dtype == y[k].dtype and torch.equal(x[k], y[k]), k
+
+
+def epoch0_of_rank(shards, tokenizer, rank, world, workers, mbs):
+    """All epoch-0 samples this rank yields, read until every slot has finished epoch 0."""
+    loader = PretrainingLoader(shards, tokenizer, micro_batch_size=mbs, rank=rank, world_size=world,
+                               num_workers=workers, seed=3)
+    k = max(workers, 1)
+    lengths = [np.diff(slot_range(rank * k + s, world * k, loader.num_samples))[0] for s in range(k)]
+    seen = {}
+    for batch in loader:
+        for i, e, ids, attn in zip(batch["index"], batch["epoch"], batch["input_ids"], batch["attention_mask"]):
+            if e == 0:
+                assert int(i) not in seen, f"sample {int(i)} twice in epoch 0"
+                seen[int(i)] = ids[attn].numpy()
+        if all(c >= n for c, n in zip(loader.state_dict()["cursors"], lengths)):
+            return seen
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("workers", [0, 1, 2, 3])
+def test_every_sample_exactly_once_per_epoch(small_shards, tokenizer, world, workers):
+    m = read_manifest(small_shards)
+    n = m["num_samples"]  # 395 samples in 11 shards: most slot counts divide neither
+    stored = all_samples(small_shards)
+    union = {}
+    for rank in range(world):
+        part = epoch0_of_rank(small_shards, tokenizer, rank, world, workers, mbs=7)
+        assert not union.keys() & part.keys(), "two ranks share a sample"
+        union.update(part)
+    assert sorted(union) == list(range(n))
+    for i, ids in union.items():
+        assert np.array_equal(ids, stored[i].astype(np.int64)), f"sample {i} content differs from shard"
+
+
+def test_order_is_shuffled_and_changes_per_epoch(small_shards, tokenizer):
+    loader = PretrainingLoader(small_shards, tokenizer, micro_batch_size=5, seed=1)
+    n = loader.num_samples
+    idx = torch.cat([b["index"] for b in take(loader, 2 * n // 5 + 1)])[: 2 * n]
+    e0, e1 = idx[:n].tolist(), idx[n:].tolist()
+    assert sorted(e0) == sorted(e1) == list(range(n))
+    assert e0 != e1 and e0 != sorted(e0)
+    other_seed = PretrainingLoader(small_shards, tokenizer, micro_batch_size=5, seed=2)
+    assert torch.cat([b["index"] for b in take(other_seed, 4)]).tolist() != idx[:20].tolist()
+
+
+def test_batch_format(small_shards, tokenizer):
+    b = take(PretrainingLoader(small_shards, tokenizer, micro_batch_size=6), 1)[0]
+    assert b["input_ids"].dtype == b["masked_input_ids"].dtype == b["index"].dtype == torch.int64
+    assert b["attention_mask"].dtype == b["mlm_mask"].dtype == torch.bool
+    lengths = b["attention_mask"].sum(1)
+    assert b["input_ids"].shape == (6, int(lengths.max())) and b["input_ids"].shape[1] <= 64
+    assert (b["input_ids"][~b["attention_mask"]] == tokenizer.pad_id).all()
+    assert torch.equal(b["masked_input_ids"][~b["mlm_mask"]], b["input_ids"][~b["mlm_mask"]])
+    assert (b["masked_input_ids"][b["mlm_mask"]] == tokenizer.mask_id).all()
+
+
+def test_zero_and_one_worker_give_the_same_stream(small_shards, tokenizer):
+    a = take(PretrainingLoader(small_shards, tokenizer, micro_batch_size=8, num_workers=0, seed=5), 12)
+    b = take(PretrainingLoader(small_shards, tokenizer, micro_batch_size=8, num_workers=1, seed=5), 12)
+    assert_same_batches(a, b)
+
+
+@pytest.mark.parametrize(("world", "workers"), [(1, 0), (1, 2), (2, 2), (3, 1), (2, 3)])
+@pytest.mark.parametrize("split", ["mid_epoch", "across_epoch"])
+def test_resume_is_exact(small_shards, tokenizer, world, workers, split):
+    mbs = 8
+    for rank in range(world):
+        def make(rank=rank):
+            return PretrainingLoader(small_shards, tokenizer, micro_batch_size=mbs, rank=rank, world_size=world,
+                                     num_workers=workers, seed=11)
+
+        per_epoch = make().num_samples // (world * mbs)  # batches a rank yields per epoch, about
+        first = 5 if split == "mid_epoch" else per_epoch - 2
+        then = 4 if split == "mid_epoch" else 7
+        reference = take(make(), first + then)
+        assert split == "mid_epoch" or reference[-1]["epoch"].max() == 1
+        original = make()
+        head = take(original, first)
+        assert_same_batches(head, reference[:first])
+        state = json.loads(json.dumps(original.state_dict()))
+        restored = make()
+        restored.load_state_dict(state)
+        assert_same_batches(take(restored, then), reference[first:])
+        # Twice in a row: a resumed loader's own state resumes exactly too.
+        again = make()
+        again.load_state_dict(restored.state_dict())
+        assert_same_batches(take(again, 2), take(original, then + 2)[then:])
+
+
+def test_masks_do_not_depend_on_layout(small_shards, tokenizer):
+    def masks(world, workers):
+        out = {}
+        for rank in range(world):
+            loader = PretrainingLoader(small_shards, tokenizer, micro_batch_size=4, rank=rank, world_size=world,
+                                       num_workers=workers, seed=9)
+            for b in take(loader, 12):
+                for i, e, m, a in zip(b["index"], b["epoch"], b["mlm_mask"], b["attention_mask"]):
+                    out[(int(e), int(i))] = m[a]
+        return out
+
+    a, b = masks(1, 0), masks(2, 2)
+    common = a.keys() & b.keys()
+    assert len(common) >= 5
+    for key in common:
+        assert torch.equal(a[key], b[key])
+
+
+def test_state_from_another_layout_is_rejected(small_shards, tokenizer):
+    a = PretrainingLoader(small_shards, tokenizer, micro_batch_size=4, world_size=2, num_workers=2)
+    b = PretrainingLoader(small_shards, tokenizer, micro_batch_size=4, world_size=3, num_workers=2)
+    with pytest.raises(ValueError, match="world_size=2 does not match this loader's 3"):
+        b.load_state_dict(a.state_dict())
+    c = PretrainingLoader(small_shards, tokenizer, micro_batch_size=4, world_size=2, num_workers=3)
+    with pytest.raises(ValueError, match="num_workers=2 gives a different slot layout"):
+        c.load_state_dict(a.state_dict())

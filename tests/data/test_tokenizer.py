@@ -70,3 +70,17 @@ def test_tampered_metadata_is_caught(tokenizer, tmp_path):
     (copy / META_FILE).write_text(json.dumps(meta))
     with pytest.raises(ValueError, match="vocab_hash 0000000000000000 does not match"):
         Tokenizer.load(copy)
+
+
+def test_hf_fast_tokenizer_matches(tokenizer, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    tokenizer.to_hf().save_pretrained(tmp_path / "hf")
+    hf = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert (hf.pad_token_id, hf.cls_token_id, hf.sep_token_id, hf.unk_token_id, hf.mask_token_id) == (0, 1, 2, 3, 4)
+    for doc in corpus_docs(6, 10) + ["naïve café — 日本語 🙂", "a  b\n\n c "]:
+        ids = tokenizer.encode(doc)
+        assert hf(doc, add_special_tokens=False)["input_ids"] == ids
+        assert hf(doc)["input_ids"] == [1, *ids, 2]
+        assert hf.decode(ids) == tokenizer.decode(ids)

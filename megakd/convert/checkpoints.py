@@ -1,0 +1,171 @@
+"""Read trained models out of megakd checkpoints, whichever backend wrote them.
+
+A checkpoint `step_NNNNNNNN/` holds `config.yaml`, `tokenizer/` and one state per optimizer unit:
+`<unit>.pt` (single/ddp backends: `torch.save({"model": state_dict, ...})`) or `<unit>/` (the
+DeepSpeed backend: `engine.save_checkpoint(step_dir / unit, tag="ds")` around a task module whose
+`model` attribute is the unit's model, so consolidated keys start with "model."). Units are
+"generator" + "discriminator" (DecoupledOptim), "electra" (original ELECTRA: one ElectraPair) or
+"generator" alone (BERT-MLM).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from megakd.config import Config, ConfigError, load_config
+from megakd.convert.common import ConversionError
+from megakd.engine.checkpoint import latest_checkpoint
+from megakd.models.electra import Discriminator, ElectraPair, MaskedLM
+
+log = logging.getLogger(__name__)
+
+DEEPSPEED_TAG = "ds"
+DEEPSPEED_PREFIX = "model."
+
+
+@dataclass
+class CheckpointModels:
+    """The trained models of one checkpoint, in eval mode, with the tokenizer they were trained with."""
+
+    path: Path
+    cfg: Config
+    generator: MaskedLM
+    discriminator: Discriminator | None
+    tokenizer_dir: Path | None
+
+
+def resolve_checkpoint(src: str | Path) -> Path:
+    """A run directory means its newest checkpoint; a checkpoint directory means itself."""
+    src = Path(src)
+    if not src.is_dir():
+        raise ConversionError(f"{src}: no such directory (expected a megakd run or checkpoint directory)")
+    if (src / "checkpoints").is_dir():
+        found = latest_checkpoint(src)
+        if found is None:
+            raise ConversionError(f"{src}/checkpoints: no complete checkpoint (expected step_NNNNNNNN/)")
+        return found
+    if not (src / "config.yaml").is_file():
+        raise ConversionError(f"{src}: not a megakd run directory (no checkpoints/) or checkpoint directory "
+                              "(no config.yaml)")
+    return src
+
+
+def unit_names(cfg: Config) -> list[str]:
+    if cfg.model.objective == "mlm":
+        return ["generator"]
+    return ["generator", "discriminator"] if cfg.electra.decoupled else ["electra"]
+
+
+def _read_torch_unit(path: Path) -> dict[str, Tensor]:
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise ConversionError(f"{path}: cannot read ({type(err).__name__}: {str(err).splitlines()[0]})") from None
+    if not isinstance(state, dict) or not isinstance(state.get("model"), Mapping):
+        raise ConversionError(f"{path}: expected a dict with a 'model' state dict")
+    return dict(state["model"])
+
+
+def _read_deepspeed_unit(directory: Path) -> dict[str, Tensor]:
+    """fp32 weights of a DeepSpeed checkpoint directory (ZeRO 0-3), consolidated on CPU."""
+    tag_dir = directory / DEEPSPEED_TAG
+    if not tag_dir.is_dir():
+        raise ConversionError(f"{directory}: no DeepSpeed tag directory '{DEEPSPEED_TAG}/'")
+    # ZeRO-0 keeps whole weights in the model-states file and writes no optimizer shards.
+    plain = tag_dir / "mp_rank_00_model_states.pt"
+    if plain.is_file() and not any(tag_dir.glob("*_optim_states.pt")):
+        state = torch.load(plain, map_location="cpu", weights_only=False)
+        sd = dict(state["module"])
+    else:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        chatter = io.StringIO()  # zero_to_fp32 prints its progress; keep it at debug level
+        try:
+            with contextlib.redirect_stdout(chatter):
+                sd = dict(get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=DEEPSPEED_TAG))
+        except Exception as err:
+            message = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise ConversionError(f"{directory}: cannot consolidate the DeepSpeed ZeRO checkpoint ({message})") from None
+        finally:
+            log.debug("zero_to_fp32: %s", chatter.getvalue())
+    if not all(k.startswith(DEEPSPEED_PREFIX) for k in sd):
+        raise ConversionError(f"{directory}: expected DeepSpeed module keys prefixed {DEEPSPEED_PREFIX!r} "
+                              f"(the task's model), got e.g. {next(iter(sd), None)!r}")
+    return {k[len(DEEPSPEED_PREFIX):]: v.float() for k, v in sd.items()}
+
+
+def read_unit_state(step_dir: Path, unit: str) -> dict[str, Tensor]:
+    """The model state dict of one unit: `<unit>.pt` or a DeepSpeed directory `<unit>/`."""
+    path, directory = step_dir / f"{unit}.pt", step_dir / unit
+    if path.is_file():
+        return _read_torch_unit(path)
+    if directory.is_dir():
+        return _read_deepspeed_unit(directory)
+    raise ConversionError(f"{step_dir}: no state for unit '{unit}' (expected {unit}.pt or a DeepSpeed "
+                          f"directory {unit}/)")
+
+
+def load_state_checked(model: nn.Module, sd: Mapping[str, Tensor], source: str, config_key: str) -> None:
+    """`load_state_dict(strict=True)` with one-line errors naming the key, its shape and the config.
+
+    Keys the model lists twice (tied MLM output matrix, embeddings shared in an ElectraPair) may
+    appear once in `sd`: the tie is restored from whichever alias is present.
+    """
+    sd = dict(sd)
+    expected = model.state_dict()
+    by_storage: dict[int, list[str]] = {}
+    for key, tensor in expected.items():
+        by_storage.setdefault(tensor.data_ptr(), []).append(key)
+    for aliases in by_storage.values():
+        present = [k for k in aliases if k in sd]
+        for key in aliases:
+            if key not in sd and present:
+                sd[key] = sd[present[0]]
+    for key, tensor in expected.items():
+        if key not in sd:
+            raise ConversionError(f"{source}: no weights for {key!r} (expected by {config_key})")
+        if tuple(sd[key].shape) != tuple(tensor.shape):
+            raise ConversionError(f"{source}: {key!r} has shape {list(sd[key].shape)} but {config_key} "
+                                  f"expects {list(tensor.shape)}")
+    extra = sorted(set(sd) - set(expected))
+    if extra:
+        raise ConversionError(f"{source}: unexpected weights {extra[0]!r} ({len(extra)} in all) for the model "
+                              f"{config_key} describes")
+    model.load_state_dict(sd, strict=True)
+
+
+def load_checkpoint(step_dir: str | Path) -> CheckpointModels:
+    """Rebuild the models described by `config.yaml` and load the unit weights into them."""
+    step_dir = Path(step_dir)
+    config_file = step_dir / "config.yaml"
+    if not config_file.is_file():
+        raise ConversionError(f"{config_file}: missing (not a megakd checkpoint directory)")
+    try:
+        cfg = load_config(config_file)
+    except ConfigError as err:
+        raise ConversionError(str(err)) from None
+    generator = MaskedLM(cfg.model.generator)
+    discriminator = Discriminator(cfg.model.discriminator) if cfg.model.objective == "electra" else None
+    for unit in unit_names(cfg):
+        sd = read_unit_state(step_dir, unit)
+        source = f"{step_dir / unit}{'.pt' if (step_dir / f'{unit}.pt').is_file() else '/'}"
+        if unit == "electra":
+            pair = ElectraPair(generator, discriminator, share_embeddings=True)
+            load_state_checked(pair, sd, source, f"{config_file} (model.generator / model.discriminator)")
+        else:
+            model = generator if unit == "generator" else discriminator
+            load_state_checked(model, sd, source, f"{config_file} (model.{unit})")
+    tokenizer_dir = step_dir / "tokenizer"
+    for model in (generator, discriminator):
+        if model is not None:
+            model.eval()
+    return CheckpointModels(step_dir, cfg, generator, discriminator,
+                            tokenizer_dir if tokenizer_dir.is_dir() else None)

@@ -1,0 +1,162 @@
+"""megakd models → HuggingFace directories (config.json, model.safetensors, tokenizer files).
+
+Absolute-position models with normal init become native `ElectraForPreTraining`,
+`ElectraForMaskedLM` or `BertForMaskedLM` through `megakd.models.hf_mapping`. Models the native
+classes cannot express (T5 relative position bias, Admin residual scales ω) are written with
+megakd's own state-dict keys plus remote code: `configuration_megakd.py`, `modeling_megakd.py`
+and verbatim copies of megakd/models/encoder.py and heads.py, loaded with
+`AutoModel...from_pretrained(dir, trust_remote_code=True)`. Vendoring the source (rather than a
+second implementation) keeps one definition of the encoder; tests check the loaded model's
+logits against megakd's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import transformers
+from safetensors.torch import save_file
+
+import megakd.models.encoder as encoder_module
+import megakd.models.heads as heads_module
+from megakd.convert.checkpoints import load_checkpoint, resolve_checkpoint
+from megakd.convert.common import ConversionError, atomic_output_dir
+from megakd.convert.hf_tokenizer import write_hf_tokenizer
+from megakd.convert.model_dir import MODEL_FILE, load_model_dir, read_model_dir_info
+from megakd.data.tokenizer import Tokenizer
+from megakd.models.electra import Discriminator, MaskedLM
+from megakd.models.encoder import EncoderConfig
+from megakd.models.hf_mapping import TIED_EMBEDDING, hf_config, hf_model_class, to_hf_state_dict
+
+log = logging.getLogger(__name__)
+
+REMOTE_DIR = Path(__file__).parent / "remote"
+REMOTE_AUTO_MAP = {
+    "AutoConfig": "configuration_megakd.MegakdConfig",
+    "AutoModel": "modeling_megakd.MegakdModel",
+    "AutoModelForPreTraining": "modeling_megakd.MegakdForPreTraining",
+    "AutoModelForMaskedLM": "modeling_megakd.MegakdForMaskedLM",
+    "AutoModelForSequenceClassification": "modeling_megakd.MegakdForSequenceClassification",
+}
+_HEADS_IMPORT = "from megakd.models.encoder import"
+
+
+def needs_remote_code(config: EncoderConfig) -> bool:
+    """True when no native HF class computes the same function (T5 relative bias, Admin ω)."""
+    return config.position_encoding != "absolute" or config.init != "normal"
+
+
+def _vendored_sources() -> dict[str, str]:
+    """megakd_encoder.py / megakd_heads.py: megakd's model source, made importable without megakd."""
+    encoder_src = Path(encoder_module.__file__).read_text()
+    heads_src = Path(heads_module.__file__).read_text()
+    if "megakd" in "".join(line for line in encoder_src.splitlines() if line.startswith(("import", "from"))):
+        raise RuntimeError("megakd/models/encoder.py imports megakd: it can no longer be vendored as remote code")
+    if heads_src.count(_HEADS_IMPORT) != 1:
+        raise RuntimeError(f"megakd/models/heads.py: expected exactly one {_HEADS_IMPORT!r} line to make relative")
+    return {"megakd_encoder.py": encoder_src,
+            "megakd_heads.py": heads_src.replace(_HEADS_IMPORT, "from .megakd_encoder import")}
+
+
+def _remote_config(config: EncoderConfig, architecture: str) -> dict:
+    fields = dataclasses.asdict(config)
+    fields.pop("activation_checkpointing")
+    return {**fields, "model_type": "megakd", "architectures": [architecture], "auto_map": REMOTE_AUTO_MAP,
+            "dtype": "float32", "transformers_version": transformers.__version__}
+
+
+def _save_remote(model: MaskedLM | Discriminator, out: Path) -> None:
+    architecture = "MegakdForMaskedLM" if isinstance(model, MaskedLM) else "MegakdForPreTraining"
+    sd = {k: v.detach().contiguous() for k, v in model.state_dict().items() if k != TIED_EMBEDDING}
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(_remote_config(model.config, architecture), indent=2) + "\n")
+    for name in ("configuration_megakd.py", "modeling_megakd.py"):
+        shutil.copyfile(REMOTE_DIR / name, out / name)
+    for name, text in _vendored_sources().items():
+        (out / name).write_text(text)
+
+
+def save_hf_model(model: MaskedLM | Discriminator, kind: str, out: str | Path,
+                  tokenizer_dir: str | Path | None) -> str:
+    """Write one complete HF directory into `out` (which must exist); returns the architecture written.
+
+    `kind` is the native flavour ("electra_discriminator", "electra_generator", "bert_mlm"). A BERT-MLM
+    with narrow embeddings (embedding_size < hidden) has no BERT equivalent but is exactly an ELECTRA
+    generator, so it is written as `ElectraForMaskedLM`.
+    """
+    out = Path(out)
+    config = model.config
+    if tokenizer_dir is not None:
+        tokenizer = Tokenizer.load(tokenizer_dir)
+        if tokenizer.vocab_size != config.vocab_size:
+            raise ConversionError(f"{tokenizer_dir}: tokenizer has {tokenizer.vocab_size} pieces but the model's "
+                                  f"vocab_size is {config.vocab_size}")
+        write_hf_tokenizer(tokenizer.path / "spm.model", out, config.max_position_embeddings)
+    else:
+        log.warning("%s: no tokenizer to export; the HF directory will hold the model only", out)
+    if needs_remote_code(config):
+        _save_remote(model, out)
+        return "MegakdForMaskedLM" if isinstance(model, MaskedLM) else "MegakdForPreTraining"
+    if kind == "bert_mlm" and config.embed_dim != config.hidden_size:
+        log.info("BERT-MLM with embedding_size %d != hidden %d: exporting as ElectraForMaskedLM",
+                 config.embed_dim, config.hidden_size)
+        kind = "electra_generator"
+    hf_model = hf_model_class(kind)(hf_config(config, kind))
+    missing, unexpected = hf_model.load_state_dict(to_hf_state_dict(model, kind), strict=False)
+    missing = [k for k in missing if not k.endswith((".position_ids", ".token_type_ids"))]
+    if missing or unexpected:  # the mapping is tested exhaustively; this guards against HF changing
+        raise RuntimeError(f"HF {type(hf_model).__name__}: missing {missing}, unexpected {unexpected}")
+    hf_model.save_pretrained(out)
+    return type(hf_model).__name__
+
+
+def _checkpoint_exports(src: Path) -> list[tuple[str, MaskedLM | Discriminator, str, Path | None]]:
+    ckpt = load_checkpoint(resolve_checkpoint(src))
+    if ckpt.discriminator is None:
+        return [(".", ckpt.generator, "bert_mlm", ckpt.tokenizer_dir)]
+    return [("discriminator", ckpt.discriminator, "electra_discriminator", ckpt.tokenizer_dir),
+            ("generator", ckpt.generator, "electra_generator", ckpt.tokenizer_dir)]
+
+
+def _model_dir_exports(src: Path) -> list[tuple[str, MaskedLM | Discriminator, str, Path | None]]:
+    info = read_model_dir_info(src)
+    kind, model = load_model_dir(src)
+    if kind == "encoder":
+        raise ConversionError(f"{src / MODEL_FILE}: kind 'encoder' has no HF pre-training head to export")
+    default = "bert_mlm" if kind == "masked_lm" else "electra_discriminator"
+    return [(".", model, info.get("hf_kind") or default, info.get("tokenizer"))]
+
+
+def to_hf(src: str | Path, out: str | Path, force: bool = False) -> dict[str, str]:
+    """`megakd convert to-hf`: a run, checkpoint or megakd model directory → HF directories under `out`.
+
+    ELECTRA runs → `out/discriminator/` and `out/generator/`; BERT-MLM runs and model directories →
+    `out/` itself. Returns {relative dir: architecture}. `out` appears complete or not at all.
+    """
+    src = Path(src)
+    if Path(out).resolve() == src.resolve() or Path(out).resolve() in src.resolve().parents:
+        raise ConversionError(f"{out}: the output must not be or contain the source {src}")
+    exports = _model_dir_exports(src) if (src / MODEL_FILE).is_file() else _checkpoint_exports(src)
+    written: dict[str, str] = {}
+    with atomic_output_dir(out, force) as tmp:
+        for name, model, kind, tokenizer_dir in exports:
+            (tmp / name).mkdir(exist_ok=True)
+            written[name] = save_hf_model(model, kind, tmp / name, tokenizer_dir)
+    log.info("exported %s to %s: %s", src, out, ", ".join(f"{k} ({v})" for k, v in written.items()))
+    return written
+
+
+def export_run(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
+    """Export a run's newest checkpoint to `out_dir` (default `run_dir/hf`), replacing an older export.
+
+    Called by the trainer on rank 0 after the final checkpoint is committed; it reads only files,
+    so it works the same after single, ddp and DeepSpeed training.
+    """
+    out = Path(out_dir) if out_dir is not None else Path(run_dir) / "hf"
+    to_hf(run_dir, out, force=True)
+    return out
+

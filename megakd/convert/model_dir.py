@@ -1,0 +1,194 @@
+"""The megakd model directory: one trained or imported model, loadable without its run or config tree.
+
+Format ("megakd-model/1"), written by `save_model_dir` and `megakd convert from-hf`:
+
+    model.yaml          format, kind, the EncoderConfig fields, tokenizer location, provenance
+    model.safetensors   the megakd state dict (tied output matrix stored once)
+    tokenizer/          a megakd SentencePiece tokenizer dir (spm.model), when the source had one
+    hf_tokenizer/       otherwise the source's HF tokenizer files, for reference (e.g. BERT WordPiece)
+
+kind: "masked_lm" (`MaskedLM`: ELECTRA generator or BERT-MLM, e.g. a DWT teacher),
+"discriminator" (`Discriminator`) or "encoder" (a bare `Encoder`, e.g. from `BertModel`).
+`hf_kind` remembers the native HF flavour so `megakd convert to-hf` can write it back.
+DWT and fine-tuning call `load_model_dir(path) -> (kind, model)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from safetensors.torch import load_model, save_model
+from torch import Tensor, nn
+
+from megakd.convert.checkpoints import load_state_checked
+from megakd.convert.common import ConversionError, atomic_output_dir
+from megakd.data.tokenizer import Tokenizer
+from megakd.models.electra import Discriminator, MaskedLM
+from megakd.models.encoder import Encoder, EncoderConfig
+from megakd.models.hf_mapping import encoder_config_from_hf, from_hf_state_dict
+
+log = logging.getLogger(__name__)
+
+MODEL_FORMAT = "megakd-model/1"
+MODEL_FILE = "model.yaml"
+WEIGHTS_FILE = "model.safetensors"
+MODEL_KINDS = {"masked_lm": MaskedLM, "discriminator": Discriminator, "encoder": Encoder}
+
+# HF architecture → (megakd kind, hf_mapping kind used to rename the weights, HF prefix to add, keys to drop)
+HF_ARCHITECTURES: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
+    "ElectraForPreTraining": ("discriminator", "electra_discriminator", "", ()),
+    "ElectraForMaskedLM": ("masked_lm", "electra_generator", "", ()),
+    "ElectraModel": ("encoder", "electra_discriminator", "electra.", ()),
+    "BertForMaskedLM": ("masked_lm", "bert_mlm", "", ()),
+    "BertForPreTraining": ("masked_lm", "bert_mlm", "", ("cls.seq_relationship.",)),
+    "BertModel": ("encoder", "bert_mlm", "bert.", ("bert.pooler.",)),
+}
+_HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt",
+                       "added_tokens.json", "spm.model")
+
+
+def save_model_dir(model: nn.Module, kind: str, out: str | Path, *, tokenizer_dir: str | Path | None = None,
+                   hf_tokenizer_dir: str | Path | None = None, hf_kind: str | None = None,
+                   source: dict[str, Any] | None = None, force: bool = False) -> Path:
+    """Write `model` as a megakd model directory (atomically; a non-empty `out` needs `force`)."""
+    if kind not in MODEL_KINDS or not isinstance(model, MODEL_KINDS[kind]):
+        raise ConversionError(f"kind {kind!r}: expected one of {sorted(MODEL_KINDS)} matching the model "
+                              f"({type(model).__name__})")
+    with atomic_output_dir(out, force) as tmp:
+        info: dict[str, Any] = {"format": MODEL_FORMAT, "kind": kind, "hf_kind": hf_kind,
+                                "encoder": dataclasses.asdict(model.config), "tokenizer": None,
+                                "hf_tokenizer": None, "source": source or {}}
+        if tokenizer_dir is not None:
+            (tmp / "tokenizer").mkdir()
+            shutil.copyfile(Path(tokenizer_dir) / "spm.model", tmp / "tokenizer" / "spm.model")
+            info["tokenizer"] = "tokenizer"
+        elif hf_tokenizer_dir is not None:
+            files = [f for f in _HF_TOKENIZER_FILES if (Path(hf_tokenizer_dir) / f).is_file()]
+            if files:
+                (tmp / "hf_tokenizer").mkdir()
+                for name in files:
+                    shutil.copyfile(Path(hf_tokenizer_dir) / name, tmp / "hf_tokenizer" / name)
+                info["hf_tokenizer"] = "hf_tokenizer"
+        save_model(model, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        (tmp / MODEL_FILE).write_text(yaml.safe_dump(info, sort_keys=False))
+    return Path(out)
+
+
+def read_model_dir_info(path: str | Path) -> dict[str, Any]:
+    """The parsed, checked `model.yaml` (kind, encoder fields, tokenizer paths made absolute)."""
+    path = Path(path)
+    file = path / MODEL_FILE
+    if not file.is_file():
+        raise ConversionError(f"{file}: missing (not a megakd model directory)")
+    info = yaml.safe_load(file.read_text())
+    if not isinstance(info, dict) or info.get("format") != MODEL_FORMAT:
+        raise ConversionError(f"{file}: format: expected {MODEL_FORMAT!r}")
+    if info.get("kind") not in MODEL_KINDS:
+        raise ConversionError(f"{file}: kind: expected one of {sorted(MODEL_KINDS)}, got {info.get('kind')!r}")
+    known = {f.name for f in dataclasses.fields(EncoderConfig)}
+    fields = info.get("encoder")
+    if not isinstance(fields, dict):
+        raise ConversionError(f"{file}: encoder: expected a mapping of EncoderConfig fields")
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ConversionError(f"{file}: encoder.{unknown[0]}: unknown EncoderConfig field")
+    try:
+        info["encoder_config"] = EncoderConfig(**fields).validate()
+    except ValueError as err:
+        raise ConversionError(f"{file}: {err}") from None
+    for key in ("tokenizer", "hf_tokenizer"):
+        if info.get(key):
+            info[key] = path / info[key]
+    return info
+
+
+def load_model_dir(path: str | Path) -> tuple[str, nn.Module]:
+    """(kind, model) from a megakd model directory; the model is in eval mode (call .train() to fine-tune)."""
+    info = read_model_dir_info(path)
+    kind = info["kind"]
+    model = MODEL_KINDS[kind](info["encoder_config"])
+    weights = Path(path) / WEIGHTS_FILE
+    if not weights.is_file():
+        raise ConversionError(f"{weights}: missing")
+    try:
+        load_model(model, str(weights), strict=True)
+    except RuntimeError as err:
+        raise ConversionError(f"{weights}: does not match {Path(path) / MODEL_FILE} "
+                              f"({str(err).splitlines()[0]})") from None
+    return kind, model.eval()
+
+
+def _hf_architecture(src: Path) -> tuple[str, dict]:
+    config_file = src / "config.json"
+    if not config_file.is_file():
+        raise ConversionError(f"{config_file}: missing (expected a local HuggingFace model directory)")
+    try:
+        raw = json.loads(config_file.read_text())
+    except json.JSONDecodeError as err:
+        raise ConversionError(f"{config_file}: not valid JSON ({err})") from None
+    architectures = raw.get("architectures") or []
+    for arch in architectures:
+        if arch in HF_ARCHITECTURES:
+            return arch, raw
+    raise ConversionError(f"{config_file}: unsupported architectures {architectures} (model_type "
+                          f"{raw.get('model_type')!r}); expected one of {', '.join(HF_ARCHITECTURES)}")
+
+
+def _megakd_tokenizer_in(src: Path) -> Path | None:
+    """`src` itself when it carries a SentencePiece model with megakd's special-token layout."""
+    if not (src / "spm.model").is_file():
+        return None
+    try:
+        Tokenizer.load(src)
+    except (ValueError, RuntimeError, OSError) as err:
+        log.info("%s/spm.model is not a megakd tokenizer (%s); keeping the HF tokenizer files", src, err)
+        return None
+    return src
+
+
+def import_hf_state_dict(sd: dict[str, Tensor], architecture: str) -> dict[str, Tensor]:
+    """HF weights of a supported architecture → the megakd state dict of its kind."""
+    kind, mapping_kind, prefix, drop = HF_ARCHITECTURES[architecture]
+    sd = {prefix + k: v for k, v in sd.items()}
+    sd = {k: v for k, v in sd.items() if not k.startswith(drop)} if drop else sd
+    out = from_hf_state_dict(sd, mapping_kind)
+    if kind == "encoder":
+        out = {k[len("encoder."):]: v for k, v in out.items() if k.startswith("encoder.")}
+    return out
+
+
+def from_hf(src: str | Path, out: str | Path, force: bool = False) -> tuple[str, nn.Module]:
+    """`megakd convert from-hf`: a local HF BERT/ELECTRA directory → a megakd model directory at `out`."""
+    src = Path(src)
+    architecture, raw = _hf_architecture(src)
+    kind, mapping_kind, _, _ = HF_ARCHITECTURES[architecture]
+    hf_class = getattr(__import__("transformers", fromlist=[architecture]), architecture)
+    hf_config = hf_class.config_class.from_pretrained(src, local_files_only=True)
+    try:
+        config = encoder_config_from_hf(hf_config)
+    except ValueError as err:
+        raise ConversionError(f"{src / 'config.json'}: {err}") from None
+    hf_model, loading = hf_class.from_pretrained(src, local_files_only=True, output_loading_info=True,
+                                                 dtype=torch.float32)
+    missing = [k for k in loading["missing_keys"] if not k.endswith((".position_ids", ".token_type_ids"))]
+    if missing:
+        raise ConversionError(f"{src}: the weights lack {missing[0]!r} ({len(missing)} missing) for {architecture}")
+    try:
+        sd = import_hf_state_dict(dict(hf_model.state_dict()), architecture)
+    except ValueError as err:
+        raise ConversionError(f"{src}: {err}") from None
+    model = MODEL_KINDS[kind](config)
+    load_state_checked(model, sd, str(src), f"{src / 'config.json'}")
+    tokenizer_dir = _megakd_tokenizer_in(src)
+    source = {"path": str(src.resolve()), "architecture": architecture, "model_type": raw.get("model_type")}
+    save_model_dir(model, kind, out, tokenizer_dir=tokenizer_dir, hf_tokenizer_dir=None if tokenizer_dir else src,
+                   hf_kind=None if kind == "encoder" else mapping_kind, source=source, force=force)
+    log.info("imported %s (%s) as a megakd %s model in %s", src, architecture, kind, out)
+    return kind, model.eval()

@@ -176,17 +176,22 @@ class _SlotDataset(IterableDataset):
         slot = (self.next_slot + worker) % p.num_slots_per_rank
         bad: list[tuple[str, str]] = []
         samples, epochs, indices = [], [], []
-        for epoch, index, ids, cursor in _slot_samples(p, slot, self.cursors[slot], bad):
-            samples.append(ids)
-            epochs.append(epoch)
-            indices.append(index)
-            if len(samples) == p.micro_batch_size:
-                batch = collate(samples, epochs, indices, pad_id=p.pad_id, mask_id=p.mask_id,
-                                special_ids=p.special_ids, seed=p.seed, mask_prob=p.mask_prob)
-                batch["_slot"], batch["_cursor"], batch["_bad"] = slot, cursor, tuple(bad)
-                bad.clear()
-                yield batch
-                samples, epochs, indices = [], [], []
+        try:
+            for epoch, index, ids, cursor in _slot_samples(p, slot, self.cursors[slot], bad):
+                samples.append(ids)
+                epochs.append(epoch)
+                indices.append(index)
+                if len(samples) == p.micro_batch_size:
+                    batch = collate(samples, epochs, indices, pad_id=p.pad_id, mask_id=p.mask_id,
+                                    special_ids=p.special_ids, seed=p.seed, mask_prob=p.mask_prob)
+                    batch["_slot"], batch["_cursor"], batch["_bad"] = slot, cursor, tuple(bad)
+                    bad.clear()
+                    yield batch
+                    samples, epochs, indices = [], [], []
+        except ShardError as e:
+            # Hand the message to the main process, which raises it as a one-line error (an
+            # exception raised in a DataLoader worker arrives wrapped in a worker traceback).
+            yield {"_error": str(e)}
 
 
 class PretrainingLoader:
@@ -279,8 +284,13 @@ class PretrainingLoader:
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         p = self.plan
         dataset = _SlotDataset(p, self._cursors, self._next_slot)
-        loader = DataLoader(dataset, batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory)
+        # A private generator: DataLoader otherwise draws its base seed from the global RNG on
+        # every iter(), which would shift dropout randomness and break bit-exact resume.
+        loader = DataLoader(dataset, batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory,
+                            generator=torch.Generator().manual_seed(0))
         for batch in loader:
+            if "_error" in batch:
+                raise ShardError(batch["_error"])
             slot = batch.pop("_slot")
             self._cursors[slot] = batch.pop("_cursor")
             self._next_slot = (slot + 1) % p.num_slots_per_rank
@@ -318,6 +328,8 @@ class PretrainingLoader:
         cursors = state.get("cursors")
         if not isinstance(cursors, list) or len(cursors) != len(self._cursors):
             raise ValueError(f"loader state: cursors={cursors!r}, expected a list of {len(self._cursors)} ints")
+        if not 0 <= int(state.get("next_slot", -1)) < len(self._cursors):
+            raise ValueError(f"loader state: next_slot={state.get('next_slot')!r}, expected 0..{len(self._cursors) - 1}")
         self._cursors = [int(c) for c in cursors]
         self._next_slot = int(state["next_slot"])
         self._batches = int(state["batches"])

@@ -59,6 +59,22 @@ def cmd_data_shards(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    from megakd.convert import ConversionError, from_hf, to_hf
+
+    try:
+        if args.convert_command == "to-hf":
+            written = to_hf(args.src, args.out, force=args.force)
+            log.info("wrote %s", ", ".join(f"{args.out}/{d} ({arch})" for d, arch in written.items()))
+        else:
+            kind, _ = from_hf(args.src, args.out, force=args.force)
+            log.info("wrote megakd %s model directory %s", kind, args.out)
+    except ConversionError as err:
+        print(f"megakd: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megakd", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -88,6 +104,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--samples-per-shard", type=int, default=10_000)
     s.add_argument("--workers", type=int, default=1)
     s.set_defaults(func=cmd_data_shards)
+
+    conv = sub.add_parser("convert", help="HuggingFace export/import")
+    conv_sub = conv.add_subparsers(dest="convert_command", required=True)
+    for name, help_text, src_help in (
+        ("to-hf", "run/checkpoint/model dir -> HF dirs (ELECTRA: OUT/discriminator, OUT/generator)",
+         "run directory (newest checkpoint), checkpoint directory or megakd model directory"),
+        ("from-hf", "local HF BERT/ELECTRA dir -> megakd model directory", "local HF model directory"),
+    ):
+        c = conv_sub.add_parser(name, help=help_text)
+        c.add_argument("src", help=src_help)
+        c.add_argument("out", help="output directory (written atomically)")
+        c.add_argument("--force", action="store_true", help="replace a non-empty OUT")
+        c.set_defaults(func=cmd_convert)
     return parser
 
 

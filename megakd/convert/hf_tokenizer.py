@@ -15,6 +15,13 @@ SentencePiece step by step, and `tokenizer_config.json` names the generic fast t
   merges the adjacent pair whose result scores highest), byte fallback to `<0xNN>` pieces;
 - post-processor: `[CLS] A [SEP]` and `[CLS] A [SEP] B [SEP]` (token types 0/1).
 
+Measured: identical ids on every line of the bundled corpus (Austen, KJV, review sentences) and
+on 20,000 random strings over Latin, general-punctuation, CJK-space and control characters except
+~0.3% of them, all holding a zero-width joiner/non-joiner or combining mark right after a
+character the charsmap rewrites (e.g. "ǆ\u200d"): HF's Precompiled normalizer works on whole
+grapheme clusters where SentencePiece works on characters. Emoji ZWJ sequences and decomposed
+accents ("e\u0301") match.
+
 One intended difference: HF matches the special tokens ("[MASK]", "[CLS]", ...) in raw text, so the
 fill-mask pipeline works; megakd treats such literal text as ordinary characters.
 """
@@ -90,7 +97,9 @@ def build_hf_tokenizer(spm_model: str | Path) -> Tokenizer:
     steps = []
     if proto.normalizer_spec.precompiled_charsmap:
         steps.append(normalizers.Precompiled(proto.normalizer_spec.precompiled_charsmap))
-    steps += [normalizers.Strip(left=True, right=True), normalizers.Replace(Regex(" {2,}"), " ")]
+    # SentencePiece strips and collapses only U+0020 (after the charsmap turned other spaces into it);
+    # normalizers.Strip would also remove e.g. U+0085, which SentencePiece keeps as byte pieces.
+    steps += [normalizers.Replace(Regex("^ +| +$"), ""), normalizers.Replace(Regex(" {2,}"), " ")]
     tok.normalizer = normalizers.Sequence(steps)
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True)
     tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),

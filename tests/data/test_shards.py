@@ -104,3 +104,23 @@ def test_uint32_tokens_for_large_vocabularies():
     from megakd.data.shards import token_dtype
 
     assert token_dtype(65536) == np.uint16 and token_dtype(128_000) == np.uint32
+
+
+def test_shards_are_standard_tar_files(packed):
+    """Our hand-built headers must be exactly what Python's tarfile writes for the same members."""
+    import io
+    import tarfile
+
+    out, m = packed
+    path = out / m["shards"][1]["file"]
+    with tarfile.open(path) as tar:
+        members = [(info.name, tar.extractfile(info).read()) for info in tar.getmembers()]
+    assert [name for name, _ in members] == [f"{i:012d}.ids.npy" for i in range(100, 200)]
+    assert all(np.load(io.BytesIO(data)).dtype == np.uint16 for _, data in members)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size, info.mode, info.mtime = len(data), 0o644, 0
+            tar.addfile(info, io.BytesIO(data))
+    assert buf.getvalue() == path.read_bytes()

@@ -60,6 +60,26 @@ def slot_range(slot: int, num_slots: int, total: int) -> tuple[int, int]:
     return slot * total // num_slots, (slot + 1) * total // num_slots
 
 
+def _decode_npy(data: bytes, headers: dict[bytes, tuple[np.dtype, tuple[int, ...]]]) -> np.ndarray:
+    """``np.load`` with the header parse cached: samples of equal length share a header, and
+    parsing it (``ast.literal_eval``) is a third of the loader's time otherwise."""
+    if data[6:7] != b"\x01":  # only format 1.0 headers have the fixed 10-byte preamble
+        return np.load(io.BytesIO(data), allow_pickle=False)
+    end = 10 + int.from_bytes(data[8:10], "little")
+    header = data[:end]
+    if header not in headers:
+        buf = io.BytesIO(data)
+        np.lib.format.read_magic(buf)
+        shape, fortran, dtype = np.lib.format.read_array_header_1_0(buf)
+        if fortran or dtype.hasobject or len(shape) != 1:
+            raise ValueError(f"expected a 1-D C-order numeric array, header says {header[10:]!r}")
+        headers[header] = (dtype, shape)
+    dtype, shape = headers[header]
+    if len(data) != end + shape[0] * dtype.itemsize:
+        raise ValueError(f"array payload is {len(data) - end} bytes, header says {shape[0]} x {dtype}")
+    return np.frombuffer(data, dtype=dtype, offset=end)
+
+
 def read_shard(path: Path, entry: dict, dtype: str) -> list[np.ndarray]:
     """All samples of one shard in stored order, checked against its manifest entry."""
     if not path.is_file():
@@ -68,6 +88,7 @@ def read_shard(path: Path, entry: dict, dtype: str) -> list[np.ndarray]:
     if size != entry["bytes"]:
         raise ShardError(f"shard {path}: {size} bytes, {MANIFEST} says {entry['bytes']} (truncated or replaced?)")
     out: list[np.ndarray] = []
+    headers: dict[bytes, tuple[np.dtype, tuple[int, ...]]] = {}
     first = entry["first_index"]
     try:
         with open(path, "rb") as f:
@@ -77,7 +98,7 @@ def read_shard(path: Path, entry: dict, dtype: str) -> list[np.ndarray]:
                 if key != expected or field != "ids.npy":
                     raise ShardError(f"shard {path}: member {len(out)} is {member['fname']!r}, "
                                      f"expected {expected}.ids.npy")
-                arr = np.load(io.BytesIO(member["data"]), allow_pickle=False)
+                arr = _decode_npy(member["data"], headers)
                 if arr.dtype != dtype or arr.ndim != 1:
                     raise ShardError(f"shard {path}: sample {expected} is {arr.dtype}{list(arr.shape)}, expected 1-D {dtype}")
                 out.append(arr)

@@ -1,0 +1,92 @@
+"""T5-relative and Admin models export with remote code that loads via trust_remote_code and matches."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForMaskedLM, AutoModelForPreTraining, AutoModelForSequenceClassification
+
+from megakd.cli import main
+from megakd.convert import save_hf_model, to_hf
+from megakd.convert.checkpoints import load_checkpoint, resolve_checkpoint
+from megakd.models.admin import admin_initialize
+from megakd.models.electra import Discriminator, MaskedLM
+from megakd.models.encoder import EncoderConfig
+from tests.helpers import TINY_VOCAB, tiny_overrides
+
+CONFIG = Path(__file__).parents[2] / "configs" / "electra-tiny.yaml"
+
+
+def _inputs(length: int = 40) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(5, TINY_VOCAB, (2, length), generator=g)
+    mask = torch.ones(2, length, dtype=torch.long)
+    mask[0, 30:] = 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def test_original_electra_t5_relative_run_exports_remote_code(tiny_data, tmp_path):
+    """Shared-embedding ElectraPair ("electra" unit) with T5 buckets: both halves load and match."""
+    run = tmp_path / "run"
+    overrides = {"train.max_steps": 2, "electra.decoupled": "false",
+                 "model.generator.position_encoding": "t5_relative",
+                 "model.discriminator.position_encoding": "t5_relative",
+                 "model.generator.relative_buckets": 8, "model.discriminator.relative_buckets": 8,
+                 "model.generator.relative_max_distance": 20, "model.discriminator.relative_max_distance": 20}
+    assert main(["pretrain", "-c", str(CONFIG), *tiny_overrides(tiny_data, run, **overrides)]) == 0
+    assert (resolve_checkpoint(run) / "electra.pt").is_file()
+    out = tmp_path / "hf"
+    assert to_hf(run, out) == {"discriminator": "MegakdForPreTraining", "generator": "MegakdForMaskedLM"}
+    ckpt = load_checkpoint(resolve_checkpoint(run))
+    x = _inputs()  # 40 tokens: beyond relative_max_distance=20, so the log buckets are exercised
+    disc = AutoModelForPreTraining.from_pretrained(out / "discriminator", trust_remote_code=True,
+                                                   local_files_only=True).eval()
+    gen = AutoModelForMaskedLM.from_pretrained(out / "generator", trust_remote_code=True,
+                                               local_files_only=True).eval()
+    with torch.no_grad():
+        d = (disc(**x).logits - ckpt.discriminator.rtd_logits(ckpt.discriminator(**x)))[x["attention_mask"].bool()]
+        g = (gen(**x).logits - ckpt.generator.logits(**x))[x["attention_mask"].bool()]
+    assert d.abs().max() <= 1e-5 and g.abs().max() <= 1e-5
+    # the MLM output matrix stayed tied to the (trained, shared) word embeddings after loading
+    assert gen.head.decoder_weight.data_ptr() == gen.encoder.embeddings.word_embeddings.weight.data_ptr()
+    assert torch.equal(gen.encoder.embeddings.word_embeddings.weight,
+                       ckpt.generator.encoder.embeddings.word_embeddings.weight)
+
+
+def test_admin_model_exports_with_its_omegas(tmp_path):
+    torch.manual_seed(0)
+    cfg = EncoderConfig(vocab_size=TINY_VOCAB, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
+                        init="admin", dropout=0.0, attention_dropout=0.0, max_position_embeddings=64)
+    disc = Discriminator(cfg).eval()
+    admin_initialize(disc.encoder, _inputs()["input_ids"])
+    with torch.no_grad():  # as after training: per-channel ω far from 1, so losing them would show
+        for layer in disc.encoder.layers:
+            layer.attention_omega.uniform_(0.5, 2.0)
+            layer.ffn_omega.uniform_(0.5, 2.0)
+    save_hf_model(disc, "electra_discriminator", tmp_path, tokenizer_dir=None)
+    hf = AutoModelForPreTraining.from_pretrained(tmp_path, trust_remote_code=True, local_files_only=True).eval()
+    x = _inputs()
+    with torch.no_grad():
+        diff = (hf(**x).logits - disc.rtd_logits(disc(**x)))[x["attention_mask"].bool()].abs().max()
+    assert diff <= 1e-5
+    clf = AutoModelForSequenceClassification.from_pretrained(tmp_path, num_labels=3, trust_remote_code=True,
+                                                             local_files_only=True)
+    assert clf(**x).logits.shape == (2, 3)
+    assert torch.equal(clf.encoder.layers[1].ffn_omega, disc.encoder.layers[1].ffn_omega)
+
+
+def test_remote_mlm_round_trip_through_model_dir_is_self_contained(tmp_path):
+    """The written directory imports nothing from megakd: its vendored files carry the model."""
+    torch.manual_seed(1)
+    cfg = EncoderConfig(vocab_size=TINY_VOCAB, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64,
+                        embedding_size=16, position_encoding="t5_relative", dropout=0.0, attention_dropout=0.0)
+    mlm = MaskedLM(cfg).eval()
+    save_hf_model(mlm, "bert_mlm", tmp_path, tokenizer_dir=None)
+    for py in tmp_path.glob("*.py"):
+        imports = [line for line in py.read_text().splitlines() if line.startswith(("import", "from"))]
+        assert not any("megakd." in line for line in imports), py
+    hf = AutoModelForMaskedLM.from_pretrained(tmp_path, trust_remote_code=True, local_files_only=True).eval()
+    x = _inputs()
+    with torch.no_grad():
+        assert (hf(**x).logits - mlm.logits(**x))[x["attention_mask"].bool()].abs().max() <= 1e-5

@@ -47,7 +47,7 @@ HF_ARCHITECTURES: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
     "ElectraForMaskedLM": ("masked_lm", "electra_generator", "", ()),
     "ElectraModel": ("encoder", "electra_discriminator", "electra.", ()),
     "BertForMaskedLM": ("masked_lm", "bert_mlm", "", ()),
-    "BertForPreTraining": ("masked_lm", "bert_mlm", "", ("cls.seq_relationship.",)),
+    "BertForPreTraining": ("masked_lm", "bert_mlm", "", ("cls.seq_relationship.", "bert.pooler.")),  # NSP dropped
     "BertModel": ("encoder", "bert_mlm", "bert.", ("bert.pooler.",)),
 }
 _HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt",

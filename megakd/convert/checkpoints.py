@@ -79,10 +79,11 @@ def _read_deepspeed_unit(directory: Path) -> dict[str, Tensor]:
     tag_dir = directory / DEEPSPEED_TAG
     if not tag_dir.is_dir():
         raise ConversionError(f"{directory}: no DeepSpeed tag directory '{DEEPSPEED_TAG}/'")
-    # ZeRO-0 keeps whole weights in the model-states file and writes no optimizer shards.
+    # Without ZeRO the model-states file holds the whole weights; with ZeRO 1-3 the fp32 master
+    # weights live in the optimizer shards and must be consolidated (also under bf16/fp16).
     plain = tag_dir / "mp_rank_00_model_states.pt"
-    if plain.is_file() and not any(tag_dir.glob("*_optim_states.pt")):
-        state = torch.load(plain, map_location="cpu", weights_only=False)
+    state = torch.load(plain, map_location="cpu", weights_only=False) if plain.is_file() else {}
+    if state and not (state.get("ds_config") or {}).get("zero_optimization", {}).get("stage", 0):
         sd = dict(state["module"])
     else:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint

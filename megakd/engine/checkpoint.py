@@ -62,7 +62,7 @@ def commit(tmp: Path, final: Path, keep_last: int) -> None:
         return
     tmp.rename(final)
     if keep_last > 0:
-        for old in list_checkpoints(final.parent)[:-keep_last]:
+        for old in list_checkpoints(final.parent.parent)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     log.info("saved checkpoint %s", final)
 

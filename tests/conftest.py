@@ -1,0 +1,30 @@
+"""Shared fixtures: a small real tokenizer and real shards cut from the bundled corpus."""
+
+from __future__ import annotations
+
+import gzip
+import itertools
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+
+from tests.helpers import TINY_SEQ_LEN, TINY_VOCAB
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory):
+    """(tokenizer_dir, shards_dir): 512-piece SentencePiece BPE and seq-64 shards from ~300 KB of Austen."""
+    from megakd.data.default_corpus import CORPUS_DIR
+    from megakd.data.shards import write_shards
+    from megakd.data.tokenizer import train_tokenizer
+
+    root = tmp_path_factory.mktemp("tiny_data")
+    text = root / "slice.jsonl"
+    with gzip.open(CORPUS_DIR / "austen.jsonl.gz", "rt", encoding="utf-8") as src:
+        text.write_text("".join(itertools.islice(src, 20)))
+    tok = train_tokenizer([text], TINY_VOCAB, root / "tokenizer")
+    write_shards([text], tok, TINY_SEQ_LEN, root / "shards", samples_per_shard=256)
+    return root / "tokenizer", root / "shards"

@@ -1,0 +1,136 @@
+"""The pretraining loop on real tokenizer, shards and models (single process)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from megakd.config import ConfigError, load_config
+from megakd.engine.pretrain import build_trainer
+
+from tests.helpers import tiny_overrides as tiny_overrides_for
+
+
+def _train(tiny_data, run_dir, resume=None, **extra):
+    cfg = load_config("configs/electra-tiny.yaml", tiny_overrides_for(tiny_data, run_dir, **extra))
+    trainer = build_trainer(cfg)
+    if resume:
+        trainer.resume(resume)
+    trainer.train()
+    return trainer
+
+
+def _metrics(run_dir):
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        r.pop("tokens_per_s")
+    return rows
+
+
+def _params(trainer):
+    return {f"{u.name}.{k}": v.detach().clone() for u in trainer.units.values() for k, v in u.model.state_dict().items()}
+
+
+CONTRACT_KEYS = {"step", "gen_loss", "gen_acc", "disc_loss", "disc_acc", "rtd_precision", "rtd_recall", "rtd_f1",
+                 "replaced_frac", "lr_generator", "lr_discriminator", "grad_norm_generator",
+                 "grad_norm_discriminator", "tokens_per_s"}
+
+
+def test_metrics_contract_and_run_dir(tiny_data, tmp_path):
+    run = tmp_path / "run"
+    _train(tiny_data, run, **{"train.max_steps": 4, "train.save_every": 2, "run.keep_last": 1})
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for r in rows:
+        assert CONTRACT_KEYS <= set(r)
+        assert 0 <= r["rtd_f1"] <= 1 and 0 <= r["gen_acc"] <= 1 and r["tokens_per_s"] > 0
+    # warm-up 2 then linear decay to 0 at step 4, each optimizer from its own peak
+    assert rows[0]["lr_generator"] == pytest.approx(2e-3 * 1.0)  # after step 1 the schedule is at step 1
+    assert rows[-1]["lr_discriminator"] == pytest.approx(0.0)
+    assert (run / "config.yaml").is_file()
+    ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert ckpts == ["step_00000004"]  # keep_last=1 pruned step 2
+    assert {p.name for p in (run / "checkpoints/step_00000004").iterdir()} >= {
+        "config.yaml", "generator.pt", "discriminator.pt", "tokenizer", "trainer_state_rank00000.pt"}
+
+
+def _kill_when_logged(path, lines: int) -> threading.Thread:
+    """SIGTERM this process once `path` has `lines` lines (a Slurm preemption in miniature)."""
+
+    def watch():
+        while not (path.exists() and len(path.read_text().splitlines()) >= lines):
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_sigterm_then_resume_is_bit_exact(tiny_data, tmp_path):
+    steps = {"train.max_steps": 8, "train.log_every": 1, "train.save_every": 0}
+    full = _train(tiny_data, tmp_path / "full", **steps)
+    run = tmp_path / "resumed"
+    watcher = _kill_when_logged(run / "metrics.jsonl", 3)
+    first = _train(tiny_data, run, **steps)
+    watcher.join()
+    assert 3 <= first.step < 8  # stopped early, on the signal, with a checkpoint
+    assert (run / f"checkpoints/step_{first.step:08d}").is_dir()
+    resumed = _train(tiny_data, run, resume="auto", **steps)
+    assert resumed.step == 8
+    assert _metrics(run) == _metrics(tmp_path / "full")
+    a, b = _params(full), _params(resumed)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_checkpoint_from_another_model_is_refused(tiny_data, tmp_path):
+    run = tmp_path / "run"
+    _train(tiny_data, run, **{"train.max_steps": 1})
+    cfg = load_config("configs/electra-tiny.yaml",
+                      tiny_overrides_for(tiny_data, run, **{"model.discriminator.hidden_size": 64}))
+    with pytest.raises(ConfigError, match="model.discriminator.hidden_size=48"):
+        build_trainer(cfg).resume("auto")
+
+
+def test_nonfinite_losses_skip_then_stop(tiny_data, tmp_path):
+    cfg = load_config("configs/electra-tiny.yaml", tiny_overrides_for(tiny_data, tmp_path / "run", **{
+        "train.max_steps": 10, "train.max_bad_steps": 3}))
+    trainer = build_trainer(cfg)
+    disc = trainer.units["discriminator"].model
+    with torch.no_grad():
+        disc.head.prediction.bias.fill_(float("nan"))
+    before = {k: v.clone() for k, v in trainer.units["generator"].model.state_dict().items()}
+    with pytest.raises(RuntimeError, match="3 non-finite losses in a row"):
+        trainer.train()
+    assert trainer.step == 0
+    after = trainer.units["generator"].model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # skipped steps change nothing
+
+
+def test_mlm_objective_trains_generator_only(tiny_data, tmp_path):
+    trainer = _train(tiny_data, tmp_path / "run", **{"model.objective": "mlm", "train.max_steps": 3})
+    assert list(trainer.units) == ["generator"]
+    rows = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert "gen_loss" in rows[-1] and "disc_loss" not in rows[-1]
+
+
+def test_original_electra_shares_embeddings(tiny_data, tmp_path):
+    trainer = _train(tiny_data, tmp_path / "run", **{"electra.decoupled": False, "train.max_steps": 2})
+    pair = trainer.units["electra"].model
+    g, d = pair.generator.encoder.embeddings, pair.discriminator.encoder.embeddings
+    assert g.word_embeddings.weight is d.word_embeddings.weight
+
+
+def test_world_size_must_divide_batch(tiny_data, tmp_path):
+    cfg = load_config("configs/electra-tiny.yaml", tiny_overrides_for(tiny_data, tmp_path, **{
+        "train.global_batch_size": 6, "train.micro_batch_size": 4}))
+    with pytest.raises(ConfigError, match="not divisible"):
+        build_trainer(cfg)

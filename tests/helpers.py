@@ -1,0 +1,22 @@
+"""Helpers shared by tests (importable as tests.helpers; conftest.py holds the fixtures)."""
+
+from __future__ import annotations
+
+TINY_VOCAB = 512
+TINY_SEQ_LEN = 64
+
+
+def tiny_overrides(tiny_data, run_dir, **extra) -> list[str]:
+    """Overrides that turn any recipe into a seconds-long CPU run on the tiny data."""
+    tokenizer_dir, shards_dir = tiny_data
+    model = dict(vocab_size=TINY_VOCAB, max_position_embeddings=TINY_SEQ_LEN, dropout=0.1, attention_dropout=0.0)
+    out = [f"data.tokenizer={tokenizer_dir}", f"data.shards={shards_dir}", f"run.dir={run_dir}",
+           "run.progress_bar=false", "run.tensorboard=false", "run.plots=false",
+           "train.global_batch_size=8", "train.micro_batch_size=4", "train.log_every=1",
+           "optim.schedule.warmup_steps=2"]
+    for name, layers, hidden in (("generator", 1, 32), ("discriminator", 2, 48)):
+        for k, v in {**model, "num_layers": layers, "hidden_size": hidden, "num_heads": 2,
+                     "intermediate_size": 4 * hidden, "embedding_size": 32}.items():
+            out.append(f"model.{name}.{k}={v}")
+    out += [f"{k}={v}" for k, v in extra.items()]
+    return out

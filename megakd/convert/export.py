@@ -25,8 +25,8 @@ import megakd.models.encoder as encoder_module
 import megakd.models.heads as heads_module
 from megakd.convert.checkpoints import load_checkpoint, resolve_checkpoint
 from megakd.convert.common import ConversionError, atomic_output_dir
-from megakd.convert.hf_tokenizer import write_hf_tokenizer
 from megakd.convert.model_dir import MODEL_FILE, load_model_dir, read_model_dir_info
+from megakd.data.hf_tokenizer import write_hf_tokenizer
 from megakd.data.tokenizer import Tokenizer
 from megakd.models.electra import Discriminator, MaskedLM
 from megakd.models.encoder import EncoderConfig

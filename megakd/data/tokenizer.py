@@ -95,38 +95,17 @@ class Tokenizer:
     def to_hf(self):
         """The same tokenizer as a HF ``PreTrainedTokenizerFast`` (``save_pretrained`` it for AutoTokenizer).
 
-        Built offline from ``spm.model``: BPE merges, byte fallback, NFKC charsmap, and a
-        ``[CLS] A [SEP]`` / ``[CLS] A [SEP] B [SEP]`` template. Ids equal :meth:`encode` on normal
-        text; the one intended difference is HF's usual handling of a literal "[MASK]" (or other
-        special) in text, which HF turns into the special token. transformers' own
-        DebertaV2Tokenizer is not used: in transformers 5 it reads any spm file as Unigram, which
-        mis-segments a BPE model.
+        Built offline from ``spm.model`` by :func:`megakd.data.hf_tokenizer.build_hf_tokenizer`,
+        which reproduces SentencePiece step by step (see there for what was measured).
         """
-        from tokenizers import Regex, decoders, normalizers, pre_tokenizers, processors
-        from tokenizers import Tokenizer as HFTokenizer
-        from tokenizers.models import BPE
         from transformers import PreTrainedTokenizerFast
-        from transformers.convert_slow_tokenizer import SentencePieceExtractor
 
-        extractor = SentencePieceExtractor(str(self.path / MODEL_FILE))
-        parts = extractor.extract(BPE)
-        tok = HFTokenizer(BPE(parts["vocab"], parts["merges"], unk_token=SPECIALS["unk"], fuse_unk=True,
-                              byte_fallback=True, dropout=None))
-        tok.normalizer = normalizers.Sequence([
-            normalizers.Precompiled(extractor.proto.normalizer_spec.precompiled_charsmap),
-            normalizers.Replace(Regex(r"\s+"), " "),
-            normalizers.Strip(),
-        ])
-        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True)
-        tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                         decoders.Strip(" ", 1, 0)])
-        cls, sep = SPECIALS["cls"], SPECIALS["sep"]
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{cls}:0 $A:0 {sep}:0", pair=f"{cls}:0 $A:0 {sep}:0 $B:1 {sep}:1",
-            special_tokens=[(cls, self.cls_id), (sep, self.sep_id)])
+        from megakd.data.hf_tokenizer import build_hf_tokenizer
+
         return PreTrainedTokenizerFast(
-            tokenizer_object=tok, pad_token=SPECIALS["pad"], cls_token=cls, sep_token=sep,
-            unk_token=SPECIALS["unk"], mask_token=SPECIALS["mask"], model_max_length=1_000_000)
+            tokenizer_object=build_hf_tokenizer(self.path / MODEL_FILE), pad_token=SPECIALS["pad"],
+            cls_token=SPECIALS["cls"], sep_token=SPECIALS["sep"], unk_token=SPECIALS["unk"],
+            mask_token=SPECIALS["mask"], model_max_length=1_000_000)
 
     def __repr__(self) -> str:
         return f"Tokenizer({str(self.path)!r}, vocab_size={self.vocab_size}, vocab_hash={self.vocab_hash!r})"

@@ -117,6 +117,11 @@ def run_pretraining(cfg: Config, resume: str | None = None) -> TrainResult:
     try:
         if resume:
             trainer.resume(resume)
-        return trainer.train()
+        result = trainer.train()
+        if cfg.run.export_hf and not result.preempted and trainer.backend.is_main:
+            from megakd.convert import export_run
+
+            log.info("exported HuggingFace model to %s", export_run(result.run_dir))
+        return result
     finally:
         trainer.backend.close()

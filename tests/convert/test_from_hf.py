@@ -9,7 +9,7 @@ from transformers import AutoModelForMaskedLM, BertConfig, ElectraConfig, GPT2Co
 
 from megakd.cli import main
 from megakd.convert import ConversionError, from_hf, load_model_dir, read_model_dir_info, to_hf
-from megakd.convert.hf_tokenizer import write_hf_tokenizer
+from megakd.data.hf_tokenizer import write_hf_tokenizer
 from megakd.data.tokenizer import Tokenizer
 
 VOCAB = 512

@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from megakd.models.encoder import EncoderConfig
+from megakd.objectives.distill import ALPHA_SCHEDULES
 
 
 class ConfigError(ValueError):
@@ -113,6 +114,21 @@ class KernelsConfig:
 
 
 @dataclass
+class DistillConfig:
+    """DWT: distil a frozen (possibly weaker) teacher MLM into the generator/BERT-MLM student."""
+
+    teacher: str = ""  # run dir, checkpoint, megakd model dir or HF BERT/ELECTRA-MLM dir; "" = no teacher
+    temperature: float = 1.0  # τ of both softmaxes; the soft loss is scaled by τ²
+    alpha_hard: float = 1.0  # α_h on the MLM cross-entropy
+    alpha_soft_start: float = 4.0  # α_s at the first step ...
+    alpha_soft_end: float = 1.0  # ... and at the last
+    alpha_schedule: str = "linear"  # constant (= start) | linear | cosine | step
+    alpha_step_at: float = 0.5  # step schedule: fraction of the run after which α_s = end
+    init: str = "random"  # random | remap (student initialised from the teacher; SPEC §4.2.3)
+    remap_width: str = "net2wider"  # net2wider | zero: how remap widens a narrower teacher
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -122,6 +138,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
     def validate(self) -> Config:
         _check_choice("model.objective", self.model.objective, ("electra", "mlm"))
@@ -130,6 +147,7 @@ class Config:
         _check_choice("backend.name", self.backend.name, ("single", "ddp", "deepspeed"))
         _check_choice("backend.dist_backend", self.backend.dist_backend, ("auto", "gloo", "nccl"))
         _check_choice("kernels.backend", self.kernels.backend, ("auto", "triton", "torch"))
+        self._validate_distill()
         _check_choice("run.wandb_mode", self.run.wandb_mode, ("offline", "online"))
         if self.backend.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"backend.zero_stage: expected 0, 1, 2 or 3, got {self.backend.zero_stage}")
@@ -164,6 +182,21 @@ class Config:
                     "generator and discriminator to have the same embedding size"
                 )
         return self
+
+    def _validate_distill(self) -> None:
+        d = self.distill
+        _check_choice("distill.alpha_schedule", d.alpha_schedule, ALPHA_SCHEDULES)
+        _check_choice("distill.init", d.init, ("random", "remap"))
+        _check_choice("distill.remap_width", d.remap_width, ("net2wider", "zero"))
+        if not d.temperature > 0:
+            raise ConfigError(f"distill.temperature: expected > 0, got {d.temperature}")
+        for key in ("alpha_hard", "alpha_soft_start", "alpha_soft_end"):
+            if getattr(d, key) < 0:
+                raise ConfigError(f"distill.{key}: expected >= 0, got {getattr(d, key)}")
+        if not 0.0 < d.alpha_step_at < 1.0:
+            raise ConfigError(f"distill.alpha_step_at: expected a fraction in (0, 1), got {d.alpha_step_at}")
+        if d.init == "remap" and not d.teacher:
+            raise ConfigError("distill.init=remap: needs distill.teacher (the model to remap from)")
 
     def batch_layout(self, world_size: int) -> tuple[int, int]:
         """(micro_batch_size, gradient accumulation steps) for `world_size` data-parallel ranks."""

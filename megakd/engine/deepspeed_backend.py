@@ -1,0 +1,153 @@
+"""DeepSpeed backend: ZeRO stage 0-3, fp32 / bf16 / fp16, one engine per optimized unit.
+
+Under DecoupledOptim the generator and discriminator each get their own engine (DeepSpeed allows
+one optimizer per engine: the GAN-tutorial pattern), so each keeps its own optimizer, LR schedule
+and clipping; original ELECTRA and BERT-MLM have one unit and so one engine. The engines wrap the
+*task* modules (loss computed in forward), which is what makes ZeRO-3 work: every parameter the
+objective touches (e.g. the tied decoder weight used by the fused MLM loss) is read inside the
+engine's forward, where ZeRO-3 gathers it on access.
+
+Contract with the trainer (see `Backend`): `backward` gets the per-micro-batch mean loss, and
+`step` runs once per optimizer step. DeepSpeed divides by the accumulation steps itself and
+counts micro-batches in `engine.step()`, so `backward` advances that counter off the boundary and
+`step` is the boundary call. Clipping is DeepSpeed's (`gradient_clipping`, always set explicitly:
+DeepSpeed 0.19 clips at 1.0 by default) at `clip_norm * loss_scale`, i.e. on the unweighted
+gradient, exactly as the single-process backend does.
+
+Checkpoints: `<step_dir>/<unit>/ds/...` via `engine.save_checkpoint(<step_dir>/<unit>, tag="ds")`;
+`megakd.convert` consolidates them (zero_to_fp32 under ZeRO 1-3).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import socket
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megakd.config import Config
+from megakd.engine.backends import DDPBackend, Unit
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_TAG = "ds"  # the tag megakd.convert reads
+
+
+class DeepSpeedBackend(DDPBackend):
+    """One `deepspeed.DeepSpeedEngine` per unit; collectives and process group as in DDP."""
+
+    name = "deepspeed"
+
+    def __init__(self, cfg: Config):
+        super().__init__(cfg.train.precision, cfg.backend.dist_backend)
+        if not dist.is_initialized():
+            # DeepSpeed needs a process group even for one process; a private loopback one
+            # leaves the environment alone (no RANK/MASTER_* variables are invented).
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                                    timeout=datetime.timedelta(minutes=30))
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False)
+        self.zero_stage = cfg.backend.zero_stage
+        self.micro_batch_size = cfg.train.micro_batch_size
+
+    def ds_config(self, unit: Unit, accumulation_steps: int) -> dict:
+        """The engine config for one unit: batch layout, ZeRO stage, precision, explicit clipping."""
+        config = {
+            "train_micro_batch_size_per_gpu": self.micro_batch_size,
+            "gradient_accumulation_steps": accumulation_steps,
+            "train_batch_size": self.micro_batch_size * accumulation_steps * self.world_size,
+            "gradient_clipping": unit.clip_norm * unit.loss_scale,
+            "zero_optimization": {"stage": self.zero_stage},
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 2**31 - 1,  # the trainer logs; keep DeepSpeed's progress lines out
+        }
+        if self.precision == "bf16":
+            config["bf16"] = {"enabled": True}
+        elif self.precision == "fp16":
+            config["fp16"] = {"enabled": True, "loss_scale": 0}  # 0 = dynamic loss scaling
+        return config
+
+    def prepare(self, units: list[Unit], accumulation_steps: int) -> None:
+        import deepspeed
+
+        self.accumulation_steps = accumulation_steps
+        for unit in units:
+            unit.task.to(self.device)
+            # The torch optimizer and LambdaLR go in as client objects: DeepSpeed's ZeRO wrapper
+            # steps this very optimizer (so `unit.lr` reads the live LR) and the engine steps the
+            # schedule only when an update was applied. No DeepSpeed Adam is compiled.
+            engine, _, _, _ = deepspeed.initialize(
+                model=unit.task, optimizer=unit.optimizer, lr_scheduler=unit.scheduler,
+                config=self.ds_config(unit, accumulation_steps), dist_init_required=False,
+            )
+            unit.wrapped = engine
+
+    # -- one micro-batch -----------------------------------------------------------------------
+    def no_sync(self, unit: Unit, last_micro_batch: bool):
+        return contextlib.nullcontext()  # the engine reduces at its own accumulation boundary
+
+    def forward(self, unit: Unit, *args, **kwargs) -> dict:
+        return unit.wrapped(*args, **kwargs)  # the engine casts to bf16/fp16 itself
+
+    def backward(self, unit: Unit, loss: torch.Tensor) -> None:
+        engine = unit.wrapped
+        engine.backward(loss * unit.loss_scale)  # the engine divides by accumulation steps
+        if not engine.is_gradient_accumulation_boundary():
+            engine.step()  # off the boundary this only counts the micro-batch
+
+    # -- the optimizer step --------------------------------------------------------------------
+    def step(self, unit: Unit) -> float:
+        engine = unit.wrapped
+        if not engine.is_gradient_accumulation_boundary():
+            raise RuntimeError(f"{unit.name}: optimizer step requested before the last micro-batch")
+        # ZeRO / bf16 / fp16 optimizers report the pre-clipping norm; the plain fp32 path
+        # (ZeRO-0) does not, but there every rank holds the full, already reduced gradients.
+        norm = None if hasattr(engine.optimizer, "_global_grad_norm") else _grad_norm(engine.module)
+        engine.step()
+        if norm is None:
+            norm = float(engine.get_global_grad_norm())
+        return norm / unit.loss_scale
+
+    def skip_step(self, unit: Unit) -> None:
+        engine = unit.wrapped
+        if hasattr(engine.optimizer, "overflow"):
+            # ZeRO, bf16 and fp16 optimizers check the gradient norm and skip a non-finite step
+            # themselves (no update, no schedule step, gradients dropped).
+            engine.step()
+            if engine.was_step_applied():
+                log.warning("%s: DeepSpeed applied a step whose loss was non-finite (finite gradients)",
+                            unit.name)
+            return
+        engine.zero_grad()
+        engine.micro_steps += 1  # close the accumulation window without an update
+
+    # -- checkpoint state ------------------------------------------------------------------------
+    def save_units(self, units: list[Unit], directory: Path) -> None:
+        for unit in units:  # every rank writes its own ZeRO partition
+            unit.wrapped.save_checkpoint(str(directory / unit.name), tag=CHECKPOINT_TAG)
+
+    def load_units(self, units: list[Unit], directory: Path) -> None:
+        for unit in units:
+            path = directory / unit.name / CHECKPOINT_TAG
+            if not path.is_dir():
+                hint = " (written by the single/ddp backend?)" if (directory / f"{unit.name}.pt").is_file() else ""
+                raise FileNotFoundError(f"checkpoint {directory} has no DeepSpeed state for '{unit.name}' "
+                                        f"(expected {path}){hint}")
+            loaded, _ = unit.wrapped.load_checkpoint(str(directory / unit.name), tag=CHECKPOINT_TAG,
+                                                     load_optimizer_states=True, load_lr_scheduler_states=True)
+            if loaded is None:
+                raise RuntimeError(f"DeepSpeed could not load {path}")
+
+
+
+def _grad_norm(module: torch.nn.Module) -> float:
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0

@@ -31,12 +31,57 @@ def setup_logging(level: str = "INFO") -> None:
 def cmd_pretrain(args: argparse.Namespace) -> int:
     from megakd.engine.pretrain import run_pretraining
 
+    return _train(args, run_pretraining)
+
+
+def cmd_distill(args: argparse.Namespace) -> int:
+    from megakd.distill.dwt import run_distill
+
+    return _train(args, run_distill)
+
+
+def _train(args: argparse.Namespace, run) -> int:
     cfg = load_config(args.config, args.overrides)
-    result = run_pretraining(cfg, resume=args.resume)
+    result = run(cfg, resume=args.resume)
     if result.preempted:
         log.warning("preempted at step %d; run the same command with --resume auto to continue", result.step)
     else:
         log.info("finished %d steps; run directory %s", result.step, result.run_dir)
+    return 0
+
+
+def cmd_finetune(args: argparse.Namespace) -> int:
+    from megakd.finetune.config import FinetuneConfig
+
+    cfg = load_config(args.config, args.overrides, cls=FinetuneConfig)
+    if cfg.soteacher.enabled:
+        from megakd.distill.soteacher import run_soteacher as run
+    elif cfg.tgt.enabled:
+        from megakd.distill.tgt import run_tgt as run
+    else:
+        from megakd.finetune.trainer import run_finetune as run
+    run(cfg)
+    log.info("fine-tuning finished; summary in %s/summary.json", cfg.run.dir)
+    return 0
+
+
+def cmd_eval_rtd(args: argparse.Namespace) -> int:
+    import json
+
+    from megakd.distill.rtd_eval import evaluate_rtd
+
+    try:
+        report = evaluate_rtd(args.generator, args.discriminator, args.shards, args.tokenizer,
+                              num_batches=args.batches, batch_size=args.batch_size, seed=args.seed,
+                              mask_prob=args.mask_prob)
+    except ValueError as err:  # shards, tokenizer or model files that do not fit
+        print(f"megakd: error: {err}", file=sys.stderr)
+        return 2
+    text = json.dumps(report, indent=2)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    sys.stdout.write(text + "\n")
     return 0
 
 
@@ -85,6 +130,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", help="'auto' (newest checkpoint in run.dir, if any) or a checkpoint directory")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.max_steps=100")
     p.set_defaults(func=cmd_pretrain)
+
+    p = sub.add_parser("finetune", help="sequence (pair) classification/regression: fine-tuning, label "
+                       "regularisation, SoTeacher, TGT")
+    p.add_argument("-c", "--config", required=True, help="YAML recipe, e.g. configs/finetune-rt.yaml")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. finetune.seeds=[1,2,3]")
+    p.set_defaults(func=cmd_finetune)
+
+    p = sub.add_parser("distill", help="DWT: pretraining with a frozen teacher MLM (distill.teacher) on the "
+                       "student's MLM loss")
+    p.add_argument("-c", "--config", required=True, help="YAML recipe, e.g. configs/dwt-weak.yaml")
+    p.add_argument("--resume", help="'auto' (newest checkpoint in run.dir, if any) or a checkpoint directory")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. distill.teacher=runs/teacher")
+    p.set_defaults(func=cmd_distill)
+
+    p = sub.add_parser("eval-rtd", help="score discriminators against one fixed generator on fixed masked data "
+                       "(RTD accuracy, precision, recall, F1 as JSON)")
+    p.add_argument("--generator", required=True, help="run, checkpoint, megakd model dir or HF ELECTRA generator")
+    p.add_argument("--discriminator", required=True, nargs="+", help="one or more runs, checkpoints, megakd model "
+                   "dirs or HF ElectraForPreTraining dirs")
+    p.add_argument("--shards", required=True, help="shard directory from `megakd data shards`")
+    p.add_argument("--tokenizer", help="tokenizer directory (default: the generator's own)")
+    p.add_argument("--batches", type=int, default=50)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0, help="fixes the masks and the generator's samples")
+    p.add_argument("--mask-prob", type=float, default=0.15)
+    p.add_argument("--out", help="also write the JSON report to this file")
+    p.set_defaults(func=cmd_eval_rtd)
 
     data = sub.add_parser("data", help="tokenizer training and WebDataset shard writing")
     data_sub = data.add_subparsers(dest="data_command", required=True)

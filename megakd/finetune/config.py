@@ -1,0 +1,200 @@
+"""The `megakd finetune` config tree: task, model initialisation, optimisation, and the methods on top.
+
+Loaded with `megakd.config.load_config(path, overrides, cls=FinetuneConfig)`, so unknown keys and
+bad values fail with a one-line error naming the key, as for pretraining recipes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megakd.config import ConfigError, _check_choice
+from megakd.models.encoder import EncoderConfig
+from megakd.objectives.label_reg import TARGETS
+from megakd.objectives.soteacher import CR_SCHEDULES
+
+BUILTIN_TASKS = ("rt", "rt_score", "corpus_pairs")
+METRICS = ("accuracy", "f1", "mcc", "spearman")
+
+
+@dataclass
+class FinetuneRunConfig:
+    dir: str = "runs/finetune"
+    progress_bar: bool = True
+
+
+@dataclass
+class TaskConfig:
+    """A built-in task (`name`) or your own GLUE-style TSV / JSONL files (`name: files`)."""
+
+    name: str = "rt"  # rt | rt_score | corpus_pairs | files
+    train: str = ""  # files: .tsv/.tsv.gz (header row) or .jsonl/.jsonl.gz
+    dev: str = ""
+    text_a: str = "sentence"  # column / field names (files only)
+    text_b: str = ""  # "" = single-sentence task
+    label: str = "label"
+    labels: list[str] = field(default_factory=list)  # class names in id order; [] = integer labels 0..K-1
+    num_labels: int = 2  # 1 = regression (MSE, Spearman)
+    metric: str = ""  # the headline metric; "" = spearman for regression, accuracy otherwise
+    max_train_examples: int = 0  # 0 = all (a deterministic prefix of the shuffled split otherwise)
+    max_dev_examples: int = 0
+
+
+@dataclass
+class ModelInitConfig:
+    """Where the encoder comes from.
+
+    `path` is an HF directory from `megakd convert to-hf` (ElectraForPreTraining, ElectraForMaskedLM,
+    BertForMaskedLM, ElectraModel, BertModel), a megakd model directory, a megakd pretraining run or
+    checkpoint (its discriminator; the generator of a BERT-MLM run), or a fine-tuned classifier
+    directory. `init: random` keeps that architecture and tokenizer but re-initialises every weight
+    (the label-regularisation paper's random-init student); without a `path` it needs `tokenizer`
+    and `encoder.*`.
+    """
+
+    path: str = ""
+    init: str = "pretrained"  # pretrained | random
+    tokenizer: str = ""  # a megakd tokenizer dir; "" = the one that comes with `path`
+    encoder: EncoderConfig = field(default_factory=lambda: EncoderConfig(num_layers=2, hidden_size=64, num_heads=2,
+                                                                          intermediate_size=256))
+
+
+@dataclass
+class OptimConfig:
+    """SPEC §1.7 (Table A.2): AdaMax, linear decay after a warm-up fraction, ε 1e-6, β (0.9, 0.98), clip 1.0."""
+
+    lr: float = 1e-4
+    epochs: int = 3
+    batch_size: int = 32
+    eval_batch_size: int = 64
+    warmup_frac: float = 0.1
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.98)
+    eps: float = 1e-6
+    clip_norm: float = 1.0  # 0 = off
+    dropout: float = 0.1  # encoder hidden dropout and classifier dropout
+    max_seq_len: int = 256
+    seeds: list[int] = field(default_factory=lambda: [0])
+    log_every: int = 50
+
+
+@dataclass
+class LabelRegConfig:
+    target: str = "onehot"  # onehot | ls | tfreg | kd | selfkd
+    alpha: float = 0.0  # weight of the smoothing distribution / of the KD term
+    a: float = 0.95  # TF-reg: probability of the true class in the teacher-free distribution
+    temperature: float = 1.0  # KD τ
+    tau_squared: bool = False  # scale the KD term by τ²
+    teacher: str = ""  # kd / selfkd: a fine-tuned classifier directory (selfkd: a same-architecture copy)
+
+
+@dataclass
+class SoTeacherConfig:
+    """Student-oriented teacher training (SPEC §3). `enabled` trains a teacher, then a student by KD."""
+
+    enabled: bool = False
+    lambda_lr: float = 1e-5  # Lipschitz penalty weight
+    lambda_cr: float = 1.0  # consistency weight at the last epoch (λ_CR^max)
+    cr_schedule: str = "linear"  # linear | cosine | cyclic | piecewise
+    student: ModelInitConfig = field(default_factory=ModelInitConfig)
+    student_alpha: float = 0.5  # RepDistiller: α·CE + (1−α)·τ²·KL, α = 0.5, τ = 4
+    student_temperature: float = 4.0
+    distill_student: bool = True
+
+
+@dataclass
+class TGTConfig:
+    """Teacher Guided Training (SPEC §6): a frozen MLM generator + a frozen fine-tuned labeler."""
+
+    enabled: bool = False
+    generator: str = ""  # an MLM: pretraining run/checkpoint (its generator), megakd model dir, HF MLM dir
+    labeler: str = ""  # a fine-tuned classifier directory
+    mode: str = "random"  # random | gradient
+    mask_prob: float = 0.15  # fraction p of tokens resampled
+    noise_std: float = 0.0  # σ of Gaussian noise on the generator's input embeddings
+    step_size: float = 1.0  # gradient mode: η of each ascent step (on per-row normalised gradients)
+    steps: int = 1  # gradient mode: ascent steps
+    sampling_temperature: float = 1.0  # random mode
+
+
+@dataclass
+class FinetuneConfig:
+    run: FinetuneRunConfig = field(default_factory=FinetuneRunConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    model: ModelInitConfig = field(default_factory=ModelInitConfig)
+    finetune: OptimConfig = field(default_factory=OptimConfig)
+    labelreg: LabelRegConfig = field(default_factory=LabelRegConfig)
+    soteacher: SoTeacherConfig = field(default_factory=SoTeacherConfig)
+    tgt: TGTConfig = field(default_factory=TGTConfig)
+    kernels_backend: str = "auto"
+
+    @property
+    def metric(self) -> str:
+        return self.task.metric or ("spearman" if self.task.num_labels == 1 else "accuracy")
+
+    def validate(self) -> FinetuneConfig:
+        t, f, lr = self.task, self.finetune, self.labelreg
+        _check_choice("task.name", t.name, (*BUILTIN_TASKS, "files"))
+        if t.name == "files" and not (t.train and t.dev):
+            raise ConfigError("task.train and task.dev: both are required with task.name=files")
+        if t.metric:
+            _check_choice("task.metric", t.metric, METRICS)
+        if t.num_labels < 1:
+            raise ConfigError(f"task.num_labels: expected >= 1 (1 = regression), got {t.num_labels}")
+        if t.labels and len(t.labels) != t.num_labels:
+            raise ConfigError(f"task.labels: expected {t.num_labels} names (task.num_labels), got {len(t.labels)}")
+        for init in (("model", self.model), ("soteacher.student", self.soteacher.student)):
+            _check_choice(f"{init[0]}.init", init[1].init, ("pretrained", "random"))
+        if self.model.init == "pretrained" and not self.model.path:
+            raise ConfigError("model.path: required with model.init=pretrained (or set model.init=random)")
+        for key in ("epochs", "batch_size", "eval_batch_size", "max_seq_len", "log_every"):
+            if getattr(f, key) < 1:
+                raise ConfigError(f"finetune.{key}: expected a positive integer, got {getattr(f, key)}")
+        if f.max_seq_len < 3:
+            raise ConfigError(f"finetune.max_seq_len: expected >= 3 ([CLS] x [SEP]), got {f.max_seq_len}")
+        if not f.seeds:
+            raise ConfigError("finetune.seeds: expected a non-empty list of integers")
+        if not 0.0 <= f.warmup_frac < 1.0:
+            raise ConfigError(f"finetune.warmup_frac: expected a value in [0, 1), got {f.warmup_frac}")
+        if not 0.0 <= f.dropout < 1.0:
+            raise ConfigError(f"finetune.dropout: expected a probability in [0, 1), got {f.dropout}")
+        if f.lr < 0 or f.clip_norm < 0 or f.eps <= 0:
+            raise ConfigError("finetune.lr and finetune.clip_norm must be >= 0 and finetune.eps > 0")
+        _check_choice("labelreg.target", lr.target, TARGETS)
+        if not 0.0 <= lr.alpha <= 1.0:
+            raise ConfigError(f"labelreg.alpha: expected a value in [0, 1], got {lr.alpha}")
+        if not 0.0 < lr.a <= 1.0:
+            raise ConfigError(f"labelreg.a: expected a value in (0, 1], got {lr.a}")
+        if lr.temperature <= 0:
+            raise ConfigError(f"labelreg.temperature: expected > 0, got {lr.temperature}")
+        if lr.target in ("kd", "selfkd") and not lr.teacher:
+            raise ConfigError(f"labelreg.teacher: required with labelreg.target={lr.target} "
+                              "(a fine-tuned classifier directory)")
+        if t.num_labels == 1 and (lr.target != "onehot" or self.soteacher.enabled or self.tgt.enabled):
+            raise ConfigError("task.num_labels=1 (regression): labelreg, soteacher and tgt need a classification task")
+        s = self.soteacher
+        _check_choice("soteacher.cr_schedule", s.cr_schedule, CR_SCHEDULES)
+        if s.lambda_lr < 0 or s.lambda_cr < 0:
+            raise ConfigError("soteacher.lambda_lr and soteacher.lambda_cr: expected >= 0")
+        if s.enabled and s.distill_student and s.student.init == "pretrained" and not s.student.path:
+            raise ConfigError("soteacher.student.path: required with soteacher.student.init=pretrained")
+        g = self.tgt
+        _check_choice("tgt.mode", g.mode, ("random", "gradient"))
+        if g.enabled and not (g.generator and g.labeler):
+            raise ConfigError("tgt.generator and tgt.labeler: both are required with tgt.enabled=true")
+        if not 0.0 < g.mask_prob < 1.0:
+            raise ConfigError(f"tgt.mask_prob: expected a value in (0, 1), got {g.mask_prob}")
+        if g.noise_std < 0 or g.steps < 1 or g.step_size < 0:
+            raise ConfigError("tgt.noise_std and tgt.step_size: expected >= 0; tgt.steps: expected >= 1")
+        if g.enabled and s.enabled:
+            raise ConfigError("tgt.enabled and soteacher.enabled: choose one method per run")
+        _check_choice("kernels_backend", self.kernels_backend, ("auto", "triton", "torch"))
+        for init in (self.model, s.student):
+            if init.init == "random" and not init.path:
+                if not init.tokenizer:
+                    raise ConfigError("model.tokenizer: required with init=random and no model path")
+                try:
+                    init.encoder.validate()
+                except ValueError as err:
+                    raise ConfigError(str(err).replace("model.", "model.encoder.", 1)) from None
+        return self

@@ -8,21 +8,57 @@ them over micro-batches and ranks before dividing.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from megakd.models.electra import Discriminator, ElectraPair, MaskedLM
+from megakd.objectives.distill import alpha_schedule, kd_loss
 from megakd.objectives.electra import corrupt, mlm_loss, rtd_counts, rtd_labels, rtd_loss, sample_replacements
 
 
-class GeneratorTask(nn.Module):
-    """MLM over masked positions (sparse head) + sampling of replacement tokens."""
+@dataclass
+class TeacherKD:
+    """DWT's frozen teacher and weights: loss = α_h·CE + α_s(t)·τ²·KL(p_teacher^τ ‖ p_student^τ).
 
-    def __init__(self, model: MaskedLM, kernel_backend: str = "auto", temperature: float = 1.0):
+    A plain object, not an nn.Module, so the teacher is no submodule of the task: backends
+    (DDP, DeepSpeed ZeRO-3) never wrap, shard or synchronise it, `task.train()` never switches
+    it out of eval mode and checkpoints hold the student only.
+    """
+
+    teacher: MaskedLM
+    temperature: float
+    alpha_hard: float
+    alpha_soft_start: float
+    alpha_soft_end: float
+    schedule: str
+    max_steps: int
+    step_at: float = 0.5
+
+    def alpha_soft(self, step: int) -> float:
+        return alpha_schedule(self.schedule, self.alpha_soft_start, self.alpha_soft_end, step, self.max_steps,
+                              self.step_at)
+
+
+class GeneratorTask(nn.Module):
+    """MLM over masked positions (sparse head) + sampling of replacement tokens.
+
+    With a `TeacherKD` this is DWT: the teacher sees the same masked input and the KL runs over
+    the same masked positions through the fused kernel. Under ELECTRA the KD goes into the
+    generator's MLM head (the direct analogue of BERT-MLM DWT; SPEC §4.4 GAP); the discriminator
+    still learns from the student generator's samples. `step` (set by the trainer through
+    `set_step`) is the 0-based optimizer step α_s(t) is evaluated at.
+    """
+
+    def __init__(self, model: MaskedLM, kernel_backend: str = "auto", temperature: float = 1.0,
+                 kd: TeacherKD | None = None):
         super().__init__()
         self.model = model
         self.kernel_backend = kernel_backend
         self.temperature = temperature
+        self.kd = kd
+        self.step = 0
 
     def forward(self, batch: dict[str, torch.Tensor], rng: torch.Generator | None = None) -> dict:
         mlm_mask = batch["mlm_mask"]
@@ -35,15 +71,30 @@ class GeneratorTask(nn.Module):
             masked_hidden, head.decoder_weight, head.bias, rng, self.temperature, self.kernel_backend
         )
         n = targets.numel()
-        return {
-            "loss": loss,
-            "samples": samples,
-            "stats": {
-                "gen_loss_sum": loss.detach().float() * n,
-                "gen_correct": (argmax == targets).sum(),
-                "masked": torch.tensor(n),
-            },
+        stats = {
+            "gen_loss_sum": loss.detach().float() * n,
+            "gen_correct": (argmax == targets).sum(),
+            "masked": torch.tensor(n),
         }
+        if self.kd is not None:
+            teacher = self.kd.teacher
+            with torch.no_grad():
+                t_hidden = teacher.masked_hidden(teacher(batch["masked_input_ids"], batch["attention_mask"]), mlm_mask)
+            soft = kd_loss(masked_hidden, head.decoder_weight, head.bias, t_hidden, teacher.head.decoder_weight,
+                           teacher.head.bias, self.kd.temperature, self.kernel_backend)
+            alpha_soft = self.kd.alpha_soft(self.step)
+            loss = self.kd.alpha_hard * loss + alpha_soft * soft
+            stats["kd_loss_sum"] = soft.detach().float() * n
+            stats["alpha_soft_sum"] = torch.tensor(float(alpha_soft))
+            stats["kd_batches"] = torch.tensor(1.0)
+        return {"loss": loss, "samples": samples, "stats": stats}
+
+
+def set_step(task: nn.Module, step: int) -> None:
+    """Tell every generator task inside `task` which optimizer step it is computing (for α_s(t))."""
+    for module in task.modules():
+        if isinstance(module, GeneratorTask):
+            module.step = step
 
 
 class DiscriminatorTask(nn.Module):
@@ -71,10 +122,11 @@ class DiscriminatorTask(nn.Module):
 class JointElectraTask(nn.Module):
     """Original ELECTRA: one module, one optimizer, loss L_MLM + λ·L_RTD, shared embeddings allowed."""
 
-    def __init__(self, pair: ElectraPair, loss_weight: float, kernel_backend: str = "auto", temperature: float = 1.0):
+    def __init__(self, pair: ElectraPair, loss_weight: float, kernel_backend: str = "auto", temperature: float = 1.0,
+                 kd: TeacherKD | None = None):
         super().__init__()
         self.pair = pair
-        self.generator_task = GeneratorTask(pair.generator, kernel_backend, temperature)
+        self.generator_task = GeneratorTask(pair.generator, kernel_backend, temperature, kd)
         self.discriminator_task = DiscriminatorTask(pair.discriminator, kernel_backend)
         self.loss_weight = loss_weight
 

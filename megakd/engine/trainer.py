@@ -25,6 +25,7 @@ from megakd.config import Config, ConfigError, config_to_dict, save_config
 from megakd.engine import checkpoint
 from megakd.engine.backends import Backend, Unit
 from megakd.engine.metrics import MetricsWriter, plot_metrics
+from megakd.engine.tasks import set_step
 from megakd.objectives.electra import corrupt, precision_recall_f1
 
 log = logging.getLogger(__name__)
@@ -146,6 +147,8 @@ class Trainer:
     def train_step(self, batches) -> dict[str, float] | None:
         """Run one optimizer step; returns grad norms, or None if the step was skipped."""
         losses = []
+        for unit in self.units.values():
+            set_step(unit.task, self.step)
         for i in range(self.accumulation_steps):
             batch = next(batches)
             self.interval["tokens"] += float(batch["attention_mask"].sum())
@@ -185,6 +188,9 @@ class Trainer:
             rec["disc_acc"] = s["rtd_correct"] / s["rtd_tokens"]
             p, r, f1 = precision_recall_f1(s["rtd_tp"], s["rtd_fp"], s["rtd_fn"])
             rec.update(rtd_precision=p, rtd_recall=r, rtd_f1=f1, replaced_frac=s["replaced"] / s["rtd_tokens"])
+        if s.get("kd_batches"):  # DWT: τ²·KL per masked token and the mean α_s of the interval
+            rec["kd_loss"] = s["kd_loss_sum"] / max(s["masked"], 1.0)
+            rec["alpha_soft"] = s["alpha_soft_sum"] / s["kd_batches"]
         for name, unit in self.units.items():
             key = "discriminator" if name == "electra" else name
             rec[f"lr_{key}"] = unit.lr

@@ -14,7 +14,7 @@ from megakd.data.stream import PretrainingLoader
 from megakd.data.tokenizer import Tokenizer
 from megakd.engine.backends import Backend, DDPBackend, Unit
 from megakd.engine.optim import build_optimizer, build_scheduler
-from megakd.engine.tasks import DiscriminatorTask, GeneratorTask, JointElectraTask
+from megakd.engine.tasks import DiscriminatorTask, GeneratorTask, JointElectraTask, TeacherKD
 from megakd.engine.trainer import Trainer, TrainResult
 from megakd.models.electra import Discriminator, ElectraPair, MaskedLM
 
@@ -57,8 +57,12 @@ def check_vocab(cfg: Config, tokenizer: Tokenizer) -> None:
             )
 
 
-def build_units(cfg: Config, generator: MaskedLM, discriminator: Discriminator | None) -> list[Unit]:
-    """DecoupledOptim → generator + discriminator units; original ELECTRA → one joint unit; MLM → one."""
+def build_units(cfg: Config, generator: MaskedLM, discriminator: Discriminator | None,
+                kd: TeacherKD | None = None) -> list[Unit]:
+    """DecoupledOptim → generator + discriminator units; original ELECTRA → one joint unit; MLM → one.
+
+    `kd` (DWT) attaches a frozen teacher to the generator's MLM loss in every layout.
+    """
     kb, max_steps, sched = cfg.kernels.backend, cfg.train.max_steps, cfg.optim.schedule
     temperature = cfg.electra.sampling_temperature
 
@@ -69,15 +73,15 @@ def build_units(cfg: Config, generator: MaskedLM, discriminator: Discriminator |
                     clip_norm=opt_cfg.clip_norm, loss_scale=loss_scale)
 
     if discriminator is None:
-        return [unit("generator", GeneratorTask(generator, kb, temperature), generator, cfg.optim.generator)]
+        return [unit("generator", GeneratorTask(generator, kb, temperature, kd), generator, cfg.optim.generator)]
     if cfg.electra.decoupled:
         return [
-            unit("generator", GeneratorTask(generator, kb, temperature), generator, cfg.optim.generator),
+            unit("generator", GeneratorTask(generator, kb, temperature, kd), generator, cfg.optim.generator),
             unit("discriminator", DiscriminatorTask(discriminator, kb), discriminator, cfg.optim.discriminator,
                  loss_scale=cfg.electra.loss_weight),
         ]
     pair = ElectraPair(generator, discriminator, share_embeddings=True)
-    task = JointElectraTask(pair, cfg.electra.loss_weight, kb, temperature)
+    task = JointElectraTask(pair, cfg.electra.loss_weight, kb, temperature, kd)
     return [unit("electra", task, pair, cfg.optim.discriminator)]
 
 
@@ -100,7 +104,12 @@ def build_trainer(cfg: Config, backend: Backend | None = None) -> Trainer:
         log.info("data: %s (%d samples, seq_len %d), tokenizer %s", shards_dir, manifest["num_samples"],
                  manifest["seq_len"], tokenizer_dir)
     generator, discriminator = build_models(cfg)
-    units = build_units(cfg, generator, discriminator)
+    kd = None
+    if cfg.distill.teacher:
+        from megakd.distill.dwt import attach_teacher
+
+        kd = attach_teacher(cfg, tokenizer, generator, backend.device)
+    units = build_units(cfg, generator, discriminator, kd)
     backend.prepare(units, accumulation)
     loader = PretrainingLoader(
         shards_dir, tokenizer, micro_batch_size=micro_batch, rank=backend.rank, world_size=backend.world_size,

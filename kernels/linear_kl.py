@@ -22,9 +22,10 @@ import torch.nn.functional as F
 
 from .dispatch import check_float, check_tensor, resolve_backend
 
-# Elements of one [rows x V] chunk temporary. 2**25 fp32 = 128 MiB; at V = 128K that is 256 rows,
-# enough for the chunk GEMMs to stay compute-bound on CPU.
-_CHUNK_ELEMS = 1 << 25
+# Elements of one [rows x V] chunk temporary: 2**24 fp32 = 64 MiB, i.e. 131 rows at V = 128K. Measured
+# on 2 CPU cores (tools/bench_kernels.py): 128-262 rows run as fast as the naive full-size GEMMs,
+# while the largest chunk temporaries (2-3 of them) stay well below the [V x H] weight gradient.
+_CHUNK_ELEMS = 1 << 24
 
 
 def _rows_per_chunk(n: int, v: int) -> int:
@@ -118,41 +119,48 @@ class _ChunkedLinearLoss(torch.autograd.Function):
         gw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_w else None
         gb = torch.zeros(v, dtype=acc, device=weight.device) if want_b else None
         total = torch.zeros((), dtype=acc, device=hidden.device)
+        if kind == "kl" and inv_tau != 1.0:
+            # Fold 1/tau into the small inputs ([rows x H], [V]) instead of the [rows x V] logits.
+            bias = None if bias is None else bias * inv_tau
+            t_bias = None if t_bias is None else t_bias * inv_tau
         step = _rows_per_chunk(n, v)
         for r0 in range(0, n, step):
             h = hidden[r0 : r0 + step]
-            s = _logits(h, weight, bias, acc)
             if kind == "kl":
-                s.mul_(inv_tau)
-                log_ps = s.sub_(torch.logsumexp(s, -1, keepdim=True))  # in place: s is now log p_s
-                log_pt = _logits(t_hidden[r0 : r0 + step], t_weight, t_bias, acc).mul_(inv_tau)
-                log_pt.sub_(torch.logsumexp(log_pt, -1, keepdim=True))
+                th = t_hidden[r0 : r0 + step]
+                if inv_tau != 1.0:
+                    h, th = h * inv_tau, th * inv_tau
+                log_ps = torch.log_softmax(_logits(h, weight, bias, acc), -1)
+                log_pt = torch.log_softmax(_logits(th, t_weight, t_bias, acc), -1)
                 p_t = log_pt.exp()
                 # Row-major dot products avoid another [chunk x V] temporary.
                 total += torch.dot(p_t.view(-1), log_pt.view(-1)) - torch.dot(p_t.view(-1), log_ps.view(-1))
+                del log_pt
                 if not grad:
                     continue
-                dz = log_ps.exp_().sub_(p_t).mul_(inv_tau / denom)  # (p_s - p_t) / tau / N
-                del log_pt, p_t
+                dz = log_ps.exp_().sub_(p_t)  # p_s - p_t, in place
+                del p_t
+                # d(loss)/d(logits) = dz / tau / N: the scale goes on the small GEMM operands.
+                row_scale = torch.full((h.shape[0], 1), inv_tau / denom, dtype=acc, device=h.device)
+                h = hidden[r0 : r0 + step]
             else:
                 tgt = extra[r0 : r0 + step]
                 valid = tgt != ignore_index
                 safe = torch.where(valid, tgt, 0).unsqueeze(1)
-                lse = torch.logsumexp(s, -1)
-                total += ((lse - s.gather(1, safe).squeeze(1)) * valid).sum()
+                logp = torch.log_softmax(_logits(h, weight, bias, acc), -1)
+                total -= (logp.gather(1, safe).squeeze(1) * valid).sum()
                 if not grad:
                     continue
-                dz = s.sub_(lse.unsqueeze(1)).exp_()  # softmax, in place
+                dz = logp.exp_()  # softmax, in place
                 dz.scatter_add_(1, safe, torch.full_like(safe, -1, dtype=acc))
-                dz.mul_((valid.to(acc) / denom).unsqueeze(1))
-            dz_in = dz.to(hidden.dtype)
+                row_scale = (valid.to(acc) / denom).unsqueeze(1)  # 0 on ignored rows
             if want_h:
-                gh[r0 : r0 + step] = dz_in @ weight
+                gh[r0 : r0 + step] = (dz.to(weight.dtype) @ weight).to(acc).mul_(row_scale)
             if want_w:
-                gw.addmm_(dz.t(), h.to(acc))
+                gw.addmm_(dz.t(), h.to(acc) * row_scale)
             if want_b:
-                gb += dz.sum(0)
-            del s, dz, dz_in
+                gb.addmv_(dz.t(), row_scale.squeeze(1))
+            del dz
         ctx.save_for_backward(gh, gw, gb)
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         return (total / denom).to(hidden.dtype)

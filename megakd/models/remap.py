@@ -132,7 +132,7 @@ def remap_masked_lm(teacher: MaskedLM, student: MaskedLM, width: str = "net2wide
                          f"(embedding_size {tc.embedding_size} vs hidden_size {tc.hidden_size}, "
                          f"{sc.embedding_size} vs {sc.hidden_size})")
     t_sizes, s_sizes = _space_sizes(teacher), _space_sizes(student)
-    for space, key in (("E", "embedding_size"), ("H", "hidden_size"), ("I", "intermediate_size"), ("N", "num_heads")):
+    for space, key in (("H", "hidden_size"), ("E", "embedding_size"), ("I", "intermediate_size"), ("N", "num_heads")):
         if s_sizes[space] < t_sizes[space]:
             raise ValueError(f"remap: the student's model.{key} ({s_sizes[space]}) is smaller than the teacher's "
                              f"({t_sizes[space]}); remapping only widens")

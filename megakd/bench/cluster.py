@@ -1,0 +1,249 @@
+"""`megakd bench`: measure a cluster the way a 125K-step run will use it.
+
+Runs under any launcher (torchrun, deepspeed, Slurm) through `init_distributed`, at any world size.
+Collectives are reported like nccl-tests: for a message of S bytes taking t seconds,
+algbw = S / t and busbw = algbw x 2(n-1)/n (all-reduce) or x (n-1)/n (all-gather, reduce-scatter;
+S is the full gathered / scattered buffer), so busbw is comparable across world sizes and with the
+link speed. Every timing is the slowest rank's (the collective is not done until all are).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import resource
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from megakd.bench.flops import step_flops
+from megakd.config import Config
+from megakd.engine.backends import init_distributed
+
+log = logging.getLogger(__name__)
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+BUS_FACTOR: dict[str, Callable[[int], float]] = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _slowest(seconds: float, device: torch.device) -> float:
+    """The largest of every rank's `seconds`."""
+    if not _distributed():
+        return seconds
+    t = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def collective_bandwidth(op: str, size_bytes: int, device: torch.device, iters: int = 5, warmup: int = 2) -> dict:
+    """algbw/busbw of one collective on a `size_bytes` fp32 message (nccl-tests conventions)."""
+    n = dist.get_world_size() if _distributed() else 1
+    elems = max(n, size_bytes // 4 // n * n)  # the buffer splits evenly over ranks
+    full = torch.ones(elems, dtype=torch.float32, device=device)
+    part = torch.ones(elems // n, dtype=torch.float32, device=device)
+
+    def once() -> None:
+        if not _distributed():
+            return
+        if op == "all_reduce":
+            dist.all_reduce(full)
+        elif op == "all_gather":
+            dist.all_gather_into_tensor(full, part)
+        else:
+            dist.reduce_scatter_tensor(part, full)
+
+    for _ in range(warmup):
+        once()
+    _sync(device)
+    if _distributed():
+        dist.barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        once()
+    _sync(device)
+    seconds = _slowest((time.perf_counter() - start) / iters, device)
+    size = elems * 4
+    algbw = size / seconds / 1e9
+    return {"bytes": size, "time_us": seconds * 1e6, "algbw_GBps": algbw, "busbw_GBps": algbw * BUS_FACTOR[op](n)}
+
+
+def matmul_tflops(precision: str, device: torch.device, n: int = 2048, iters: int = 5) -> dict:
+    """Dense [n x n] @ [n x n] throughput per device, in TFLOP/s (2n^3 per product)."""
+    a = torch.randn(n, n, device=device).to(DTYPES[precision])
+    b = torch.randn(n, n, device=device).to(DTYPES[precision])
+    a @ b
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        a @ b
+    _sync(device)
+    seconds = _slowest((time.perf_counter() - start) / iters, device)
+    return {"n": n, "time_ms": seconds * 1e3, "tflops": 2 * n**3 / seconds / 1e12}
+
+
+def loader_throughput(cfg: Config, batches: int, rank: int, world_size: int) -> dict:
+    """Samples/s of the real PretrainingLoader (shards, decoding, masking) on this rank, summed over ranks."""
+    from megakd.data.stream import PretrainingLoader
+    from megakd.data.tokenizer import Tokenizer
+    from megakd.engine.pretrain import resolve_data
+
+    tokenizer_dir, shards_dir = resolve_data(cfg)
+    loader = PretrainingLoader(shards_dir, Tokenizer.load(tokenizer_dir), micro_batch_size=cfg.train.micro_batch_size,
+                               rank=rank, world_size=world_size, num_workers=cfg.data.num_workers,
+                               seed=cfg.train.seed, mask_prob=cfg.data.mask_prob)
+    it = iter(loader)
+    next(it)  # worker start-up is not throughput
+    start = time.perf_counter()
+    samples = sum(next(it)["input_ids"].shape[0] for _ in range(batches))
+    seconds = time.perf_counter() - start
+    per_rank = samples / seconds
+    total = per_rank
+    if _distributed():
+        t = torch.tensor([per_rank], dtype=torch.float64)
+        dist.all_reduce(t)
+        total = float(t.item())
+    return {"micro_batch_size": cfg.train.micro_batch_size, "num_workers": cfg.data.num_workers,
+            "batches": batches, "samples_per_s_per_rank": per_rank, "samples_per_s": total}
+
+
+class _PhaseTimer:
+    """Wall time per phase of the trainer's steps, measured on the real backend's calls.
+
+    Forward, backward and the optimizer step are timed around the backend's own methods. Under
+    DDP the gradient all-reduce is made synchronous through a comm hook (a real `all_reduce` of
+    each bucket), so its time is measured and taken out of backward; elsewhere it stays inside
+    backward (and `communication` is None).
+    """
+
+    def __init__(self, trainer) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.comm_measured = False
+        backend = trainer.backend
+        self.device = backend.device
+        for phase, name in (("forward", "forward"), ("backward", "backward"), ("optimizer", "step")):
+            setattr(backend, name, self._timed(phase, getattr(backend, name)))
+        for unit in trainer.units.values():
+            if isinstance(unit.wrapped, torch.nn.parallel.DistributedDataParallel):
+                unit.wrapped.register_comm_hook(None, self._allreduce_hook)
+                self.comm_measured = True
+
+    def _timed(self, phase: str, fn: Callable) -> Callable:
+        def run(*args, **kwargs):
+            _sync(self.device)
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            _sync(self.device)
+            self.seconds[phase] += time.perf_counter() - start
+            return out
+        return run
+
+    def _allreduce_hook(self, _state, bucket) -> torch.futures.Future:
+        start = time.perf_counter()
+        buffer = bucket.buffer()
+        dist.all_reduce(buffer)
+        buffer.div_(dist.get_world_size())
+        _sync(self.device)
+        self.seconds["communication"] += time.perf_counter() - start
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_result(buffer)
+        return future
+
+
+def training_throughput(cfg: Config, steps: int, warmup: int, peak_tflops: float | None) -> dict:
+    """Tokens/s, samples/s, step-time split, peak memory and MFU of real training steps of `cfg`."""
+    from megakd.engine.pretrain import build_trainer
+
+    trainer = build_trainer(cfg)
+    backend = trainer.backend
+    batches: Iterator = iter(trainer.loader)
+    for _ in range(warmup):
+        trainer.train_step(batches)
+    timer = _PhaseTimer(trainer)
+    tokens_before = float(trainer.interval["tokens"])
+    if backend.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(backend.device)
+    backend.barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        trainer.train_step(batches)
+    _sync(backend.device)
+    elapsed = _slowest(time.perf_counter() - start, backend.device)
+    world = backend.world_size
+    tokens = float(backend.all_reduce_sum(torch.tensor(float(trainer.interval["tokens"]) - tokens_before)).item())
+    per_step = {k: _slowest(v, backend.device) / steps for k, v in timer.seconds.items()}
+    if timer.comm_measured:
+        per_step["backward"] -= per_step.get("communication", 0.0)
+    step_s = elapsed / steps
+    per_step["other"] = max(0.0, step_s - sum(per_step.values()))
+    flops = step_flops(cfg, cfg.train.global_batch_size, trainer.loader.seq_len)
+    if backend.device.type == "cuda":
+        peak_mem = torch.cuda.max_memory_allocated(backend.device)
+        mem_kind = "cuda max_memory_allocated"
+    else:
+        peak_mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        mem_kind = "process peak RSS"
+    achieved = flops.model / step_s / world / 1e12
+    result = {
+        "steps": steps, "world_size": world, "backend": backend.name, "precision": cfg.train.precision,
+        "global_batch_size": cfg.train.global_batch_size, "seq_len": trainer.loader.seq_len,
+        "step_s": step_s, "samples_per_s": cfg.train.global_batch_size / step_s,
+        "tokens_per_s": tokens / elapsed,  # non-padding tokens, all ranks
+        "phases_s": {k: per_step.get(k) for k in ("forward", "backward", "communication", "optimizer", "other")},
+        "peak_memory_bytes": peak_mem, "peak_memory_kind": mem_kind,
+        "model_flops_per_step": flops.model, "hardware_flops_per_step": flops.hardware,
+        "achieved_tflops_per_device": achieved, "peak_tflops": peak_tflops,
+        "mfu": achieved / peak_tflops if peak_tflops else None,
+    }
+    if not timer.comm_measured:
+        result["phases_s"]["communication"] = None
+    backend.close()
+    return result
+
+
+def run_bench(cfg: Config, *, parts: tuple[str, ...], sizes: list[int], iters: int, matmul_n: int,
+              loader_batches: int, train_steps: int, train_warmup: int, peak_tflops: float | None) -> dict:
+    """Every requested measurement, as one JSON-able dict (identical on all ranks)."""
+    rank, world, local_rank = init_distributed(cfg.backend.dist_backend)
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    out: dict = {"world_size": world, "device": torch.cuda.get_device_name(device) if device.type == "cuda"
+                 else "cpu", "dist_backend": dist.get_backend() if _distributed() else None,
+                 "torch_threads": torch.get_num_threads()}
+    if "collectives" in parts:
+        out["collectives"] = {op: [collective_bandwidth(op, s, device, iters) for s in sizes] for op in COLLECTIVES}
+    if "matmul" in parts:
+        precisions = ["fp32", "bf16"] + (["fp16"] if device.type == "cuda" else [])
+        out["matmul"] = {p: matmul_tflops(p, device, matmul_n, iters) for p in precisions}
+    if "loader" in parts:
+        out["loader"] = loader_throughput(cfg, loader_batches, rank, world)
+    if "train" in parts:
+        peak = peak_tflops
+        if peak is None and "matmul" in out:
+            peak = out["matmul"].get(cfg.train.precision, {}).get("tflops")
+            out["peak_source"] = f"measured {cfg.train.precision} matmul"
+        elif peak is not None:
+            out["peak_source"] = "--peak-tflops"
+        if world > 1 and cfg.backend.name == "single":
+            log.info("bench: %d processes with backend.name=single: measuring training with ddp", world)
+            cfg.backend.name = "ddp"
+        out["train"] = training_throughput(cfg, train_steps, train_warmup, peak)
+    elif _distributed():
+        with contextlib.suppress(RuntimeError):
+            dist.destroy_process_group()
+    return out

@@ -1,0 +1,254 @@
+"""The memory/throughput planner: which (ZeRO stage, pipeline stages, micro-batch, checkpointing)
+layouts fit a GPU, and how long a step will take.
+
+Step time = compute + exposed communication. Compute is the step's hardware FLOPs (flops.py, with
+recomputation) at `efficiency` x peak, stretched by the 1F1B pipeline bubble ((m + P - 1) micro-
+batch slots of the slowest stage). Communication is what the data-parallel collectives move at the
+nccl-tests bus bandwidth: ZeRO-0/1 reduce gradients once per step, ZeRO-2 reduce-scatters them after
+every micro-batch, ZeRO-3 also all-gathers the 16-bit weights for every forward and backward; ZeRO
+1-3 all-gather the updated weights after the step. `overlap` is the share hidden behind compute
+(0 by default: a conservative upper bound).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from megakd.bench.flops import StepFlops, step_flops
+from megakd.bench.memory import (
+    Block,
+    GiB,
+    block_activation_bytes,
+    layer_activation_bytes,
+    model_blocks,
+    model_state_bytes,
+)
+from megakd.config import Config, ConfigError
+
+
+@dataclass
+class Hardware:
+    """One accelerator type and its interconnect, as the planner needs it."""
+
+    name: str
+    peak_tflops: dict[str, float]  # dense matmul peak per precision (fp32, bf16, fp16)
+    busbw_intra: float  # GB/s all-reduce bus bandwidth within a node
+    busbw_inter: float  # GB/s all-reduce bus bandwidth across nodes
+    gpus_per_node: int = 8
+    source: str = ""
+
+
+# Peaks: NVIDIA datasheets, dense tensor-core math (no sparsity); fp32 is plain FP32 (torch's
+# default matmul precision, TF32 off). Bus bandwidths: typical nccl-tests all_reduce_perf results
+# for standard 8-GPU servers with a full set of NICs (DGX-1 V100: NVLink2, 4x EDR; DGX A100:
+# NVLink3, 8x HDR; DGX H100: NVLink4, 8x NDR). Measure yours with `megakd bench` and pass --bench.
+GPUS: dict[str, Hardware] = {
+    "v100": Hardware("V100-SXM2", {"fp32": 15.7, "fp16": 125.0}, 130.0, 45.0,
+                     source="V100 datasheet; DGX-1 NVLink2 + 4x100Gb/s EDR"),
+    "a100": Hardware("A100-SXM4", {"fp32": 19.5, "bf16": 312.0, "fp16": 312.0}, 230.0, 180.0,
+                     source="A100 datasheet; DGX A100 NVLink3 + 8x200Gb/s HDR"),
+    "h100": Hardware("H100-SXM5", {"fp32": 67.0, "bf16": 989.0, "fp16": 989.0}, 370.0, 360.0,
+                     source="H100 datasheet; DGX H100 NVLink4 + 8x400Gb/s NDR"),
+}
+
+
+def hardware_from_bench(path: str | Path) -> Hardware:
+    """Peak and bandwidth measured by `megakd bench` (its JSON): matmul TFLOP/s, largest all-reduce busbw."""
+    try:
+        data = json.loads(Path(path).read_text())
+        peaks = {p: r["tflops"] for p, r in data["matmul"].items()}
+        busbw = max(r["busbw_GBps"] for r in data["collectives"]["all_reduce"])
+        world = data["world_size"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ConfigError(f"--bench {path}: expected a JSON written by `megakd bench` "
+                          f"with matmul and all_reduce results ({type(err).__name__}: {err})") from None
+    # One measurement, at the world size it ran at, stands for both levels of the network.
+    return Hardware(f"measured ({data.get('device', '?')} x{world})", peaks, busbw, busbw, max(world, 1),
+                    source=str(path))
+
+
+@dataclass
+class Layout:
+    zero_stage: int
+    pipeline_stages: int
+    micro_batch: int
+    checkpointing: bool
+
+
+@dataclass
+class Plan:
+    layout: Layout
+    dp: int
+    accumulation: int
+    memory: dict[str, float]  # bytes per device on the fullest pipeline stage
+    compute_s: float
+    comm_s: float
+    step_s: float
+    fits: bool
+
+    @property
+    def total_gib(self) -> float:
+        return self.memory["total"] / GiB
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "total_gib": self.total_gib}
+
+
+def _stage_flops(blocks: list[Block], cfg: Config, sequences: int, checkpointing: bool) -> list[float]:
+    """Hardware FLOPs of each block for `sequences` sequences (embeddings count the projection only)."""
+    f = step_flops(cfg, sequences)
+    parts = f.parts
+    out = []
+    for b in blocks:
+        enc = getattr(cfg.model, b.model)
+        if b.kind == "layer":
+            total = parts[f"{b.model}_encoder"]
+            per_layer = (total["forward"] + total["backward"]) / enc.num_layers  # embeddings projection spread
+            out.append(per_layer * (4 / 3 if checkpointing else 1))
+        elif b.kind == "head":
+            keys = (["generator_head", "generator_mlm_projection", "generator_sampling"]
+                    if b.model == "generator" else ["discriminator_head"])
+            out.append(sum(parts[k]["forward"] + parts[k]["backward"] for k in keys))
+        else:
+            out.append(0.0)
+    return out
+
+
+def partition(costs: list[float], stages: int) -> list[tuple[int, int]]:
+    """Contiguous [start, end) ranges of `costs` into `stages` parts minimising the largest sum."""
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, stages + 1):
+        for j in range(k, n + 1):
+            for i in range(k - 1, j):
+                value = max(best[k - 1][i], prefix[j] - prefix[i])
+                if value < best[k][j]:
+                    best[k][j], cut[k][j] = value, i
+    ranges, j = [], n
+    for k in range(stages, 0, -1):
+        ranges.append((cut[k][j], j))
+        j = cut[k][j]
+    return ranges[::-1]
+
+
+def evaluate(cfg: Config, hw: Hardware, gpus: int, gpu_mem_gib: float, layout: Layout, *,
+             efficiency: float = 0.45, overlap: float = 0.0, reserve_gib: float = 2.0,
+             blocks: list[Block] | None = None) -> Plan:
+    """Memory per device and estimated step time of one layout (`blocks`: model_blocks(cfg), reused)."""
+    precision = cfg.train.precision
+    peak = hw.peak_tflops.get(precision)
+    if peak is None:
+        raise ConfigError(f"train.precision={precision}: {hw.name} has no {precision} peak "
+                          f"(known: {', '.join(hw.peak_tflops)})")
+    P, b = layout.pipeline_stages, layout.micro_batch
+    dp = gpus // P
+    micro_batches = cfg.train.global_batch_size // (dp * b)
+    elem = 4 if precision == "fp32" else 2
+    seq = cfg.data.seq_len
+    blocks = blocks or model_blocks(cfg)
+    flops = _stage_flops(blocks, cfg, b, layout.checkpointing)
+    ranges = partition(flops, P) if P > 1 else [(0, len(blocks))]
+    worst: dict[str, float] = {"total": -1.0}
+    for s, (lo, hi) in enumerate(ranges):
+        mine = blocks[lo:hi]
+        params = sum(x.params for x in mine)
+        largest = max((x.largest_module for x in mine), default=0)
+        mem = model_state_bytes(params, largest, layout.zero_stage, dp, precision)
+        acts = sum(block_activation_bytes(x, getattr(cfg.model, x.model), seq, b, elem, cfg.data.mask_prob,
+                                          layout.checkpointing) for x in mine)
+        if layout.checkpointing and any(x.kind == "layer" for x in mine):
+            acts += max(layer_activation_bytes(getattr(cfg.model, x.model), seq, b, elem)
+                        for x in mine if x.kind == "layer")  # the one layer being recomputed
+        in_flight = min(P - s, micro_batches)  # 1F1B: stage s holds P - s micro-batches
+        mem["activations"] = acts * in_flight
+        mem["total"] = sum(mem.values())
+        if mem["total"] > worst["total"]:
+            worst = mem | {"params_on_stage": float(params)}
+    slowest = max(sum(flops[lo:hi]) for lo, hi in ranges)
+    compute = (micro_batches + P - 1) * slowest / (peak * 1e12 * efficiency)
+    comm = _dp_comm_seconds(cfg, hw, gpus, dp, micro_batches, layout, worst["params_on_stage"])
+    if P > 1:  # activations to the next stage forward, their gradients back, per micro-batch and cut
+        comm += 2 * micro_batches * (P - 1) / P * seq * b * cfg.model.discriminator.hidden_size * elem / (
+            hw.busbw_intra * 1e9)
+    step = compute + (1 - overlap) * comm
+    fits = worst["total"] <= (gpu_mem_gib - reserve_gib) * GiB
+    return Plan(layout, dp, micro_batches, worst, compute, comm, step, fits)
+
+
+def _dp_comm_seconds(cfg: Config, hw: Hardware, gpus: int, dp: int, micro_batches: int, layout: Layout,
+                     params: float) -> float:
+    """Seconds of data-parallel collectives per step (nccl-tests bus-bandwidth model)."""
+    if dp == 1:
+        return 0.0
+    busbw = (hw.busbw_inter if gpus > hw.gpus_per_node else hw.busbw_intra) * 1e9
+    grad = params * (4 if cfg.train.precision == "fp32" else 2)
+    share = (dp - 1) / dp  # all-gather / reduce-scatter move (n-1)/n of the data; all-reduce twice that
+    z = layout.zero_stage
+    if z == 0:
+        return 2 * share * grad / busbw
+    if z == 1:
+        return (share * grad + share * grad) / busbw  # reduce-scatter grads, all-gather weights
+    if z == 2:
+        return (micro_batches * share * grad + share * grad) / busbw
+    return micro_batches * 3 * share * grad / busbw  # gather for forward and backward, scatter grads
+
+
+def candidate_layouts(cfg: Config, gpus: int, zero: int | None, pp: int | None,
+                      micro_batches: list[int] | None, n_blocks: int) -> list[Layout]:
+    """Every valid layout: ZeRO stage x pipeline stages x micro-batch x activation checkpointing.
+
+    DeepSpeed's pipeline engine allows ZeRO stage <= 1; pipeline stages divide the GPUs and are at
+    most the number of blocks; the micro-batch times data-parallel ranks divides the global batch.
+    """
+    global_batch = cfg.train.global_batch_size
+    out = []
+    for stage in [zero] if zero is not None else [0, 1, 2, 3]:
+        for p in [pp] if pp is not None else [d for d in range(1, gpus + 1) if gpus % d == 0]:
+            if p > 1 and stage > 1 or p > n_blocks:
+                continue
+            dp = gpus // p
+            if global_batch % dp:
+                continue
+            sizes = micro_batches or [2**k for k in range(12) if 2**k <= global_batch // dp]
+            for b in sizes:
+                if (global_batch // dp) % b == 0:
+                    out += [Layout(stage, p, b, ckpt) for ckpt in (False, True)]
+    return out
+
+
+def plan(cfg: Config, hw: Hardware, gpus: int, gpu_mem_gib: float, *, zero: int | None = None,
+         pp: int | None = None, micro_batches: list[int] | None = None, **kwargs) -> list[Plan]:
+    """All candidate layouts evaluated: the ones that fit first, fastest first."""
+    if gpus < 1:
+        raise ConfigError(f"--gpus: expected a positive integer, got {gpus}")
+    if gpu_mem_gib <= 0:
+        raise ConfigError(f"--gpu-mem: expected a positive number of GB, got {gpu_mem_gib}")
+    if zero is not None and zero not in (0, 1, 2, 3):
+        raise ConfigError(f"--zero: expected 0, 1, 2 or 3, got {zero}")
+    if pp is not None and (pp < 1 or gpus % pp):
+        raise ConfigError(f"--pp: expected a divisor of --gpus={gpus}, got {pp}")
+    if pp is not None and pp > 1 and zero is not None and zero > 1:
+        raise ConfigError(f"--zero {zero} --pp {pp}: DeepSpeed pipeline parallelism allows ZeRO stage 0 or 1")
+    blocks = model_blocks(cfg)
+    layouts = candidate_layouts(cfg, gpus, zero, pp, micro_batches, len(blocks))
+    if not layouts:
+        raise ConfigError(f"no layout: train.global_batch_size={cfg.train.global_batch_size} cannot be split "
+                          f"over {gpus} GPUs with the requested --pp/--micro-batch")
+    plans = [evaluate(cfg, hw, gpus, gpu_mem_gib, layout, blocks=blocks, **kwargs) for layout in layouts]
+    # Equal estimates (to 4 digits) prefer the larger micro-batch: the model assumes GEMM efficiency
+    # independent of it, which favours small ones only on paper.
+    return sorted(plans, key=lambda p: (not p.fits, float(f"{p.step_s:.4g}"), -p.layout.micro_batch,
+                                        p.memory["total"]))
+
+
+def model_flops(cfg: Config) -> StepFlops:
+    """FLOPs of one full optimizer step (global batch) of the config."""
+    return step_flops(cfg, cfg.train.global_batch_size)

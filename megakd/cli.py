@@ -120,6 +120,90 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def emit(text: str) -> None:
+    """The CLI's table output (bench, plan): plain stdout, so it can be piped or saved."""
+    print(text, flush=True)
+
+
+def _bytes_arg(text: str) -> int:
+    units = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3}
+    number, unit = text.upper().rstrip("B")[:-1], text.upper().rstrip("B")[-1:]
+    if unit.isdigit():
+        number, unit = number + unit, ""
+    try:
+        return int(float(number) * units[unit])
+    except (KeyError, ValueError):
+        raise argparse.ArgumentTypeError(f"expected a size like 4096, 1K, 64M or 1G, got {text!r}") from None
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from megakd.bench.plots import plot_bandwidth, plot_scaling
+
+    out = Path(args.out)
+    if args.rest[:1] == ["plot"]:
+        files = args.rest[1:]
+        if not files:
+            raise ConfigError("bench plot: expected one or more JSON files written by `megakd bench`")
+        results = [json.loads(Path(f).read_text()) for f in files]
+        out.mkdir(parents=True, exist_ok=True)
+        written = [plot_bandwidth(results, [Path(f).stem for f in files], out / "bandwidth.png"),
+                   plot_scaling(results, out / "scaling.png")]
+        log.info("wrote %s", ", ".join(str(w) for w in written if w))
+        return 0
+    from megakd.bench.cluster import run_bench
+    from megakd.bench.report import format_bench
+
+    parts = tuple(args.parts.split(","))
+    unknown = set(parts) - {"collectives", "matmul", "loader", "train"}
+    if unknown:
+        raise ConfigError(f"--parts: expected a comma list of collectives, matmul, loader, train; got {sorted(unknown)}")
+    if args.config is None and {"loader", "train"} & set(parts):
+        raise ConfigError("bench: -c CONFIG is needed for the loader and train measurements (or --parts without them)")
+    if args.min_bytes > args.max_bytes or args.factor < 2:
+        raise ConfigError("--min-bytes/--max-bytes/--factor: expected min <= max and factor >= 2")
+    cfg = load_config(args.config, args.rest)
+    sizes = []
+    size = args.min_bytes
+    while size <= args.max_bytes:
+        sizes.append(size)
+        size *= args.factor
+    res = run_bench(cfg, parts=parts, sizes=sizes, iters=args.iters, matmul_n=args.matmul_n,
+                    loader_batches=args.loader_batches, train_steps=args.steps, train_warmup=args.warmup,
+                    peak_tflops=args.peak_tflops)
+    if int(os.environ.get("RANK", "0")) == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / f"bench_w{res['world_size']}.json"
+        path.write_text(json.dumps(res, indent=1))
+        emit(format_bench(res))
+        pngs = [plot_bandwidth([res], [f"world {res['world_size']}"], out / f"bandwidth_w{res['world_size']}.png")
+                ] if "collectives" in res else []
+        log.info("wrote %s", ", ".join(str(p) for p in [path, *pngs]))
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from megakd.bench.memory import parameter_counts
+    from megakd.bench.planner import GPUS, hardware_from_bench, model_flops, plan
+    from megakd.bench.report import format_plan
+
+    cfg = load_config(args.config, args.overrides)
+    hw = hardware_from_bench(args.bench) if args.bench else GPUS[args.gpu]
+    plans = plan(cfg, hw, args.gpus, args.gpu_mem, zero=args.zero, pp=args.pp, micro_batches=args.micro_batch,
+                 efficiency=args.efficiency, overlap=args.overlap, reserve_gib=args.reserve_gb)
+    counts = parameter_counts(cfg)
+    emit(format_plan(cfg, hw, args.gpus, args.gpu_mem, counts, model_flops(cfg), plans, args.top, args.efficiency))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"parameters": counts, "flops": model_flops(cfg).to_dict(),
+                                               "plans": [p.to_dict() for p in plans]}, indent=1))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megakd", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -189,6 +273,40 @@ def build_parser() -> argparse.ArgumentParser:
         c.add_argument("out", help="output directory (written atomically)")
         c.add_argument("--force", action="store_true", help="replace a non-empty OUT")
         c.set_defaults(func=cmd_convert)
+
+    b = sub.add_parser("bench", help="cluster benchmark: collectives, matmul, data loader, training throughput; "
+                                     "'bench plot A.json B.json' draws results")
+    b.add_argument("-c", "--config", help="pretraining recipe for the loader and train parts")
+    b.add_argument("--parts", default="collectives,matmul,loader,train", help="comma list of what to measure")
+    b.add_argument("--min-bytes", type=_bytes_arg, default=_bytes_arg("4K"))
+    b.add_argument("--max-bytes", type=_bytes_arg, default=_bytes_arg("64M"))
+    b.add_argument("--factor", type=int, default=4, help="message size step")
+    b.add_argument("--iters", type=int, default=5, help="timed iterations per collective and matmul")
+    b.add_argument("--matmul-n", type=int, default=2048)
+    b.add_argument("--loader-batches", type=int, default=20)
+    b.add_argument("--steps", type=int, default=5, help="timed training steps")
+    b.add_argument("--warmup", type=int, default=2, help="untimed training steps first")
+    b.add_argument("--peak-tflops", type=float, help="per-device peak for MFU (default: the measured matmul)")
+    b.add_argument("--out", default="bench", help="directory for bench_wN.json and the PNG plots")
+    b.add_argument("rest", nargs="*", help="key=value config overrides, or: plot FILE.json [FILE.json ...]")
+    b.set_defaults(func=cmd_bench)
+
+    pl = sub.add_parser("plan", help="memory/throughput planner: layouts that fit, best first")
+    pl.add_argument("config", help="pretraining recipe, e.g. configs/electra-base.yaml")
+    pl.add_argument("--gpus", type=int, required=True)
+    pl.add_argument("--gpu-mem", type=float, required=True, help="memory per GPU in GB (GiB), e.g. 40 or 80")
+    pl.add_argument("--gpu", choices=["v100", "a100", "h100"], default="a100", help="peak and bandwidth preset")
+    pl.add_argument("--bench", help="JSON from `megakd bench`: measured peak and bandwidth instead of the preset")
+    pl.add_argument("--zero", type=int, help="only this ZeRO stage (default: 0-3)")
+    pl.add_argument("--pp", type=int, help="only this many pipeline stages (default: every divisor of --gpus)")
+    pl.add_argument("--micro-batch", type=int, nargs="+", help="only these micro-batch sizes")
+    pl.add_argument("--efficiency", type=float, default=0.45, help="fraction of peak the model FLOPs reach")
+    pl.add_argument("--overlap", type=float, default=0.0, help="fraction of communication hidden by compute")
+    pl.add_argument("--reserve-gb", type=float, default=2.0, help="memory kept free (CUDA context, fragmentation)")
+    pl.add_argument("--top", type=int, default=10)
+    pl.add_argument("--json", help="also write every evaluated layout here")
+    pl.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.precision=fp16")
+    pl.set_defaults(func=cmd_plan)
     return parser
 
 

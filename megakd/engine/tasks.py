@@ -110,8 +110,9 @@ class DiscriminatorTask(nn.Module):
         transformed = self.model.head.transform(hidden)
         proj = self.model.head.prediction
         loss = rtd_loss(transformed, proj.weight, proj.bias, corrupted, original, attention_mask, self.kernel_backend)
-        with torch.no_grad():
-            logits = proj(transformed).squeeze(-1)
+        with torch.no_grad():  # functional, not proj(...): under ZeRO-3 the module's forward hooks would
+            # release proj.weight, which the loss's backward still needs (seen after a resume)
+            logits = nn.functional.linear(transformed, proj.weight, proj.bias).squeeze(-1)
             counts = rtd_counts(logits, rtd_labels(corrupted, original), attention_mask)
         stats = {f"rtd_{k}": v for k, v in counts.items()}
         stats["disc_loss_sum"] = loss.detach().float() * counts["tokens"]

@@ -152,8 +152,8 @@ class FinetuneConfig:
                 raise ConfigError(f"finetune.{key}: expected a positive integer, got {getattr(f, key)}")
         if f.max_seq_len < 3:
             raise ConfigError(f"finetune.max_seq_len: expected >= 3 ([CLS] x [SEP]), got {f.max_seq_len}")
-        if not f.seeds:
-            raise ConfigError("finetune.seeds: expected a non-empty list of integers")
+        if not f.seeds or len(set(f.seeds)) != len(f.seeds):
+            raise ConfigError(f"finetune.seeds: expected distinct seeds (a non-empty list), got {f.seeds}")
         if not 0.0 <= f.warmup_frac < 1.0:
             raise ConfigError(f"finetune.warmup_frac: expected a value in [0, 1), got {f.warmup_frac}")
         if not 0.0 <= f.dropout < 1.0:

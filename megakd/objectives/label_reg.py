@@ -37,9 +37,9 @@ def kl_divergence(teacher_logits: Tensor, student_logits: Tensor, temperature: f
 
 
 def smoothed_targets(labels: Tensor, num_classes: int, target: str, alpha: float = 0.0,
-                     a: float = 0.95) -> Tensor:
-    """The label-independent-of-teacher targets q' [B, K] of ``onehot``, ``ls`` and ``tfreg``."""
-    onehot = F.one_hot(labels.long(), num_classes).to(torch.get_default_dtype())
+                     a: float = 0.95, dtype: torch.dtype = torch.float32) -> Tensor:
+    """The teacher-free targets q' [B, K] of ``onehot``, ``ls`` and ``tfreg``."""
+    onehot = F.one_hot(labels.long(), num_classes).to(dtype)
     if target == "onehot":
         return onehot
     if target == "ls":
@@ -72,5 +72,5 @@ def label_reg_loss(
         ce = F.cross_entropy(logits, labels.long())
         scale = temperature**2 if tau_squared else 1.0
         return (1 - alpha) * ce + alpha * scale * kl_divergence(teacher_logits.detach(), logits, temperature)
-    q = smoothed_targets(labels, logits.shape[-1], target, alpha, a).to(logits.dtype)
+    q = smoothed_targets(labels, logits.shape[-1], target, alpha, a, logits.dtype)
     return soft_cross_entropy(logits, q)

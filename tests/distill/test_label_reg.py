@@ -1,0 +1,123 @@
+"""Label regularisation targets against float64 references, and the equivalences of SPEC §2."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megakd.objectives.label_reg import label_reg_loss, smoothed_targets
+
+K = 5
+
+
+def _inputs(seed: int = 0, batch: int = 7):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(batch, K, generator=g, dtype=torch.float64) * 2
+    teacher = torch.randn(batch, K, generator=g, dtype=torch.float64) * 3
+    labels = torch.randint(0, K, (batch,), generator=g)
+    return logits, teacher, labels
+
+
+def _np_log_softmax(z: np.ndarray) -> np.ndarray:
+    z = z - z.max(-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+def _reference(logits, labels, target, alpha=0.0, a=0.95, tau=1.0, tau_sq=False, teacher=None) -> float:
+    """Direct per-example float64 formulas from the papers, one example at a time."""
+    z, y = logits.numpy(), labels.numpy()
+    total = 0.0
+    for i in range(len(y)):
+        logp = _np_log_softmax(z[i])
+        q = np.zeros(K)
+        q[y[i]] = 1.0
+        if target == "onehot":
+            total += -logp[y[i]]
+        elif target == "ls":
+            total += -sum(((1 - alpha) * q[k] + alpha / K) * logp[k] for k in range(K))
+        elif target == "tfreg":
+            pd = [a if k == y[i] else (1 - a) / (K - 1) for k in range(K)]
+            total += -sum(((1 - alpha) * q[k] + alpha * pd[k]) * logp[k] for k in range(K))
+        else:
+            pt = np.exp(_np_log_softmax(teacher.numpy()[i] / tau))
+            ps_log = _np_log_softmax(z[i] / tau)
+            kl = sum(pt[k] * (np.log(pt[k]) - ps_log[k]) for k in range(K))
+            total += (1 - alpha) * -logp[y[i]] + alpha * (tau**2 if tau_sq else 1.0) * kl
+    return total / len(y)
+
+
+@pytest.mark.parametrize("target,kwargs", [
+    ("onehot", {}),
+    ("ls", {"alpha": 0.1}),
+    ("tfreg", {"alpha": 0.5, "a": 0.95}),
+    ("kd", {"alpha": 0.5, "temperature": 1.0}),
+    ("kd", {"alpha": 0.9, "temperature": 4.0, "tau_squared": True}),
+    ("kd", {"alpha": 0.3, "temperature": 2.0, "tau_squared": False}),
+    ("selfkd", {"alpha": 0.5}),
+])
+def test_loss_matches_float64_reference(target, kwargs):
+    logits, teacher, labels = _inputs()
+    ours = label_reg_loss(logits, labels, target, teacher_logits=teacher, **kwargs)
+    ref = _reference(logits, labels, target, kwargs.get("alpha", 0.0), kwargs.get("a", 0.95),
+                     kwargs.get("temperature", 1.0), kwargs.get("tau_squared", False), teacher)
+    assert ours.item() == pytest.approx(ref, rel=1e-12, abs=1e-12)
+
+
+def _grad(fn, logits):
+    x = logits.clone().requires_grad_(True)
+    fn(x).backward()
+    return x.grad
+
+
+def test_kd_at_tau_one_is_ce_against_mixed_targets():
+    """[D3]: with τ = 1, KD = CE against (1−α)q + αp^t, up to the teacher's entropy (same gradient)."""
+    logits, teacher, labels = _inputs(1)
+    alpha = 0.7
+    pt = F.softmax(teacher, -1)
+    mixed = (1 - alpha) * F.one_hot(labels, K).double() + alpha * pt
+
+    def soft_ce(x):
+        return -(mixed * F.log_softmax(x, -1)).sum(-1).mean()
+
+    def kd(x):
+        return label_reg_loss(x, labels, "kd", alpha=alpha, teacher_logits=teacher)
+
+    entropy = -(pt * pt.log()).sum(-1).mean()
+    assert kd(logits).item() == pytest.approx((soft_ce(logits) - alpha * entropy).item(), abs=1e-12)
+    torch.testing.assert_close(_grad(kd, logits), _grad(soft_ce, logits), rtol=0, atol=1e-12)
+
+
+def test_tfreg_is_ls_with_reparameterised_alpha():
+    """TF-reg(α, a) = LS(α') with α' = αK(1−a)/(K−1)."""
+    logits, _, labels = _inputs(2)
+    alpha, a = 0.5, 0.9
+    tf = label_reg_loss(logits, labels, "tfreg", alpha=alpha, a=a)
+    ls = label_reg_loss(logits, labels, "ls", alpha=alpha * K * (1 - a) / (K - 1))
+    assert tf.item() == pytest.approx(ls.item(), abs=1e-12)
+    torch.testing.assert_close(smoothed_targets(labels, K, "tfreg", alpha, a, torch.float64),
+                               smoothed_targets(labels, K, "ls", alpha * K * (1 - a) / (K - 1), dtype=torch.float64), rtol=0, atol=1e-15)
+
+
+def test_targets_are_distributions_and_alpha_zero_is_onehot():
+    _, teacher, labels = _inputs(3)
+    for target in ("ls", "tfreg"):
+        q = smoothed_targets(labels, K, target, 0.3, 0.8)
+        torch.testing.assert_close(q.sum(-1), torch.ones(len(labels)))
+        assert (q > 0).all()
+        assert torch.equal(smoothed_targets(labels, K, target, 0.0), smoothed_targets(labels, K, "onehot"))
+    logits = _inputs(3)[0]
+    assert label_reg_loss(logits, labels, "kd", alpha=0.0, teacher_logits=teacher).item() == \
+        pytest.approx(F.cross_entropy(logits, labels).item(), abs=1e-12)
+
+
+def test_teacher_gets_no_gradient_and_missing_teacher_is_an_error():
+    logits, teacher, labels = _inputs(4)
+    teacher = teacher.clone().requires_grad_(True)
+    label_reg_loss(logits.requires_grad_(True), labels, "kd", alpha=0.5, teacher_logits=teacher).backward()
+    assert teacher.grad is None
+    with pytest.raises(ValueError, match="needs teacher logits"):
+        label_reg_loss(logits, labels, "kd", alpha=0.5)
+    with pytest.raises(ValueError, match="labelreg.target"):
+        label_reg_loss(logits, labels, "mixup")

@@ -13,7 +13,6 @@ import torch
 
 from megakd.config import ConfigError, load_config
 from megakd.engine.pretrain import build_trainer
-
 from tests.helpers import tiny_overrides as tiny_overrides_for
 
 

@@ -126,15 +126,19 @@ class JointElectraTask(nn.Module):
     def __init__(self, pair: ElectraPair, loss_weight: float, kernel_backend: str = "auto", temperature: float = 1.0,
                  kd: TeacherKD | None = None):
         super().__init__()
-        self.pair = pair
-        self.generator_task = GeneratorTask(pair.generator, kernel_backend, temperature, kd)
-        self.discriminator_task = DiscriminatorTask(pair.discriminator, kernel_backend)
+        self.model = pair
+        # The per-model tasks share the pair's parameters. A tuple keeps them out of the module tree,
+        # so a wrapping engine's state dict names each parameter once, as "model.*" (what
+        # megakd.convert reads from DeepSpeed checkpoints).
+        self._tasks = (GeneratorTask(pair.generator, kernel_backend, temperature, kd),
+                       DiscriminatorTask(pair.discriminator, kernel_backend))
         self.loss_weight = loss_weight
 
     def forward(self, batch: dict[str, torch.Tensor], rng: torch.Generator | None = None) -> dict:
-        gen = self.generator_task(batch, rng)
+        generator_task, discriminator_task = self._tasks
+        gen = generator_task(batch, rng)
         corrupted = corrupt(batch["input_ids"], batch["mlm_mask"], gen["samples"])
-        disc = self.discriminator_task(corrupted, batch["input_ids"], batch["attention_mask"])
+        disc = discriminator_task(corrupted, batch["input_ids"], batch["attention_mask"])
         return {
             "loss": gen["loss"] + self.loss_weight * disc["loss"],
             "stats": {**gen["stats"], **disc["stats"]},

@@ -1,0 +1,107 @@
+"""Launching multi-process runs and the single-process reference they are compared with."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from megakd.config import load_config
+from megakd.data.stream import PretrainingLoader
+from megakd.data.tokenizer import Tokenizer
+from megakd.engine.pretrain import build_trainer
+from megakd.engine.trainer import Trainer
+
+REPO = Path(__file__).parents[2]
+CONFIG = REPO / "configs" / "electra-tiny.yaml"
+WORKER = Path(__file__).with_name("worker.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment for launched processes: one thread each (2 cores), shared caches, offline."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="offline",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])))
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
+    env.update(extra)
+    return env
+
+
+def torchrun(nprocs: int, runs: list[dict], spec_path: Path, timeout: float = 600) -> None:
+    """Run `runs` (see worker.py) in one `torchrun --nproc_per_node nprocs` launch; raise with its log."""
+    spec_path.write_text(json.dumps({"config": str(CONFIG), "runs": runs}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nprocs}",
+           f"--master_port={free_port()}", str(WORKER), str(spec_path)]
+    proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=timeout)
+    if proc.returncode:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+class _RankInterleaved:
+    """The micro-batches of a `world`-rank step, in one process: rank 0's, rank 1's, ..."""
+
+    def __init__(self, loaders: list[PretrainingLoader]):
+        self.loaders = loaders
+
+    def __iter__(self):
+        iterators = [iter(loader) for loader in self.loaders]
+        while True:
+            for it in iterators:
+                yield next(it)
+
+    def state_dict(self) -> dict:
+        return {"ranks": [loader.state_dict() for loader in self.loaders]}
+
+
+class _ReferenceTrainer(Trainer):
+    """Single-process trainer that replays a `world`-rank run as gradient accumulation.
+
+    Micro-batch i of a step is what rank i sees, and replacement tokens are sampled with rank i's
+    generator, so the step's summed gradient is the data-parallel one: only summation order differs.
+    """
+
+    def __init__(self, base: Trainer, rngs: list[torch.Generator]):
+        self.__dict__.update(base.__dict__)
+        self.rngs = rngs
+        self.turn = 0
+
+    def _micro_batch(self, batch: dict, last: bool) -> list[torch.Tensor]:
+        self.rng = self.rngs[self.turn % len(self.rngs)]
+        self.turn += 1
+        return super()._micro_batch(batch, last)
+
+
+def reference_run(overrides: list[str], world: int) -> Path:
+    """Train with the `single` backend on exactly the global batches a `world`-rank run sees."""
+    cfg = load_config(CONFIG, [*overrides, "backend.name=single"])
+    base = build_trainer(cfg)  # micro-batch as in the parallel run, so `world` x its accumulation
+    tokenizer = Tokenizer.load(cfg.data.tokenizer)
+    loaders = [PretrainingLoader(cfg.data.shards, tokenizer, micro_batch_size=cfg.train.micro_batch_size, rank=r,
+                                 world_size=world, seed=cfg.train.seed, mask_prob=cfg.data.mask_prob)
+               for r in range(world)]
+    rngs = []
+    for r in range(world):
+        # The sampling generator a rank-r trainer owns (checked against the trainer for rank 0).
+        rngs.append(torch.Generator().manual_seed(cfg.train.seed * 100_003 + r))
+    if not torch.equal(rngs[0].get_state(), base.rng.get_state()):
+        raise AssertionError("the trainer's sampling-generator seeding changed: update reference_run")
+    trainer = _ReferenceTrainer(base, rngs)
+    trainer.loader = _RankInterleaved(loaders)
+    trainer.train()
+    return Path(cfg.run.dir)

@@ -65,9 +65,9 @@ def collective_bandwidth(op: str, size_bytes: int, device: torch.device, iters: 
         if op == "all_reduce":
             dist.all_reduce(full)
         elif op == "all_gather":
-            dist.all_gather_into_tensor(full, part)
+            dist.all_gather_single(full, part)
         else:
-            dist.reduce_scatter_tensor(part, full)
+            dist.reduce_scatter_single(part, full)
 
     for _ in range(warmup):
         once()
@@ -99,7 +99,8 @@ def matmul_tflops(precision: str, device: torch.device, n: int = 2048, iters: in
 
 
 def loader_throughput(cfg: Config, batches: int, rank: int, world_size: int) -> dict:
-    """Samples/s of the real PretrainingLoader (shards, decoding, masking) on this rank, summed over ranks."""
+    """Samples/s of the real PretrainingLoader (shards, decoding, masking): this rank's, and all ranks'
+    (every rank reads the same number of batches; the slowest rank sets the pace)."""
     from megakd.data.stream import PretrainingLoader
     from megakd.data.tokenizer import Tokenizer
     from megakd.engine.pretrain import resolve_data
@@ -114,11 +115,7 @@ def loader_throughput(cfg: Config, batches: int, rank: int, world_size: int) -> 
     samples = sum(next(it)["input_ids"].shape[0] for _ in range(batches))
     seconds = time.perf_counter() - start
     per_rank = samples / seconds
-    total = per_rank
-    if _distributed():
-        t = torch.tensor([per_rank], dtype=torch.float64)
-        dist.all_reduce(t)
-        total = float(t.item())
+    total = samples * (dist.get_world_size() if _distributed() else 1) / _slowest(seconds, torch.device("cpu"))
     return {"micro_batch_size": cfg.train.micro_batch_size, "num_workers": cfg.data.num_workers,
             "batches": batches, "samples_per_s_per_rank": per_rank, "samples_per_s": total}
 
@@ -154,7 +151,7 @@ class _PhaseTimer:
             return out
         return run
 
-    def _allreduce_hook(self, _state, bucket) -> torch.futures.Future:
+    def _allreduce_hook(self, _state, bucket):  # no annotations: DDP compares them as objects, not strings
         start = time.perf_counter()
         buffer = bucket.buffer()
         dist.all_reduce(buffer)
@@ -225,7 +222,9 @@ def run_bench(cfg: Config, *, parts: tuple[str, ...], sizes: list[int], iters: i
     out: dict = {"world_size": world, "device": torch.cuda.get_device_name(device) if device.type == "cuda"
                  else "cpu", "dist_backend": dist.get_backend() if _distributed() else None,
                  "torch_threads": torch.get_num_threads()}
-    if "collectives" in parts:
+    if "collectives" in parts and not _distributed():
+        log.info("bench: collectives need two or more processes (torchrun/deepspeed/srun): skipped")
+    elif "collectives" in parts:
         out["collectives"] = {op: [collective_bandwidth(op, s, device, iters) for s in sizes] for op in COLLECTIVES}
     if "matmul" in parts:
         precisions = ["fp32", "bf16"] + (["fp16"] if device.type == "cuda" else [])

@@ -1,0 +1,166 @@
+"""TGT — Teacher Guided Training (SPEC §6) for sequence classification.
+
+A frozen MLM (the ELECTRA generator of a pretraining run, or an imported HF MLM; same tokenizer as
+student and labeler) generates x̃ from every training minibatch, and a frozen fine-tuned labeler h
+soft-labels real and generated examples. The student f minimises (SPEC §6.2, unit weights)
+
+    CE(f(x), y) + H(h(x), f(x)) + H(h(x̃), f(x̃)),    H(q, p) = −Σ q log p,
+
+with one x̃ per real example. Generation:
+
+- ``random`` (zero-order, the mode the paper used for text): mask a fraction p of each example's
+  non-special tokens (the exact-count hash masking of pretraining, keyed by seed, epoch and the
+  stable example index), optionally add N(0, σ²) noise to the MLM's input embeddings of the masked
+  sequence, and resample the masked positions from the MLM's softmax. Only masked positions can
+  change.
+- ``gradient`` (first-order): start from the same (noisy) input embeddings e and take `steps`
+  ascent steps e ← e + η·g/‖g‖ (per example) on J(e) = KL(h ‖ f) evaluated on the *soft* decoding
+  of e: at masked positions the student and labeler read π·W_emb, π = softmax of the MLM head, so
+  J is differentiable in e (the straight-through relaxation of SPEC §6.3); then decode x̃ by the
+  argmax of the MLM head at the masked positions.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from megakd.config import ConfigError, save_config
+from megakd.data.masking import mlm_mask
+from megakd.data.tokenizer import Tokenizer
+from megakd.finetune.config import FinetuneConfig, TGTConfig
+from megakd.finetune.data import EncodedTask
+from megakd.finetune.models import check_same_tokenizer, freeze, load_classifier, load_generator
+from megakd.finetune.trainer import run_seeds, summarize
+from megakd.models.electra import MaskedLM, SequenceClassifier
+from megakd.objectives.electra import corrupt, sample_replacements
+from megakd.objectives.label_reg import kl_divergence, soft_cross_entropy
+
+log = logging.getLogger(__name__)
+
+
+class TeacherGenerator:
+    """Generates x̃ from a batch with a frozen MLM (random or gradient mode, see module docstring)."""
+
+    def __init__(self, mlm: MaskedLM, tokenizer: Tokenizer, cfg: TGTConfig, seed: int, kernels_backend: str = "auto"):
+        self.mlm, self.tokenizer, self.cfg, self.seed, self.backend = freeze(mlm), tokenizer, cfg, seed, kernels_backend
+        self.rng = torch.Generator().manual_seed(seed)
+
+    def mask(self, batch: dict[str, Tensor], epoch: int) -> Tensor:
+        """Boolean [B, L]: exactly round(p·n) of each example's n non-special tokens (at least 1)."""
+        ids = batch["input_ids"].numpy()
+        return torch.from_numpy(mlm_mask(
+            ids, batch["attention_mask"].bool().numpy(), np.full(len(ids), epoch), batch["index"].numpy(),
+            seed=self.seed, mask_prob=self.cfg.mask_prob, special_ids=sorted(self.tokenizer.special_ids)))
+
+    def start_embeddings(self, batch: dict[str, Tensor], mask: Tensor) -> Tensor:
+        """The MLM's input embeddings of the masked sequence, plus N(0, σ²) noise when σ > 0."""
+        masked = torch.where(mask, self.tokenizer.mask_id, batch["input_ids"])
+        e = self.mlm.encoder.embed(masked)
+        if self.cfg.noise_std > 0:
+            e = e + self.cfg.noise_std * torch.randn(e.shape, generator=self.rng, dtype=e.dtype)
+        return e
+
+    def _hidden(self, e: Tensor, batch: dict[str, Tensor], mask: Tensor) -> Tensor:
+        hidden = self.mlm(attention_mask=batch["attention_mask"], token_type_ids=batch["token_type_ids"],
+                          inputs_embeds=e)
+        return self.mlm.masked_hidden(hidden, mask)
+
+    @torch.no_grad()
+    def random(self, batch: dict[str, Tensor], epoch: int) -> tuple[Tensor, Tensor]:
+        """(x̃ ids, mask): masked positions resampled from the MLM; everything else unchanged."""
+        mask = self.mask(batch, epoch)
+        head = self.mlm.head
+        samples, _ = sample_replacements(self._hidden(self.start_embeddings(batch, mask), batch, mask),
+                                         head.decoder_weight, head.bias, generator=self.rng,
+                                         temperature=self.cfg.sampling_temperature, backend=self.backend)
+        return corrupt(batch["input_ids"], mask, samples), mask
+
+    def disagreement(self, e: Tensor, batch: dict[str, Tensor], mask: Tensor, student: SequenceClassifier,
+                     labeler: SequenceClassifier) -> Tensor:
+        """J(e) = mean KL(h ‖ f) on the soft decoding of e (π·W_emb at masked positions, the real tokens elsewhere)."""
+        pi = F.softmax(self.mlm.head(self._hidden(e, batch, mask)), dim=-1)
+
+        def logits(model: SequenceClassifier) -> Tensor:
+            vectors = model.encoder.embed(batch["input_ids"])
+            soft = pi.to(vectors.dtype) @ model.encoder.embeddings.word_embeddings.weight
+            vectors = vectors.masked_scatter(mask[..., None], soft)
+            return model(attention_mask=batch["attention_mask"], token_type_ids=batch["token_type_ids"],
+                         inputs_embeds=vectors)
+
+        return kl_divergence(logits(labeler), logits(student))
+
+    def ascend(self, e: Tensor, batch: dict[str, Tensor], mask: Tensor, student: SequenceClassifier,
+               labeler: SequenceClassifier) -> Tensor:
+        """One step e + η·∇J/‖∇J‖ (norm per example over all its positions)."""
+        e = e.detach().requires_grad_(True)
+        (grad,) = torch.autograd.grad(self.disagreement(e, batch, mask, student, labeler), e)
+        norm = grad.flatten(1).norm(dim=1).clamp_min(1e-12)[:, None, None]
+        return (e + self.cfg.step_size * grad / norm).detach()
+
+    def gradient(self, batch: dict[str, Tensor], epoch: int, student: SequenceClassifier,
+                 labeler: SequenceClassifier) -> tuple[Tensor, Tensor]:
+        """(x̃ ids, mask): ascend the disagreement in the MLM's embedding space, decode by argmax."""
+        mask = self.mask(batch, epoch)
+        was_training = student.training
+        student.eval()  # a deterministic J: no dropout while searching
+        try:
+            e = self.start_embeddings(batch, mask)
+            for _ in range(self.cfg.steps):
+                e = self.ascend(e, batch, mask, student, labeler)
+            with torch.no_grad():
+                tokens = self.mlm.head(self._hidden(e, batch, mask)).argmax(-1)
+        finally:
+            student.train(was_training)
+        return corrupt(batch["input_ids"], mask, tokens), mask
+
+
+class TGTObjective:
+    """CE(f(x), y) + H(h(x), f(x)) + H(h(x̃), f(x̃)) with x̃ generated online from each batch."""
+
+    def __init__(self, generator: TeacherGenerator, labeler: SequenceClassifier):
+        self.generator, self.labeler = generator, freeze(labeler)
+
+    def loss(self, model: SequenceClassifier, batch: dict[str, Tensor], epoch: int
+             ) -> tuple[Tensor, Tensor, dict[str, float]]:
+        if self.generator.cfg.mode == "random":
+            generated, mask = self.generator.random(batch, epoch)
+        else:
+            generated, mask = self.generator.gradient(batch, epoch, model, self.labeler)
+        am, tt = batch["attention_mask"], batch["token_type_ids"]
+        with torch.no_grad():
+            h_real = F.softmax(self.labeler(batch["input_ids"], am, tt), -1)
+            h_gen = F.softmax(self.labeler(generated, am, tt), -1)
+        logits = model(batch["input_ids"], am, tt)
+        gen_logits = model(generated, am, tt)
+        ce = F.cross_entropy(logits, batch["labels"])
+        real_kd, gen_kd = soft_cross_entropy(logits, h_real), soft_cross_entropy(gen_logits, h_gen)
+        changed = (generated != batch["input_ids"])[mask].float().mean().item()
+        return ce + real_kd + gen_kd, logits, {"ce": ce.item(), "kd_real": real_kd.item(), "kd_generated": gen_kd.item(),
+                                               "changed_frac": changed}
+
+
+def run_tgt(cfg: FinetuneConfig) -> dict:
+    """`megakd finetune` with `tgt.enabled`: a TGT student for every seed."""
+    run_dir = Path(cfg.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir / "config.yaml")
+    mlm, gen_tokenizer = load_generator(cfg.tgt.generator, run_dir / "init_generator")
+    labeler, lab_tokenizer = load_classifier(cfg.tgt.labeler)
+    if labeler.num_labels != cfg.task.num_labels:
+        raise ConfigError(f"tgt.labeler: {cfg.tgt.labeler} has {labeler.num_labels} labels, the task "
+                          f"{cfg.task.num_labels}")
+
+    def make_objective(seed: int, model: SequenceClassifier, tokenizer: Tokenizer, train: EncodedTask,
+                       out_dir: Path) -> TGTObjective:
+        check_same_tokenizer(tokenizer, gen_tokenizer, "tgt.generator")
+        check_same_tokenizer(tokenizer, lab_tokenizer, "tgt.labeler")
+        return TGTObjective(TeacherGenerator(mlm, tokenizer, cfg.tgt, seed, cfg.kernels_backend), labeler)
+
+    results, _, _ = run_seeds(cfg, run_dir, cfg.model, make_objective)
+    return summarize(results, run_dir, cfg.metric)

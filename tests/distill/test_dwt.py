@@ -12,9 +12,10 @@ import torch.nn.functional as F
 
 from megakd.cli import main as cli_main
 from megakd.config import ConfigError, load_config
-from megakd.convert import save_model_dir
+from megakd.convert import from_hf, save_model_dir, to_hf
 from megakd.data.tokenizer import Tokenizer, train_tokenizer
 from megakd.distill.dwt import run_distill
+from megakd.distill.pretrained import check_tokenizer, load_pretrained
 from megakd.engine.pretrain import build_trainer, run_pretraining
 from megakd.engine.tasks import GeneratorTask, TeacherKD
 from megakd.models.electra import MaskedLM
@@ -217,3 +218,20 @@ def test_dwt_into_electra_generator_and_remap_via_cli(tiny_data, tmp_path, teach
     assert cli_main(["distill", "-c", "configs/dwt-weak.yaml",
                      *tiny_overrides(tiny_data, bad, **{"distill.teacher": str(tmp_path / "nope")})]) == 2
     assert not (bad / "metrics.jsonl").exists()
+
+
+def test_teacher_from_run_hf_dir_and_model_dir_is_the_same_model(tiny_data, tmp_path, teacher_run):
+    """A teacher run exported to HF (BertForMaskedLM + spm.model) and re-imported loads, passes the tokenizer
+    check and computes the same logits as the run's checkpoint."""
+    tok = Tokenizer.load(tiny_data[0])
+    to_hf(teacher_run, tmp_path / "hf")
+    from_hf(tmp_path / "hf", tmp_path / "model_dir")
+    ids = torch.randint(5, 512, (2, 20))
+    reference = load_pretrained(teacher_run, "masked_lm", "distill.teacher")
+    for src in (tmp_path / "hf", tmp_path / "model_dir"):
+        loaded = load_pretrained(src, "masked_lm", "distill.teacher")
+        check_tokenizer(loaded, tok, "distill.teacher")
+        assert not loaded.model.training and not any(p.requires_grad for p in loaded.model.parameters())
+        torch.testing.assert_close(loaded.model.logits(ids), reference.model.logits(ids), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ConfigError, match="holds a megakd .masked_lm. model; expected an ELECTRA discriminator"):
+        load_pretrained(teacher_run, "discriminator", "distill.teacher")

@@ -305,7 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--reserve-gb", type=float, default=2.0, help="memory kept free (CUDA context, fragmentation)")
     pl.add_argument("--top", type=int, default=10)
     pl.add_argument("--json", help="also write every evaluated layout here")
-    pl.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.precision=fp16")
+    pl.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="config override (repeatable), e.g. --set train.precision=fp16")
     pl.set_defaults(func=cmd_plan)
     return parser
 

@@ -220,6 +220,7 @@ def test_dwt_into_electra_generator_and_remap_via_cli(tiny_data, tmp_path, teach
     assert not (bad / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_teacher_from_run_hf_dir_and_model_dir_is_the_same_model(tiny_data, tmp_path, teacher_run):
     """A teacher run exported to HF (BertForMaskedLM + spm.model) and re-imported loads, passes the tokenizer
     check and computes the same logits as the run's checkpoint."""

@@ -1,0 +1,38 @@
+# Shared by the launch scripts (sourced, not run).
+#
+# Preemption: the trainer saves a checkpoint and exits cleanly on SIGTERM or SIGUSR1. The
+# launchers themselves must not die first (torchrun and the deepspeed launcher take SIGTERM as
+# "kill the workers", and SIGUSR1 would end them outright), so the scripts run the launcher in
+# the background, catch the signal, and pass SIGUSR1 to the training processes only.
+
+# Print the pids DEPTH levels below PID (1 = children).
+descendants_at() {
+    local depth=$1 pids=$2 next child
+    while [ "$depth" -gt 0 ]; do
+        next=""
+        for child in $pids; do
+            next="$next $(ps -o pid= --ppid "$child" 2>/dev/null | tr -d ' ' | tr '\n' ' ')"
+        done
+        pids=$next
+        depth=$((depth - 1))
+    done
+    echo $pids
+}
+
+# run_forwarding_signals DEPTH CMD...: run CMD; on SIGTERM/SIGUSR1/SIGINT send SIGUSR1 to the
+# processes DEPTH levels below it (the training ranks), then wait for CMD and return its status.
+run_forwarding_signals() {
+    local depth=$1
+    shift
+    "$@" &
+    local pid=$! status
+    # shellcheck disable=SC2064  # expand $pid now
+    trap "echo 'launch: signal received, asking the ranks to checkpoint and stop' >&2; \
+          kill -USR1 \$(descendants_at $depth $pid) 2>/dev/null" TERM USR1 INT
+    while :; do
+        wait "$pid" && status=0 || status=$?
+        kill -0 "$pid" 2>/dev/null || break  # wait returns early (>128) when a trap ran
+    done
+    trap - TERM USR1 INT
+    return "$status"
+}

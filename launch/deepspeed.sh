@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Launch with the `deepspeed` launcher, on this machine or on the hosts of a hostfile.
+#
+#   launch/deepspeed.sh [--hostfile launch/hostfile] [--num_gpus N] -c CONFIG [--resume auto] [key=value ...]
+#
+# The hostfile lists "hostname slots=N" per line (see hostfile.example); the launcher reaches the
+# hosts over passwordless ssh (pdsh) and starts N ranks on each. backend.name=deepspeed is added
+# unless the arguments set backend.name. On CPU use --num_gpus to choose the number of ranks.
+# SIGTERM/SIGUSR1 to this script make the local ranks checkpoint and exit (remote ranks get the
+# scheduler's signal on their own node).
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+. "$here/common.sh"
+
+launcher=()
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --hostfile|--num_gpus|--num_nodes|--master_addr|--master_port|--include|--exclude)
+            launcher+=("$1" "$2"); shift 2 ;;
+        --hostfile=*|--num_gpus=*|--num_nodes=*|--master_addr=*|--master_port=*|--include=*|--exclude=*)
+            launcher+=("$1"); shift ;;
+        *) break ;;
+    esac
+done
+extra=()
+[[ " $* " == *" backend.name="* ]] || extra+=(backend.name=deepspeed)
+: "${OMP_NUM_THREADS:=1}"  # the deepspeed launcher does not set it
+export OMP_NUM_THREADS
+# deepspeed runner -> deepspeed.launcher.launch -> ranks: the ranks are two levels down.
+run_forwarding_signals 2 deepspeed "${launcher[@]}" --no_local_rank --module megakd.cli pretrain "$@" "${extra[@]}"

@@ -164,3 +164,29 @@ def test_bad_input_names_the_argument():
         fused_linear_kl(h, w, h, torch.randn(7, 3))
     with pytest.raises(ValueError, match="student_bias must have shape"):
         fused_linear_kl(h, w, h, w, student_bias=torch.randn(5))
+
+
+@pytest.mark.parametrize("op", ["ce", "kl"])
+def test_torch_path_never_allocates_tokens_by_vocab(op, monkeypatch):
+    """The largest allocation of any op stays far below one [N x V] tensor (the naive path makes several)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    monkeypatch.setattr(linear_kl, "_CHUNK_ELEMS", 1 << 14)  # 3 rows per chunk at V = 5000
+    g = torch.Generator().manual_seed(0)
+    n, h, v = 64, 16, 5000
+    hidden, weight = _randn(g, n, h).requires_grad_(True), _randn(g, v, h).requires_grad_(True)
+    t_hidden, t_weight, target = _randn(g, n, h), _randn(g, v, h), torch.randint(0, v, (n,), generator=g)
+    calls = {
+        "ce": (lambda: fused_linear_cross_entropy(hidden, weight, None, target, backend="torch"),
+               lambda: fused_linear_cross_entropy_reference(hidden, weight, None, target)),
+        "kl": (lambda: fused_linear_kl(hidden, weight, t_hidden, t_weight, 2.0, backend="torch"),
+               lambda: fused_linear_kl_reference(hidden, weight, t_hidden, t_weight, 2.0)),
+    }[op]
+    largest = []
+    for call in calls:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            call().backward()
+        largest.append(max(e.cpu_memory_usage for e in prof.events()))
+    full = n * v * 8
+    assert largest[1] >= full  # the profiler does see the naive [N x V] logits
+    assert largest[0] < full / 3, largest

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from tqdm import tqdm
 
 from megakd.config import ConfigError, ScheduleConfig, save_config
 from megakd.data.tokenizer import Tokenizer
@@ -125,6 +126,7 @@ def train_seed(cfg: FinetuneConfig, seed: int, model: SequenceClassifier, tokeni
     step, epoch_losses, metrics = 0, [], {}
     torch.manual_seed(seed)  # dropout stream
     model.train()
+    bar = tqdm(total=total, desc=f"seed {seed}", disable=not cfg.run.progress_bar, dynamic_ncols=True)
     try:
         for epoch in range(f.epochs):
             order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
@@ -139,15 +141,18 @@ def train_seed(cfg: FinetuneConfig, seed: int, model: SequenceClassifier, tokeni
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, f.clip_norm if f.clip_norm > 0 else math.inf)
+                lr = scheduler.get_last_lr()[0]  # the rate this step used
                 optimizer.step()
                 scheduler.step()
                 step += 1
+                bar.update(1)
+                bar.set_postfix(epoch=epoch, loss=f"{loss.item():.4f}")
                 epoch_sum += loss.item()
                 for k, v in {"loss": loss.item(), "grad_norm": float(grad_norm), **logs}.items():
                     sums[k] = sums.get(k, 0.0) + v
                 count += 1
                 if step % f.log_every == 0 or step == total:
-                    writer.write({"step": step, "epoch": epoch, "lr": scheduler.get_last_lr()[0],
+                    writer.write({"step": step, "epoch": epoch, "lr": lr,
                                   **{k: v / count for k, v in sums.items()}})
                     sums, count = {}, 0
             epoch_losses.append(epoch_sum / steps_per_epoch)
@@ -158,6 +163,7 @@ def train_seed(cfg: FinetuneConfig, seed: int, model: SequenceClassifier, tokeni
             log.info("seed %d epoch %d: train loss %.4f, dev %s", seed, epoch, epoch_losses[-1],
                      ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     finally:
+        bar.close()
         writer.close()
     np.save(out_dir / "dev_logits.npy", dev_logits)
     model_dir = save_classifier(model.eval(), tokenizer, out_dir / "model",

@@ -53,7 +53,7 @@ def test_finetune_from_hf_export_lowers_the_train_loss(finetuned):
     steps = [r for r in map(json.loads, (finetuned / "seed_0" / "metrics.jsonl").read_text().splitlines())
              if "loss" in r]
     assert [r["step"] for r in steps] == list(range(1, 16))
-    assert steps[0]["lr"] == pytest.approx(3e-3 * 14 / 15)  # linear decay, no warm-up
+    assert [r["lr"] for r in steps] == pytest.approx([3e-3 * (15 - i) / 15 for i in range(15)])  # no warm-up
     model, tok = load_classifier(finetuned / "seed_0" / "model")
     assert model.num_labels == 2 and tok.vocab_size == 512
 
@@ -100,3 +100,27 @@ def test_config_errors_name_the_key(tmp_path, capsys):
         load_config(CONFIG, ["task.name=rt_score", "task.num_labels=1", "labelreg.target=ls"], cls=FinetuneConfig)
     assert main(["finetune", "-c", str(CONFIG), f"run.dir={tmp_path}", f"model.path={tmp_path / 'nope'}"]) == 2
     assert "model.path" in capsys.readouterr().err
+
+
+def test_random_init_regression_without_a_pretrained_model(tiny_data, tmp_path):
+    """rt_score from a fresh tiny encoder (no model.path): MSE, Spearman, warm-up then linear decay."""
+    run = tmp_path / "reg"
+    assert main(["finetune", "-c", str(CONFIG), f"run.dir={run}", "model.path=", "model.init=random",
+                 f"model.tokenizer={tiny_data[0]}", "model.encoder.vocab_size=512", "model.encoder.hidden_size=16",
+                 "model.encoder.num_layers=1", "model.encoder.intermediate_size=32",
+                 "model.encoder.max_position_embeddings=32", "task.name=rt_score", "task.num_labels=1",
+                 "task.max_train_examples=20", "task.max_dev_examples=12", "finetune.max_seq_len=32",
+                 "finetune.batch_size=5", "finetune.epochs=2", "finetune.warmup_frac=0.25", "finetune.seeds=[0,1]",
+                 "finetune.log_every=1", "run.progress_bar=false"]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["headline"] == "spearman" and list(summary["metrics"]) == ["spearman"]
+    values = summary["metrics"]["spearman"]["values"]
+    assert len(values) == 2 and all(-1 <= v <= 1 for v in values)
+    assert summary["metrics"]["spearman"]["mean"] == pytest.approx(np.mean(values))
+    assert summary["metrics"]["spearman"]["std"] == pytest.approx(np.std(values, ddof=1))
+    lrs = [r["lr"] for r in map(json.loads, (run / "seed_0" / "metrics.jsonl").read_text().splitlines()) if "lr" in r]
+    peak = 1e-4
+    # 8 steps: 2 of warm-up, then megakd.engine.optim's linear decay (towards 0 at step 8).
+    assert lrs == pytest.approx([peak * m for m in (1 / 2, 1, 1, 5 / 6, 4 / 6, 3 / 6, 2 / 6, 1 / 6)])
+    assert np.load(run / "seed_1" / "dev_logits.npy").shape == (12, 1)
+    assert "| spearman |" in (run / "summary.md").read_text()

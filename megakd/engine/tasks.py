@@ -35,9 +35,10 @@ class TeacherKD:
     schedule: str
     max_steps: int
     step_at: float = 0.5
+    step: int = 0  # the 0-based optimizer step being computed; the trainer sets it before each step
 
-    def alpha_soft(self, step: int) -> float:
-        return alpha_schedule(self.schedule, self.alpha_soft_start, self.alpha_soft_end, step, self.max_steps,
+    def alpha_soft(self) -> float:
+        return alpha_schedule(self.schedule, self.alpha_soft_start, self.alpha_soft_end, self.step, self.max_steps,
                               self.step_at)
 
 
@@ -47,8 +48,7 @@ class GeneratorTask(nn.Module):
     With a `TeacherKD` this is DWT: the teacher sees the same masked input and the KL runs over
     the same masked positions through the fused kernel. Under ELECTRA the KD goes into the
     generator's MLM head (the direct analogue of BERT-MLM DWT; SPEC §4.4 GAP); the discriminator
-    still learns from the student generator's samples. `step` (set by the trainer through
-    `set_step`) is the 0-based optimizer step α_s(t) is evaluated at.
+    still learns from the student generator's samples.
     """
 
     def __init__(self, model: MaskedLM, kernel_backend: str = "auto", temperature: float = 1.0,
@@ -58,7 +58,6 @@ class GeneratorTask(nn.Module):
         self.kernel_backend = kernel_backend
         self.temperature = temperature
         self.kd = kd
-        self.step = 0
 
     def forward(self, batch: dict[str, torch.Tensor], rng: torch.Generator | None = None) -> dict:
         mlm_mask = batch["mlm_mask"]
@@ -82,19 +81,12 @@ class GeneratorTask(nn.Module):
                 t_hidden = teacher.masked_hidden(teacher(batch["masked_input_ids"], batch["attention_mask"]), mlm_mask)
             soft = kd_loss(masked_hidden, head.decoder_weight, head.bias, t_hidden, teacher.head.decoder_weight,
                            teacher.head.bias, self.kd.temperature, self.kernel_backend)
-            alpha_soft = self.kd.alpha_soft(self.step)
+            alpha_soft = self.kd.alpha_soft()
             loss = self.kd.alpha_hard * loss + alpha_soft * soft
             stats["kd_loss_sum"] = soft.detach().float() * n
             stats["alpha_soft_sum"] = torch.tensor(float(alpha_soft))
             stats["kd_batches"] = torch.tensor(1.0)
         return {"loss": loss, "samples": samples, "stats": stats}
-
-
-def set_step(task: nn.Module, step: int) -> None:
-    """Tell every generator task inside `task` which optimizer step it is computing (for α_s(t))."""
-    for module in task.modules():
-        if isinstance(module, GeneratorTask):
-            module.step = step
 
 
 class DiscriminatorTask(nn.Module):

@@ -25,7 +25,7 @@ from megakd.config import Config, ConfigError, config_to_dict, save_config
 from megakd.engine import checkpoint
 from megakd.engine.backends import Backend, Unit
 from megakd.engine.metrics import MetricsWriter, plot_metrics
-from megakd.engine.tasks import set_step
+from megakd.engine.tasks import TeacherKD
 from megakd.objectives.electra import corrupt, precision_recall_f1
 
 log = logging.getLogger(__name__)
@@ -42,8 +42,9 @@ class TrainResult:
 
 class Trainer:
     def __init__(self, cfg: Config, backend: Backend, units: list[Unit], loader, *, objective: str,
-                 tokenizer_dir: Path):
+                 tokenizer_dir: Path, kd: TeacherKD | None = None):
         self.cfg = cfg
+        self.kd = kd  # DWT: told the step before each optimizer step, for α_s(t)
         self.tokenizer_dir = Path(tokenizer_dir)
         self.backend = backend
         self.units = {u.name: u for u in units}
@@ -147,8 +148,8 @@ class Trainer:
     def train_step(self, batches) -> dict[str, float] | None:
         """Run one optimizer step; returns grad norms, or None if the step was skipped."""
         losses = []
-        for unit in self.units.values():
-            set_step(unit.task, self.step)
+        if self.kd is not None:
+            self.kd.step = self.step
         for i in range(self.accumulation_steps):
             batch = next(batches)
             self.interval["tokens"] += float(batch["attention_mask"].sum())

@@ -118,7 +118,8 @@ def build_trainer(cfg: Config, backend: Backend | None = None) -> Trainer:
     )
     # Dropout must differ per rank but be reproducible: reseed after the shared model init.
     torch.manual_seed(cfg.train.seed * 1_000_003 + backend.rank)
-    return Trainer(cfg, backend, units, loader, objective=cfg.model.objective, tokenizer_dir=tokenizer_dir)
+    return Trainer(cfg, backend, units, loader, objective=cfg.model.objective, tokenizer_dir=tokenizer_dir,
+                   kd=kd)
 
 
 def run_pretraining(cfg: Config, resume: str | None = None) -> TrainResult:

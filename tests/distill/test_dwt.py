@@ -84,9 +84,8 @@ def test_one_dwt_step_equals_autograd_of_reference_loss():
     teacher.eval().requires_grad_(False)
     before = {k: v.clone() for k, v in teacher.state_dict().items()}
     tau, alpha_h = 2.0, 0.7
-    kd = TeacherKD(teacher, tau, alpha_h, 4.0, 1.0, "linear", max_steps=5)
+    kd = TeacherKD(teacher, tau, alpha_h, 4.0, 1.0, "linear", max_steps=5, step=3)  # α_s = 4 + (1 - 4) * 3/4
     task = GeneratorTask(student, kernel_backend="torch", kd=kd)
-    task.step = 3  # α_s = 4 + (1 - 4) * 3/4
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(5, V, (3, 16), generator=g)
     attn = torch.ones(3, 16, dtype=torch.bool)
@@ -204,6 +203,12 @@ def test_dwt_into_electra_generator_and_remap_via_cli(tiny_data, tmp_path, teach
     rows = _metrics(run)
     assert all({"kd_loss", "alpha_soft", "gen_loss", "disc_loss", "rtd_f1"} <= set(r) for r in rows)
     assert [r["alpha_soft"] for r in rows] == [4.0, 4.0, 4.0]
+
+    joint = tmp_path / "joint"  # original ELECTRA: one joint unit, the schedule still advances
+    assert cli_main(["distill", "-c", "configs/dwt-electra-tiny.yaml", *tiny_overrides(
+        tiny_data, joint, **{"train.max_steps": 3, "distill.teacher": str(teacher_run), "electra.decoupled": "false",
+                             "run.export_hf": "false"})]) == 0
+    assert [r["alpha_soft"] for r in _metrics(joint)] == pytest.approx([4.0, 2.5, 1.0])
 
     # remap: the student (2 layers x 64, from a 1 x 32 teacher) starts as the teacher's function
     cfg = _student_cfg(tiny_data, tmp_path / "remap", teacher_run, **{

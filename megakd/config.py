@@ -181,7 +181,36 @@ class Config:
                     "model.generator.embedding_size: shared embeddings (electra.decoupled=false) need the "
                     "generator and discriminator to have the same embedding size"
                 )
+        if self.backend.pipeline_stages > 1:
+            self._validate_pipeline()
         return self
+
+    def _validate_pipeline(self) -> None:
+        """What megakd's DeepSpeed pipeline supports (megakd/engine/pipeline.py says why)."""
+        p = f"backend.pipeline_stages={self.backend.pipeline_stages}"
+        if self.backend.name != "deepspeed":
+            raise ConfigError(f"{p} needs backend.name=deepspeed, got {self.backend.name!r}")
+        if self.backend.zero_stage > 1:
+            raise ConfigError(f"{p} needs backend.zero_stage<=1 (DeepSpeed's pipeline engine), "
+                              f"got {self.backend.zero_stage}")
+        if self.backend.zero_stage == 1:
+            raise ConfigError(f"{p} needs backend.zero_stage=0 (per-model clipping runs on unpartitioned "
+                              "gradients), got 1")
+        if self.train.precision != "fp32":
+            raise ConfigError(f"{p} needs train.precision=fp32 (per-model clipping runs on fp32 gradients), "
+                              f"got {self.train.precision!r}")
+        if self.model.objective == "electra" and not self.electra.decoupled:
+            raise ConfigError(f"{p} needs electra.decoupled=true (one pipeline, two optimizers), got false")
+        if self.distill.teacher:
+            raise ConfigError(f"{p} does not run a DWT teacher yet: set distill.teacher='' or "
+                              "backend.pipeline_stages=1")
+        layers = self.model.generator.num_layers
+        where = f"model.generator.num_layers={layers}"
+        if self.model.objective == "electra":
+            layers += self.model.discriminator.num_layers
+            where += f" + model.discriminator.num_layers={self.model.discriminator.num_layers}"
+        if self.backend.pipeline_stages > layers:
+            raise ConfigError(f"{p} exceeds the {layers} encoder layers to split ({where})")
 
     def _validate_distill(self) -> None:
         d = self.distill

@@ -128,7 +128,7 @@ def run_soteacher(cfg: FinetuneConfig) -> dict:
     def make_teacher_objective(seed: int, model: SequenceClassifier, tokenizer: Tokenizer, train: EncodedTask,
                                out_dir: Path) -> SoTeacherObjective:
         stores.append(ConsistencyStore(out_dir / "cr_store", int(train.indices.max()) + 1, cfg.task.num_labels))
-        return SoTeacherObjective(s, stores[-1], cfg.finetune.epochs, cfg.kernels_backend)
+        return SoTeacherObjective(s, stores[-1], cfg.finetune.epochs, cfg.kernels.backend)
 
     teachers, _, dev = run_seeds(cfg, run_dir / "teacher", cfg.model, make_teacher_objective)
     for store in stores:

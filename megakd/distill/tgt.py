@@ -160,7 +160,7 @@ def run_tgt(cfg: FinetuneConfig) -> dict:
                        out_dir: Path) -> TGTObjective:
         check_same_tokenizer(tokenizer, gen_tokenizer, "tgt.generator")
         check_same_tokenizer(tokenizer, lab_tokenizer, "tgt.labeler")
-        return TGTObjective(TeacherGenerator(mlm, tokenizer, cfg.tgt, seed, cfg.kernels_backend), labeler)
+        return TGTObjective(TeacherGenerator(mlm, tokenizer, cfg.tgt, seed, cfg.kernels.backend), labeler)
 
     results, _, _ = run_seeds(cfg, run_dir, cfg.model, make_objective)
     return summarize(results, run_dir, cfg.metric)

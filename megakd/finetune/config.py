@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megakd.config import ConfigError, _check_choice
+from megakd.config import ConfigError, KernelsConfig, _check_choice
 from megakd.models.encoder import EncoderConfig
 from megakd.objectives.label_reg import TARGETS
 from megakd.objectives.soteacher import CR_SCHEDULES
@@ -36,7 +36,7 @@ class TaskConfig:
     labels: list[str] = field(default_factory=list)  # class names in id order; [] = integer labels 0..K-1
     num_labels: int = 2  # 1 = regression (MSE, Spearman)
     metric: str = ""  # the headline metric; "" = spearman for regression, accuracy otherwise
-    max_train_examples: int = 0  # 0 = all (a deterministic prefix of the shuffled split otherwise)
+    max_train_examples: int = 0  # 0 = all; otherwise a fixed subset spread evenly over the split
     max_dev_examples: int = 0
 
 
@@ -126,7 +126,7 @@ class FinetuneConfig:
     labelreg: LabelRegConfig = field(default_factory=LabelRegConfig)
     soteacher: SoTeacherConfig = field(default_factory=SoTeacherConfig)
     tgt: TGTConfig = field(default_factory=TGTConfig)
-    kernels_backend: str = "auto"
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)  # backend of the Lipschitz / sampling kernels
 
     @property
     def metric(self) -> str:
@@ -188,7 +188,7 @@ class FinetuneConfig:
             raise ConfigError("tgt.noise_std and tgt.step_size: expected >= 0; tgt.steps: expected >= 1")
         if g.enabled and s.enabled:
             raise ConfigError("tgt.enabled and soteacher.enabled: choose one method per run")
-        _check_choice("kernels_backend", self.kernels_backend, ("auto", "triton", "torch"))
+        _check_choice("kernels.backend", self.kernels.backend, ("auto", "triton", "torch"))
         for init in (self.model, s.student):
             if init.init == "random" and not init.path:
                 if not init.tokenizer:

@@ -11,8 +11,12 @@ import torch
 
 from megakd.cli import main
 from megakd.config import ConfigError, load_config
+from megakd.data.default_corpus import CORPUS_DIR
+from megakd.data.tokenizer import train_tokenizer
 from megakd.finetune.config import FinetuneConfig, ModelInitConfig
-from megakd.finetune.models import build_classifier, load_classifier, load_pretrained
+from megakd.finetune.models import build_classifier, load_classifier, load_pretrained, save_classifier
+from megakd.models.electra import SequenceClassifier
+from megakd.models.encoder import EncoderConfig
 from tests.helpers import tiny_overrides
 
 ROOT = Path(__file__).parents[2]
@@ -124,3 +128,14 @@ def test_random_init_regression_without_a_pretrained_model(tiny_data, tmp_path):
     assert lrs == pytest.approx([peak * m for m in (1 / 2, 1, 1, 5 / 6, 4 / 6, 3 / 6, 2 / 6, 1 / 6)])
     assert np.load(run / "seed_1" / "dev_logits.npy").shape == (12, 1)
     assert "| spearman |" in (run / "summary.md").read_text()
+
+
+def test_teacher_with_another_tokenizer_is_refused(pretrained_run, tmp_path, capsys):
+    other = train_tokenizer([CORPUS_DIR / "kjv.jsonl.gz"], 400, tmp_path / "tok400", input_sentence_size=2000)
+    cfg = EncoderConfig(vocab_size=400, hidden_size=8, num_layers=1, num_heads=2, intermediate_size=16)
+    teacher = save_classifier(SequenceClassifier(cfg, 2), other, tmp_path / "teacher")
+    code = main(_small(tmp_path / "kd", pretrained_run / "hf" / "discriminator", "finetune.epochs=1",
+                       "labelreg.target=kd", "labelreg.alpha=0.5", f"labelreg.teacher={teacher}"))
+    assert code == 2
+    errors = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("megakd: error:")]
+    assert len(errors) == 1 and "labelreg.teacher" in errors[0] and "must share the tokenizer" in errors[0]

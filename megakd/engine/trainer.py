@@ -51,11 +51,12 @@ class Trainer:
         self.loader = loader
         self.objective = objective
         self.run_dir = Path(cfg.run.dir)
-        _, self.accumulation_steps = cfg.batch_layout(backend.world_size)
+        data_rank, data_world = data_parallel(backend)
+        _, self.accumulation_steps = cfg.batch_layout(data_world)
         self.step = 0
         self.bad_steps = 0
         self.interval: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
-        self.rng = torch.Generator().manual_seed(cfg.train.seed * 100_003 + backend.rank)
+        self.rng = torch.Generator().manual_seed(cfg.train.seed * 100_003 + data_rank)
         self._preempt_requested = False
 
     # -- state -----------------------------------------------------------------------------------
@@ -147,9 +148,17 @@ class Trainer:
 
     def train_step(self, batches) -> dict[str, float] | None:
         """Run one optimizer step; returns grad norms, or None if the step was skipped."""
-        losses = []
         if self.kd is not None:
             self.kd.step = self.step
+        if getattr(self.backend, "owns_step", False):  # pipeline: one engine call runs the whole step
+            norms, stats = self.backend.train_step(list(self.units.values()), batches, self.rng)
+            self._accumulate(stats)
+            if norms is None:
+                return self._skipped("non-finite gradient norm")
+            self.bad_steps = 0
+            self.step += 1
+            return norms
+        losses = []
         for i in range(self.accumulation_steps):
             batch = next(batches)
             self.interval["tokens"] += float(batch["attention_mask"].sum())
@@ -159,20 +168,22 @@ class Trainer:
         if self.backend.all_reduce_sum(finite).item() < self.backend.world_size:
             for unit in self.units.values():
                 self.backend.skip_step(unit)
-            self.bad_steps += 1
-            log.warning("non-finite loss at step %d: step skipped (%d in a row)", self.step + 1, self.bad_steps)
-            if self.bad_steps >= self.cfg.train.max_bad_steps:
-                raise RuntimeError(
-                    f"{self.bad_steps} non-finite losses in a row (train.max_bad_steps="
-                    f"{self.cfg.train.max_bad_steps}): stopping at step {self.step}"
-                )
-            return None
+            return self._skipped("non-finite loss")
         self.bad_steps = 0
         norms = {}
         for name, unit in self.units.items():
             norms[name] = self.backend.step(unit)
         self.step += 1
         return norms
+
+    def _skipped(self, what: str) -> None:
+        self.bad_steps += 1
+        log.warning("%s at step %d: step skipped (%d in a row)", what, self.step + 1, self.bad_steps)
+        if self.bad_steps >= self.cfg.train.max_bad_steps:
+            raise RuntimeError(
+                f"{self.bad_steps} non-finite losses in a row (train.max_bad_steps="
+                f"{self.cfg.train.max_bad_steps}): stopping at step {self.step}"
+            )
 
     # -- metrics ---------------------------------------------------------------------------------
     def _record(self, norms_sum: dict[str, float], steps: int, seconds: float) -> dict:
@@ -275,6 +286,12 @@ class Trainer:
         if self.backend.is_main and cfg.run.plots and not preempted:
             plot_metrics(self.run_dir / "metrics.jsonl", self.run_dir / "plots")
         return TrainResult(step=self.step, preempted=preempted, run_dir=self.run_dir)
+
+
+def data_parallel(backend: Backend) -> tuple[int, int]:
+    """(rank, size) in the data-parallel group: the whole world, except that the stages of one
+    pipeline (`PipelineBackend`) read the same batches and sample with the same generator."""
+    return getattr(backend, "data_rank", backend.rank), getattr(backend, "data_world_size", backend.world_size)
 
 
 def _check_same_model(path: Path, cfg: Config) -> None:

@@ -1,0 +1,471 @@
+"""Pipeline parallelism through DeepSpeed's `PipelineModule`: BERT-MLM and ELECTRA (DecoupledOptim).
+
+DeepSpeed's pipeline engine runs one optimizer and only `train_batch`, so ELECTRA becomes ONE
+pipeline: generator (embeddings, layers, MLM head + sampling) then discriminator (embeddings,
+layers, RTD head). Every rank builds both models in full from `train.seed` (the same init as any
+other backend) and keeps the pieces of its stage; DeepSpeed gets exactly P stage modules and
+places one per stage, so megakd decides the partition (`partition`): encoder layers balanced by
+parameter count, embeddings with their model's first layer, heads with its last.
+
+Between stages the activation is a tuple of tensors: the hidden states (and the T5 relative
+bias, which then takes its gradient back to the stage that owns the table), the original ids,
+the attention and MLM masks and, after the generator head, the corrupted ids and the MLM loss.
+The MLM loss travels down the pipeline as a tensor (one float per micro-batch, where the masked
+hidden states would be [N, E] with N varying): the last stage returns L_MLM + λ·L_RTD. λ cannot
+reach the generator: its parameters get gradient only through L_MLM (the corrupted ids are
+integers and DecoupledOptim shares no embedding), so, as in the other backends, λ only scales
+the discriminator's gradient, whose clipping threshold is clip_norm·λ.
+
+The heads reuse `GeneratorTask` / `DiscriminatorTask` unchanged around `_Encoded`, a stand-in
+model whose encoder already ran on earlier stages; their statistics are summed on the stage that
+computes them and reduced over all ranks by the trainer, like every other backend's.
+
+The client optimizer (`PipelineOptimizer`) keeps each unit's own AdamW, LR schedule and clip
+threshold: DeepSpeed's `gradient_clipping` is 0 and the per-unit norm is all-reduced over the
+pipe group (squared norms), after summing the gradient of a weight held by two stages (the
+generator's word embeddings, tied to its MLM output matrix) over those stages and counting it once.
+
+Checkpoints: `engine.save_checkpoint(<step_dir>/pipeline, tag="ds")` for resumption, plus a
+consolidated `<unit>.pt` ({"model": state_dict}, the single backend's layout) that `megakd
+convert` and the tests read without knowing the partition.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from megakd.config import Config, ConfigError
+from megakd.engine.backends import Unit
+from megakd.engine.deepspeed_backend import CHECKPOINT_TAG, DeepSpeedBackend
+from megakd.engine.tasks import DiscriminatorTask, GeneratorTask
+from megakd.models.electra import MaskedLM
+from megakd.models.encoder import Encoder
+from megakd.objectives.electra import corrupt
+
+log = logging.getLogger(__name__)
+
+# The order of the named tensors in an activation tuple (DeepSpeed sends tuples, not dicts).
+ORDER = ("hidden", "position_bias", "mlm_loss", "masked_input_ids", "corrupted", "input_ids", "attention_mask",
+         "mlm_mask")
+DATA_KEYS = ("masked_input_ids", "input_ids", "attention_mask", "mlm_mask")  # what the first stage reads, in ORDER
+MASKS = ("attention_mask", "mlm_mask")  # bool in the models, uint8 on the wire (not every backend sends bool)
+
+
+def _ordered(keys) -> tuple[str, ...]:
+    return tuple(k for k in ORDER if k in keys)
+
+
+class _Encoded(nn.Module):
+    """The model as a head's task sees it on a later stage: its encoder already ran.
+
+    `forward` returns the hidden states the stage received (set in `hidden` just before the task
+    runs); `head` and `masked_hidden` are the real model's, so the tasks' losses, sampling and
+    statistics run unchanged.
+    """
+
+    masked_hidden = MaskedLM.masked_hidden
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.head = model.head
+        self.hidden: Tensor | None = None
+
+    def forward(self, *_inputs) -> Tensor:
+        hidden, self.hidden = self.hidden, None
+        return hidden
+
+
+class _Embed(nn.Module):
+    """A model's embeddings (and relative-bias table) through `Encoder.prepare`."""
+
+    def __init__(self, encoder: Encoder, source: str):
+        super().__init__()
+        self._encoder = (encoder,)  # out of the module tree: its layers live on their own stages
+        self.embeddings = encoder.embeddings
+        self.relative_bias = encoder.relative_bias
+        self.source = source
+
+    def keys_after(self, keys: set[str]) -> set[str]:
+        keys = (keys - {"masked_input_ids"}) | {"hidden"}
+        return keys | {"position_bias"} if self.relative_bias is not None else keys
+
+    def forward(self, state: dict) -> dict:
+        x, _, position_bias = self._encoder[0].prepare(state[self.source], state["attention_mask"])
+        state = {k: v for k, v in state.items() if k != "masked_input_ids"}
+        state["hidden"] = x
+        if position_bias is not None:
+            state["position_bias"] = position_bias
+        return state
+
+
+class _Layer(nn.Module):
+    """One encoder layer, recomputed in backward when the model config asks for it (as `Encoder`)."""
+
+    def __init__(self, layer: nn.Module, recompute: bool):
+        super().__init__()
+        self.layer = layer
+        self.recompute = recompute
+
+    def keys_after(self, keys: set[str]) -> set[str]:
+        return keys
+
+    def forward(self, state: dict) -> dict:
+        key_mask = state["attention_mask"][:, None, None, :]
+        args = (state["hidden"], key_mask, state.get("position_bias"))
+        if self.recompute and self.training and torch.is_grad_enabled():
+            hidden = checkpoint(self.layer, *args, use_reentrant=False)
+        else:
+            hidden = self.layer(*args)
+        return {**state, "hidden": hidden}
+
+
+class _Head(nn.Module):
+    """Base of the two heads: statistics summed over the micro-batches of a step."""
+
+    def __init__(self):
+        super().__init__()
+        self.stats: dict[str, Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
+
+    def _add(self, stats: dict[str, Tensor]) -> None:
+        for key, value in stats.items():
+            self.stats[key] += value.detach().double().cpu()
+
+
+class _GeneratorHead(_Head):
+    """MLM loss at masked positions; under ELECTRA also samples and writes the corrupted ids."""
+
+    def __init__(self, model: MaskedLM, kernel_backend: str, temperature: float, electra: bool):
+        super().__init__()
+        self.task = GeneratorTask(_Encoded(model), kernel_backend, temperature)
+        self.electra = electra
+        self.rng: torch.Generator | None = None  # the trainer's sampling generator, set per step
+
+    def keys_after(self, keys: set[str]) -> set[str]:
+        keys = keys - {"hidden", "position_bias"}
+        return keys | {"corrupted", "mlm_loss"} if self.electra else {"loss"}
+
+    def forward(self, state: dict) -> dict:
+        self.task.model.hidden = state["hidden"]
+        out = self.task({**state, "masked_input_ids": None}, self.rng)  # the ids were embedded upstream
+        self._add(out["stats"])
+        if not self.electra:
+            return {"loss": out["loss"]}
+        rest = {k: v for k, v in state.items() if k not in ("hidden", "position_bias")}
+        return {**rest, "corrupted": corrupt(state["input_ids"], state["mlm_mask"], out["samples"]),
+                "mlm_loss": out["loss"].reshape(1)}
+
+
+class _DiscriminatorHead(_Head):
+    """RTD loss; returns the step's loss L_MLM + λ·L_RTD."""
+
+    def __init__(self, model: nn.Module, kernel_backend: str, loss_weight: float):
+        super().__init__()
+        self.task = DiscriminatorTask(_Encoded(model), kernel_backend)
+        self.loss_weight = loss_weight
+
+    def keys_after(self, keys: set[str]) -> set[str]:
+        return {"loss"}
+
+    def forward(self, state: dict) -> dict:
+        self.task.model.hidden = state["hidden"]
+        out = self.task(state["corrupted"], state["input_ids"], state["attention_mask"])
+        self._add(out["stats"])
+        return {"loss": state["mlm_loss"][0] + self.loss_weight * out["loss"]}
+
+
+class PipelineStage(nn.Module):
+    """The pieces one stage runs, between the activation tuples it receives and sends."""
+
+    def __init__(self, pieces: list[nn.Module], in_keys: tuple[str, ...]):
+        super().__init__()
+        self.pieces = nn.ModuleList(pieces)
+        self.in_keys = in_keys
+
+    def forward(self, inputs: tuple[Tensor, ...]) -> Tensor | tuple[Tensor, ...]:
+        state = {k: v.bool() if k in MASKS else v for k, v in zip(self.in_keys, inputs)}
+        for piece in self.pieces:
+            state = piece(state)
+        if "loss" in state:
+            return state["loss"]
+        return tuple(state[k].to(torch.uint8) if k in MASKS else state[k] for k in _ordered(state))
+
+    def heads(self) -> list[_Head]:
+        return [p for p in self.pieces if isinstance(p, _Head)]
+
+
+def _model_pieces(model: nn.Module, head: nn.Module, source: str) -> list[tuple[list[nn.Module], int]]:
+    """(pieces, parameter count) per encoder layer: embeddings join the first layer, the head the last."""
+    encoder = model.encoder
+    recompute = encoder.config.activation_checkpointing
+    items = []
+    for i, layer in enumerate(encoder.layers):
+        pieces: list[nn.Module] = [_Layer(layer, recompute)]
+        if i == 0:
+            pieces.insert(0, _Embed(encoder, source))
+        if i == len(encoder.layers) - 1:
+            pieces.append(head)
+        items.append((pieces, sum(p.numel() for piece in pieces for p in piece.parameters())))
+    return items
+
+
+def partition(weights: list[int], num_stages: int) -> list[int]:
+    """Stage boundaries [0, ..., len(weights)] with every stage non-empty and the heaviest one light."""
+    from deepspeed.runtime.utils import partition_balanced
+
+    return list(partition_balanced(weights, num_stages))
+
+
+def build_stages(units: list[Unit], cfg: Config, num_stages: int) -> list[PipelineStage]:
+    """The P stage modules over the units' models (every rank builds all P; DeepSpeed keeps one)."""
+    kb = cfg.kernels.backend
+    generator = units[0].model
+    electra = len(units) == 2
+    items = _model_pieces(generator, _GeneratorHead(generator, kb, cfg.electra.sampling_temperature, electra),
+                          "masked_input_ids")
+    if electra:
+        discriminator = units[1].model
+        items += _model_pieces(discriminator, _DiscriminatorHead(discriminator, kb, units[1].loss_scale),
+                               "corrupted")
+    bounds = partition([w for _, w in items], num_stages)
+    stages, keys = [], set(DATA_KEYS)
+    for s in range(num_stages):
+        pieces = [p for group, _ in items[bounds[s]:bounds[s + 1]] for p in group]
+        stages.append(PipelineStage(pieces, _ordered(keys)))
+        for piece in pieces:
+            keys = piece.keys_after(keys)
+    return stages
+
+
+class _Schedules:
+    """The units' LR schedules as the one client scheduler DeepSpeed steps (after applied updates)."""
+
+    def __init__(self, units: list[Unit]):
+        self.units = units
+
+    def step(self, *_args, **_kwargs) -> None:
+        for unit in self.units:
+            unit.scheduler.step()
+
+    def state_dict(self) -> dict:
+        return {u.name: u.scheduler.state_dict() for u in self.units}
+
+    def load_state_dict(self, state: dict) -> None:
+        for u in self.units:
+            u.scheduler.load_state_dict(state[u.name])
+
+
+class PipelineOptimizer(torch.optim.Optimizer):
+    """The units' own optimizers behind DeepSpeed's one optimizer slot, each with its own clipping.
+
+    `step` sums the gradients of weights held by two stages, computes every unit's gradient norm
+    over the whole pipeline (squared norms all-reduced over the pipe group, a shared weight counted
+    on its first stage only), clips each unit at clip_norm·loss_scale as the single backend does,
+    and steps each unit's optimizer. A non-finite norm skips the update of every unit and sets
+    `overflow`, which makes DeepSpeed leave the schedules alone; `norms` is then None.
+    """
+
+    def __init__(self, units: list[Unit], pipe_group, ties: list[tuple[nn.Parameter, object, bool]]):
+        # The groups are the units' own dicts, so the LRs DeepSpeed and the trainer read are live.
+        super().__init__([g for u in units for g in u.optimizer.param_groups], {})
+        self.units = units
+        self.pipe_group = pipe_group
+        self.ties = ties  # (parameter, process group of the stages holding it, counted here)
+        self.overflow = False
+        self.norms: dict[str, float] | None = None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        replicas = set()
+        for param, group, counted in self.ties:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            dist.all_reduce(param.grad, group=group)
+            if not counted:
+                replicas.add(param)
+        squares = []
+        for unit in self.units:
+            grads = [p.grad for g in unit.optimizer.param_groups for p in g["params"]
+                     if p.grad is not None and p not in replicas]
+            squares.append(sum((g.double().pow(2).sum() for g in grads), torch.zeros((), dtype=torch.float64)))
+        squares = torch.stack(squares)
+        dist.all_reduce(squares, group=self.pipe_group)
+        norms = squares.sqrt()
+        self.overflow = not bool(torch.isfinite(norms).all())
+        if self.overflow:
+            self.norms = None
+            self.zero_grad(set_to_none=True)
+            return None
+        for unit, norm in zip(self.units, norms.tolist()):
+            max_norm = unit.clip_norm * unit.loss_scale if unit.clip_norm > 0 else float("inf")
+            coef = min(max_norm / (norm + 1e-6), 1.0)  # torch.nn.utils.clip_grad_norm_'s factor
+            for g in unit.optimizer.param_groups:
+                for p in g["params"]:
+                    if p.grad is not None:
+                        p.grad.mul_(coef)
+            unit.optimizer.step()
+        self.norms = {u.name: n / u.loss_scale for u, n in zip(self.units, norms.tolist())}
+        return None
+
+    def state_dict(self) -> dict:
+        return {u.name: u.optimizer.state_dict() for u in self.units}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        for u in self.units:
+            u.optimizer.load_state_dict(state_dict[u.name])
+
+
+class _MicroBatches:
+    """The trainer's batches as DeepSpeed's (inputs, labels) pairs; counts the tokens it hands out.
+
+    Every stage takes what it needs from the activation, so the labels slot stays empty.
+    """
+
+    def __init__(self, batches: Iterator[dict], device: torch.device):
+        self.batches = batches
+        self.device = device
+        self.tokens = 0.0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        batch = next(self.batches)
+        self.tokens += float(batch["attention_mask"].sum())
+        return tuple(batch[k].to(self.device) for k in DATA_KEYS), None
+
+
+class PipelineBackend(DeepSpeedBackend):
+    """All units in one DeepSpeed `PipelineEngine` over `backend.pipeline_stages` stages.
+
+    Ranks form a (pipe × data) grid, rank = stage · D + d (DeepSpeed's layout): the stages of one
+    pipeline read the same batches, so the data loader and the batch layout use `data_rank` and
+    `data_world_size`. The engine owns the whole optimizer step (`owns_step`): the trainer calls
+    `train_step` once per step instead of its micro-batch loop.
+    """
+
+    owns_step = True
+
+    def __init__(self, cfg: Config):
+        super().__init__(cfg)
+        self.num_stages = cfg.backend.pipeline_stages
+        if self.world_size % self.num_stages:
+            raise ConfigError(f"backend.pipeline_stages={self.num_stages} does not divide the world size "
+                              f"{self.world_size}")
+        self.data_world_size = self.world_size // self.num_stages
+        self.data_rank = self.rank % self.data_world_size
+        self.stage_id = self.rank // self.data_world_size
+        self.cfg = cfg
+        self.engine = None
+        self.stage: PipelineStage | None = None
+        self._stat_keys: list[str] | None = None
+
+    def prepare(self, units: list[Unit], accumulation_steps: int) -> None:
+        import deepspeed
+        from deepspeed.pipe import PipelineModule
+
+        self.accumulation_steps = accumulation_steps
+        for unit in units:
+            unit.task.to(self.device)
+        stages = build_stages(units, self.cfg, self.num_stages)
+        with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints its partition on rank 0
+            module = PipelineModule(layers=stages, num_stages=self.num_stages, partition_method="uniform",
+                                    dynamic_shape=True)  # batches are padded to their longest sample
+        grid = module.mpu()
+        if (grid.get_stage_id(), grid.get_data_parallel_rank()) != (self.stage_id, self.data_rank):
+            raise RuntimeError("DeepSpeed's pipeline grid is not rank = stage * data_world_size + data_rank")
+        self.stage = stages[self.stage_id]
+        mine = {id(p) for p in self.stage.parameters()}
+        for unit in units:  # each unit's optimizer updates the parameters of this stage only
+            for group in unit.optimizer.param_groups:
+                group["params"] = [p for p in group["params"] if id(p) in mine]
+        optimizer = PipelineOptimizer(units, grid.get_pipe_parallel_group(), self._ties(stages, grid))
+        config = self.ds_config(units[0], accumulation_steps)
+        config["train_batch_size"] = self.micro_batch_size * accumulation_steps * self.data_world_size
+        config["gradient_clipping"] = 0.0  # PipelineOptimizer clips per unit
+        self.engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=_Schedules(units),
+                                                    config=config, dist_init_required=False)
+        for unit in units:
+            unit.wrapped = self.engine
+
+    def _ties(self, stages: list[PipelineStage], grid) -> list[tuple[nn.Parameter, object, bool]]:
+        """Weights held by several stages, with one process group per pipeline (every rank creates all)."""
+        holders: dict[int, list[int]] = defaultdict(list)
+        params: dict[int, nn.Parameter] = {}
+        for s, stage in enumerate(stages):
+            for p in stage.parameters():
+                holders[id(p)].append(s)
+                params[id(p)] = p
+        ties = []
+        for key, held_by in holders.items():
+            if len(held_by) < 2:
+                continue
+            for d in range(self.data_world_size):
+                group = dist.new_group([grid.stage_to_global(stage_id=s, data=d) for s in held_by])
+                if d == self.data_rank and self.stage_id in held_by:
+                    ties.append((params[key], group, self.stage_id == held_by[0]))
+        return ties
+
+    # -- the optimizer step --------------------------------------------------------------------
+    def train_step(self, units: list[Unit], batches: Iterator[dict],
+                   rng: torch.Generator) -> tuple[dict[str, float] | None, dict[str, Tensor]]:
+        """One `train_batch`: (per-unit gradient norms or None if skipped, this rank's statistics)."""
+        engine = self.engine
+        for head in self.stage.heads():
+            if isinstance(head, _GeneratorHead):
+                head.rng = rng
+        feeds = engine.is_first_stage() or engine.is_last_stage()
+        micro = _MicroBatches(batches, self.device) if feeds else None
+        engine.train_batch(micro)
+        stats: dict[str, Tensor] = {}
+        for head in self.stage.heads():
+            stats.update(head.stats)
+            head.stats.clear()
+        if engine.is_first_stage():
+            stats["tokens"] = torch.tensor(micro.tokens, dtype=torch.float64)
+        return engine.optimizer.norms, self._all_keys(stats)
+
+    def _all_keys(self, stats: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The same statistic names on every rank (zeros where a stage computes none), for the sum."""
+        if self._stat_keys is None:
+            names: list = [None] * self.world_size
+            dist.all_gather_object(names, sorted(stats))
+            self._stat_keys = sorted(set().union(*names))
+        return {k: stats.get(k, torch.zeros((), dtype=torch.float64)) for k in self._stat_keys}
+
+    def step(self, unit: Unit) -> float:
+        raise RuntimeError("the pipeline engine steps inside train_step")
+
+    # -- checkpoint state ------------------------------------------------------------------------
+    def save_units(self, units: list[Unit], directory: Path) -> None:
+        self.engine.save_checkpoint(str(directory / "pipeline"), tag=CHECKPOINT_TAG)
+        mine = {t.data_ptr() for t in self.stage.state_dict().values()}
+        for unit in units:
+            owned = {k: v.cpu() for k, v in unit.model.state_dict().items()
+                     if self.data_rank == 0 and v.data_ptr() in mine}
+            gathered: list | None = [None] * self.world_size if self.is_main else None
+            dist.gather_object(owned, gathered, dst=0)
+            if self.is_main:
+                state = {k: v for part in gathered for k, v in part.items()}
+                missing = sorted(set(unit.model.state_dict()) - set(state))
+                if missing:
+                    raise RuntimeError(f"{unit.name}: no stage holds {missing[0]!r} ({len(missing)} in all)")
+                torch.save({"model": state}, directory / f"{unit.name}.pt")
+
+    def load_units(self, units: list[Unit], directory: Path) -> None:
+        path = directory / "pipeline" / CHECKPOINT_TAG
+        if not path.is_dir():
+            raise FileNotFoundError(f"checkpoint {directory} has no DeepSpeed pipeline state (expected {path})")
+        loaded, _ = self.engine.load_checkpoint(str(directory / "pipeline"), tag=CHECKPOINT_TAG,
+                                                load_optimizer_states=True, load_lr_scheduler_states=True)
+        if loaded is None:
+            raise RuntimeError(f"DeepSpeed could not load {path}")

@@ -15,7 +15,7 @@ from megakd.data.tokenizer import Tokenizer
 from megakd.engine.backends import Backend, DDPBackend, Unit
 from megakd.engine.optim import build_optimizer, build_scheduler
 from megakd.engine.tasks import DiscriminatorTask, GeneratorTask, JointElectraTask, TeacherKD
-from megakd.engine.trainer import Trainer, TrainResult
+from megakd.engine.trainer import Trainer, TrainResult, data_parallel
 from megakd.models.electra import Discriminator, ElectraPair, MaskedLM
 
 log = logging.getLogger(__name__)
@@ -27,6 +27,10 @@ def build_backend(cfg: Config) -> Backend:
         return Backend(cfg.train.precision)
     if name == "ddp":
         return DDPBackend(cfg.train.precision, cfg.backend.dist_backend)
+    if cfg.backend.pipeline_stages > 1:
+        from megakd.engine.pipeline import PipelineBackend
+
+        return PipelineBackend(cfg)
     from megakd.engine.deepspeed_backend import DeepSpeedBackend
 
     return DeepSpeedBackend(cfg)
@@ -95,7 +99,8 @@ def build_models(cfg: Config) -> tuple[MaskedLM, Discriminator | None]:
 
 def build_trainer(cfg: Config, backend: Backend | None = None) -> Trainer:
     backend = backend or build_backend(cfg)
-    micro_batch, accumulation = cfg.batch_layout(backend.world_size)
+    data_rank, data_world = data_parallel(backend)
+    micro_batch, accumulation = cfg.batch_layout(data_world)
     tokenizer_dir, shards_dir = resolve_data(cfg)
     tokenizer = Tokenizer.load(tokenizer_dir)
     check_vocab(cfg, tokenizer)
@@ -112,7 +117,7 @@ def build_trainer(cfg: Config, backend: Backend | None = None) -> Trainer:
     units = build_units(cfg, generator, discriminator, kd)
     backend.prepare(units, accumulation)
     loader = PretrainingLoader(
-        shards_dir, tokenizer, micro_batch_size=micro_batch, rank=backend.rank, world_size=backend.world_size,
+        shards_dir, tokenizer, micro_batch_size=micro_batch, rank=data_rank, world_size=data_world,
         num_workers=cfg.data.num_workers, seed=cfg.train.seed, mask_prob=cfg.data.mask_prob,
         skip_bad_shards=cfg.data.skip_bad_shards,
     )

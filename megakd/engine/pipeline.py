@@ -197,7 +197,8 @@ class PipelineStage(nn.Module):
             state = piece(state)
         if "loss" in state:
             return state["loss"]
-        return tuple(state[k].to(torch.uint8) if k in MASKS else state[k] for k in _ordered(state))
+        # p2p sends need contiguous tensors (the relative bias is a permuted view)
+        return tuple(state[k].to(torch.uint8) if k in MASKS else state[k].contiguous() for k in _ordered(state))
 
     def heads(self) -> list[_Head]:
         return [p for p in self.pieces if isinstance(p, _Head)]

@@ -1,0 +1,147 @@
+"""DeepSpeed pipeline parallelism (2 stages, 2 gloo processes) against the single-process run.
+
+One `torchrun --nproc_per_node 2` launch trains ELECTRA (DecoupledOptim: generator then
+discriminator in one pipeline), BERT-MLM (T5 relative positions: the bias table's gradient and
+the tied MLM output matrix cross the stage boundary) and an ELECTRA resume from step 2. With 2
+stages there is one pipeline, so the reference is the `single` backend on the same global batch
+(micro-batch 4, accumulation 4) with the same sampling generator (harness.py, world=1). What
+differs is where float32 sums happen (the MLM loss joins λ·L_RTD in one backward, gradient norms
+are summed over stages in float64), measured ≤ 1e-6 relative; RTOL = 1e-5 as in
+test_backends.py still catches a wrong λ, averaging factor or clip threshold (all ≥ 1e-3).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megakd.config import ConfigError, load_config
+from megakd.convert.checkpoints import read_unit_state
+from megakd.engine.checkpoint import latest_checkpoint
+from tests.distributed.harness import CONFIG, read_metrics, reference_run, torchrun
+from tests.helpers import tiny_overrides
+
+RTOL = 1e-5
+WEIGHT_ATOL = 1e-5
+STEPS = 4
+COMMON = {
+    "train.max_steps": STEPS, "train.global_batch_size": 16, "train.micro_batch_size": 4,
+    "model.generator.dropout": 0.0, "model.discriminator.dropout": 0.0, "run.export_hf": "false",
+    "kernels.backend": "torch", "optim.generator.clip_norm": 1.0, "optim.discriminator.clip_norm": 0.45,
+}
+PIPE = {"backend.name": "deepspeed", "backend.pipeline_stages": 2}
+MLM = {"model.objective": "mlm", "model.generator.num_layers": 2, "model.generator.position_encoding": "t5_relative"}
+ELECTRA_KEYS = ("gen_loss", "gen_acc", "disc_loss", "disc_acc", "rtd_f1", "replaced_frac", "lr_generator",
+                "lr_discriminator", "grad_norm_generator", "grad_norm_discriminator")
+MLM_KEYS = ("gen_loss", "gen_acc", "lr_generator", "grad_norm_generator")
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_data, tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipeline")
+
+    def overrides(name: str, **extra) -> list[str]:
+        return tiny_overrides(tiny_data, root / name, **{**COMMON, **extra})
+
+    torchrun(2, [
+        {"overrides": overrides("electra", **PIPE, **{"train.save_every": 2, "run.keep_last": 0})},
+        {"overrides": overrides("electra_resumed", **PIPE),
+         "resume": str(root / "electra" / "checkpoints" / "step_00000002")},
+        {"overrides": overrides("mlm", **PIPE, **MLM)},
+    ], root / "spec.json")
+    reference_run(overrides("electra_reference"), world=1)
+    reference_run(overrides("mlm_reference", **MLM), world=1)
+    return root
+
+
+def _assert_close_metrics(got: list[dict], want: list[dict], keys: tuple[str, ...]) -> None:
+    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, STEPS + 1))
+    for g, w in zip(got, want):
+        for key in keys:
+            assert math.isclose(g[key], w[key], rel_tol=RTOL, abs_tol=1e-9), (key, g["step"], g[key], w[key])
+
+
+def _assert_same_weights(run, reference, unit: str) -> None:
+    got, ref = read_unit_state(latest_checkpoint(run), unit), read_unit_state(latest_checkpoint(reference), unit)
+    assert got.keys() == ref.keys()
+    for key in ref:
+        torch.testing.assert_close(got[key], ref[key], rtol=0, atol=WEIGHT_ATOL, msg=f"{unit} {key}")
+
+
+def _assert_clipping_bites(metrics: list[dict], unit: str, clip: float) -> None:
+    clipped = [r[f"grad_norm_{unit}"] > clip for r in metrics]
+    assert any(clipped) and not all(clipped), (unit, clipped)
+
+
+@pytest.mark.slow
+def test_electra_pipeline_matches_single_process(runs):
+    """Loss/RTD trajectory, both LRs, both clipped gradient norms and final weights of both models."""
+    want = read_metrics(runs / "electra_reference")
+    _assert_clipping_bites(want, "generator", COMMON["optim.generator.clip_norm"])
+    _assert_clipping_bites(want, "discriminator", COMMON["optim.discriminator.clip_norm"])
+    got = read_metrics(runs / "electra")
+    assert all(r["lr_generator"] != r["lr_discriminator"] for r in got[:-1])  # two schedules (both 0 at the end)
+    _assert_close_metrics(got, want, ELECTRA_KEYS)
+    assert all(r["tokens_per_s"] > 0 for r in got)
+    for unit in ("generator", "discriminator"):
+        _assert_same_weights(runs / "electra", runs / "electra_reference", unit)
+
+
+@pytest.mark.slow
+def test_mlm_pipeline_matches_single_process(runs):
+    """BERT-MLM split mid-encoder: tied output matrix and relative-bias table on both sides."""
+    want = read_metrics(runs / "mlm_reference")
+    _assert_clipping_bites(want, "generator", COMMON["optim.generator.clip_norm"])
+    got = read_metrics(runs / "mlm")
+    _assert_close_metrics(got, want, MLM_KEYS)
+    assert "disc_loss" not in got[0]
+    _assert_same_weights(runs / "mlm", runs / "mlm_reference", "generator")
+
+
+@pytest.mark.slow
+def test_pipeline_resume_is_exact(runs):
+    """The pipeline checkpoint of step 2 (stage modules, both optimizers and schedules) replays 3-4."""
+    full = {r["step"]: r for r in read_metrics(runs / "electra")}
+    resumed = read_metrics(runs / "electra_resumed")
+    assert [r["step"] for r in resumed] == [3, 4]
+    for r in resumed:
+        for key, value in r.items():
+            if key != "tokens_per_s":
+                assert value == full[r["step"]][key], (key, r["step"])
+    for unit in ("generator", "discriminator"):
+        a = read_unit_state(latest_checkpoint(runs / "electra"), unit)
+        b = read_unit_state(latest_checkpoint(runs / "electra_resumed"), unit)
+        assert all(torch.equal(a[k], b[k]) for k in a), unit
+
+
+@pytest.mark.slow
+def test_pipeline_checkpoint_exports_to_hf(runs, tmp_path):
+    """`megakd convert to-hf` reads the consolidated units: the HF discriminator holds the reference weights."""
+    from transformers import ElectraForPreTraining
+
+    from megakd.convert import export_run
+
+    out = export_run(runs / "electra", tmp_path / "hf")
+    hf = ElectraForPreTraining.from_pretrained(out / "discriminator")
+    ref = read_unit_state(latest_checkpoint(runs / "electra_reference"), "discriminator")
+    torch.testing.assert_close(hf.discriminator_predictions.dense_prediction.weight.flatten(),
+                               ref["head.prediction.weight"].flatten(), rtol=0, atol=WEIGHT_ATOL)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["backend.pipeline_stages=2"], "backend.pipeline_stages=2 needs backend.name=deepspeed, got 'single'"),
+    (["backend.name=deepspeed", "backend.pipeline_stages=2", "backend.zero_stage=2"],
+     "backend.pipeline_stages=2 needs backend.zero_stage<=1 (DeepSpeed's pipeline engine), got 2"),
+    (["backend.name=deepspeed", "backend.pipeline_stages=2", "train.precision=bf16"], "needs train.precision=fp32"),
+    (["backend.name=deepspeed", "backend.pipeline_stages=2", "electra.decoupled=false"],
+     "needs electra.decoupled=true"),
+    (["backend.name=deepspeed", "backend.pipeline_stages=6"],
+     "backend.pipeline_stages=6 exceeds the 5 encoder layers to split (model.generator.num_layers=2 + "
+     "model.discriminator.num_layers=3)"),
+])
+def test_unsupported_pipeline_layouts_are_one_line_errors(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(CONFIG, overrides)
+    assert message in str(err.value) and "\n" not in str(err.value)

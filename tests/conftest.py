@@ -28,3 +28,17 @@ def tiny_data(tmp_path_factory):
     tok = train_tokenizer([text], TINY_VOCAB, root / "tokenizer")
     write_shards([text], tok, TINY_SEQ_LEN, root / "shards", samples_per_shard=256)
     return root / "tokenizer", root / "shards"
+
+
+@pytest.fixture(scope="session")
+def tiny_electra_run(tiny_data, tmp_path_factory):
+    """A 2-step ELECTRA pretraining run on the tiny data (checkpoint + hf/ export), shared read-only."""
+    from pathlib import Path
+
+    from megakd.cli import main
+    from tests.helpers import tiny_overrides
+
+    run = tmp_path_factory.mktemp("tiny_electra_run") / "run"
+    config = Path(__file__).parents[1] / "configs" / "electra-tiny.yaml"
+    assert main(["pretrain", "-c", str(config), *tiny_overrides(tiny_data, run, **{"train.max_steps": 2})]) == 0
+    return run

@@ -19,7 +19,6 @@ from megakd.finetune.models import load_classifier
 from megakd.models.electra import SequenceClassifier
 from megakd.models.encoder import EncoderConfig
 from megakd.objectives.soteacher import consistency_loss, cr_weight, lipschitz_penalty
-from tests.helpers import tiny_overrides
 
 ROOT = Path(__file__).parents[2]
 
@@ -148,10 +147,8 @@ def test_objective_records_its_predictions_and_skips_cr_in_epoch_zero(tmp_path):
 
 
 @pytest.mark.slow
-def test_tiny_soteacher_run(tiny_data, tmp_path):
-    run = tmp_path / "pre"
-    assert main(["pretrain", "-c", str(ROOT / "configs" / "electra-tiny.yaml"),
-                 *tiny_overrides(tiny_data, run, **{"train.max_steps": 2})]) == 0
+def test_tiny_soteacher_run(tiny_electra_run, tmp_path):
+    run = tiny_electra_run
     hf = run / "hf" / "discriminator"
     common = ["finetune", "-c", str(ROOT / "configs" / "soteacher-rt.yaml"), f"model.path={hf}",
               f"soteacher.student.path={hf}", "task.max_train_examples=24", "task.max_dev_examples=16",

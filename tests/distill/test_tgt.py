@@ -19,7 +19,7 @@ from megakd.finetune.data import EncodedTask, Example
 from megakd.finetune.models import save_classifier
 from megakd.models.electra import MaskedLM, SequenceClassifier
 from megakd.models.encoder import EncoderConfig
-from tests.helpers import TINY_VOCAB, tiny_overrides
+from tests.helpers import TINY_VOCAB
 
 ROOT = Path(__file__).parents[2]
 SENTENCES = [("It is a truth universally acknowledged.", None), ("Emma Woodhouse, handsome, clever, and rich.", None),
@@ -104,10 +104,8 @@ def test_objective_is_ce_plus_soft_labels_on_real_and_generated(parts):
 
 
 @pytest.mark.slow
-def test_tiny_tgt_run_from_a_pretraining_run(tiny_data, tmp_path):
-    run = tmp_path / "pre"
-    assert main(["pretrain", "-c", str(ROOT / "configs" / "electra-tiny.yaml"),
-                 *tiny_overrides(tiny_data, run, **{"train.max_steps": 2})]) == 0
+def test_tiny_tgt_run_from_a_pretraining_run(tiny_data, tiny_electra_run, tmp_path):
+    run = tiny_electra_run
     torch.manual_seed(0)
     labeler_dir = save_classifier(SequenceClassifier(_config(32, 1), 2), Tokenizer.load(tiny_data[0]),
                                   tmp_path / "labeler")

@@ -17,18 +17,14 @@ from megakd.finetune.config import FinetuneConfig, ModelInitConfig
 from megakd.finetune.models import build_classifier, load_classifier, load_pretrained, save_classifier
 from megakd.models.electra import SequenceClassifier
 from megakd.models.encoder import EncoderConfig
-from tests.helpers import tiny_overrides
 
 ROOT = Path(__file__).parents[2]
 CONFIG = ROOT / "configs" / "finetune-rt.yaml"
 
 
 @pytest.fixture(scope="module")
-def pretrained_run(tiny_data, tmp_path_factory):
-    run = tmp_path_factory.mktemp("runs") / "electra"
-    assert main(["pretrain", "-c", str(ROOT / "configs" / "electra-tiny.yaml"),
-                 *tiny_overrides(tiny_data, run, **{"train.max_steps": 2})]) == 0
-    return run
+def pretrained_run(tiny_electra_run):
+    return tiny_electra_run
 
 
 def _small(run_dir: Path, model: Path, *extra: str) -> list[str]:

@@ -60,7 +60,11 @@ def cmd_finetune(args: argparse.Namespace) -> int:
         from megakd.distill.tgt import run_tgt as run
     else:
         from megakd.finetune.trainer import run_finetune as run
-    run(cfg)
+    try:
+        run(cfg)
+    except FloatingPointError as err:
+        print(f"megakd: error: {err}", file=sys.stderr)
+        return 1
     log.info("fine-tuning finished; summary in %s/summary.json", cfg.run.dir)
     return 0
 

@@ -48,6 +48,8 @@ from megakd.objectives.label_reg import TEACHER_TARGETS, label_reg_loss
 
 log = logging.getLogger(__name__)
 
+MAX_BAD_STEPS = 10  # non-finite losses in a row before the run stops
+
 
 class Objective(Protocol):
     def loss(self, model: SequenceClassifier, batch: dict[str, Tensor], epoch: int
@@ -123,7 +125,7 @@ def train_seed(cfg: FinetuneConfig, seed: int, model: SequenceClassifier, tokeni
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(s, schedule, total))
     writer = MetricsWriter(out_dir, tensorboard=False, wandb=False, wandb_project="", wandb_mode="offline", config={})
     params = [p for p in model.parameters() if p.requires_grad]
-    step, epoch_losses, metrics = 0, [], {}
+    step, bad_steps, epoch_losses, metrics = 0, 0, [], {}
     torch.manual_seed(seed)  # dropout stream
     model.train()
     bar = tqdm(total=total, desc=f"seed {seed}", disable=not cfg.run.progress_bar, dynamic_ncols=True)
@@ -136,16 +138,22 @@ def train_seed(cfg: FinetuneConfig, seed: int, model: SequenceClassifier, tokeni
                 rows = order[start: start + f.batch_size]
                 batch = {**train.batch(rows), "row": rows}
                 loss, _, logs = objective.loss(model, batch, epoch)
-                if not torch.isfinite(loss):
-                    raise FloatingPointError(f"seed {seed} epoch {epoch} step {step}: non-finite loss {loss.item()}")
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, f.clip_norm if f.clip_norm > 0 else math.inf)
                 lr = scheduler.get_last_lr()[0]  # the rate this step used
-                optimizer.step()
-                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
                 step += 1
                 bar.update(1)
+                if not torch.isfinite(loss):  # skip the update, as the pretraining trainer does
+                    bad_steps += 1
+                    log.warning("seed %d step %d: non-finite loss %s, update skipped", seed, step, loss.item())
+                    if bad_steps >= MAX_BAD_STEPS:
+                        raise FloatingPointError(f"seed {seed}: {bad_steps} non-finite losses in a row at step "
+                                                 f"{step}; lower finetune.lr or check the data")
+                    continue
+                bad_steps = 0
+                loss.backward()
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, f.clip_norm if f.clip_norm > 0 else math.inf)
+                optimizer.step()
+                scheduler.step()
                 bar.set_postfix(epoch=epoch, loss=f"{loss.item():.4f}")
                 epoch_sum += loss.item()
                 for k, v in {"loss": loss.item(), "grad_norm": float(grad_norm), **logs}.items():

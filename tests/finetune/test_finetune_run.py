@@ -12,9 +12,11 @@ import torch
 from megakd.cli import main
 from megakd.config import ConfigError, load_config
 from megakd.data.default_corpus import CORPUS_DIR
-from megakd.data.tokenizer import train_tokenizer
+from megakd.data.tokenizer import Tokenizer, train_tokenizer
 from megakd.finetune.config import FinetuneConfig, ModelInitConfig
+from megakd.finetune.data import EncodedTask, Example
 from megakd.finetune.models import build_classifier, load_classifier, load_pretrained, save_classifier
+from megakd.finetune.trainer import MAX_BAD_STEPS, train_seed
 from megakd.models.electra import SequenceClassifier
 from megakd.models.encoder import EncoderConfig
 
@@ -135,3 +137,23 @@ def test_teacher_with_another_tokenizer_is_refused(pretrained_run, tmp_path, cap
     assert code == 2
     errors = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("megakd: error:")]
     assert len(errors) == 1 and "labelreg.teacher" in errors[0] and "must share the tokenizer" in errors[0]
+
+
+class _NaNObjective:
+    def loss(self, model, batch, epoch):
+        logits = model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
+        return logits.sum() * float("nan"), logits, {}
+
+
+def test_non_finite_losses_skip_updates_then_stop(tiny_data, tmp_path):
+    cfg = load_config(CONFIG, ["model.init=random", f"model.tokenizer={tiny_data[0]}", "finetune.batch_size=1",
+                               "model.encoder.vocab_size=512"], cls=FinetuneConfig)
+    tok = Tokenizer.load(tiny_data[0])
+    task = EncodedTask([Example(i, f"Sentence number {i}.", None, i % 2) for i in range(12)], tok, 32, False)
+    torch.manual_seed(0)
+    model = SequenceClassifier(EncoderConfig(vocab_size=512, hidden_size=8, num_layers=1, num_heads=2,
+                                             intermediate_size=16), 2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(FloatingPointError, match=f"{MAX_BAD_STEPS} non-finite losses in a row"):
+        train_seed(cfg, 0, model, tok, task, task, _NaNObjective(), tmp_path)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

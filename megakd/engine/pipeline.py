@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import logging
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
@@ -51,8 +50,6 @@ from megakd.engine.tasks import DiscriminatorTask, GeneratorTask
 from megakd.models.electra import MaskedLM
 from megakd.models.encoder import Encoder
 from megakd.objectives.electra import corrupt
-
-log = logging.getLogger(__name__)
 
 # The order of the named tensors in an activation tuple (DeepSpeed sends tuples, not dicts).
 ORDER = ("hidden", "position_bias", "mlm_loss", "masked_input_ids", "corrupted", "input_ids", "attention_mask",
@@ -442,9 +439,6 @@ class PipelineBackend(DeepSpeedBackend):
             dist.all_gather_object(names, sorted(stats))
             self._stat_keys = sorted(set().union(*names))
         return {k: stats.get(k, torch.zeros((), dtype=torch.float64)) for k in self._stat_keys}
-
-    def step(self, unit: Unit) -> float:
-        raise RuntimeError("the pipeline engine steps inside train_step")
 
     # -- checkpoint state ------------------------------------------------------------------------
     def save_units(self, units: list[Unit], directory: Path) -> None:

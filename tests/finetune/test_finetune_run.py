@@ -157,3 +157,11 @@ def test_non_finite_losses_skip_updates_then_stop(tiny_data, tmp_path):
     with pytest.raises(FloatingPointError, match=f"{MAX_BAD_STEPS} non-finite losses in a row"):
         train_seed(cfg, 0, model, tok, task, task, _NaNObjective(), tmp_path)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")
+                                        if p.name.startswith(("finetune-", "soteacher-", "tgt-"))))
+def test_shipped_recipes_load(name):
+    cfg = load_config(ROOT / "configs" / name, cls=FinetuneConfig)
+    assert cfg.finetune.max_seq_len == 256 and cfg.finetune.clip_norm == 1.0 and cfg.finetune.eps == 1e-6
+    assert cfg.soteacher.enabled == name.startswith("soteacher-") and cfg.tgt.enabled == name.startswith("tgt-")

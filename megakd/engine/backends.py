@@ -66,6 +66,7 @@ class Backend:
     """Single process. Subclasses override wrapping, gradient sync and collectives."""
 
     name = "single"
+    owns_step = False  # True: `train_step` runs a whole optimizer step (pipeline engines)
 
     def __init__(self, precision: str = "fp32"):
         self.rank, self.world_size, self.local_rank = 0, 1, 0
@@ -84,6 +85,15 @@ class Backend:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def data_rank(self) -> int:
+        """Rank in the data-parallel group (pipeline stages of one replica share their batches)."""
+        return self.rank
+
+    @property
+    def data_world_size(self) -> int:
+        return self.world_size
 
     def autocast(self):
         if self.precision == "fp32":

@@ -354,18 +354,24 @@ class PipelineBackend(DeepSpeedBackend):
     owns_step = True
 
     def __init__(self, cfg: Config):
-        super().__init__(cfg)
         self.num_stages = cfg.backend.pipeline_stages
+        super().__init__(cfg)
         if self.world_size % self.num_stages:
             raise ConfigError(f"backend.pipeline_stages={self.num_stages} does not divide the world size "
                               f"{self.world_size}")
-        self.data_world_size = self.world_size // self.num_stages
-        self.data_rank = self.rank % self.data_world_size
         self.stage_id = self.rank // self.data_world_size
         self.cfg = cfg
         self.engine = None
         self.stage: PipelineStage | None = None
         self._stat_keys: list[str] | None = None
+
+    @property
+    def data_world_size(self) -> int:
+        return self.world_size // self.num_stages
+
+    @property
+    def data_rank(self) -> int:
+        return self.rank % self.data_world_size
 
     def prepare(self, units: list[Unit], accumulation_steps: int) -> None:
         import deepspeed

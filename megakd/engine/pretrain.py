@@ -15,7 +15,8 @@ from megakd.data.tokenizer import Tokenizer
 from megakd.engine.backends import Backend, DDPBackend, Unit
 from megakd.engine.optim import build_optimizer, build_scheduler
 from megakd.engine.tasks import DiscriminatorTask, GeneratorTask, JointElectraTask, TeacherKD
-from megakd.engine.trainer import Trainer, TrainResult, data_parallel
+from megakd.engine.trainer import Trainer, TrainResult
+from megakd.models.admin import admin_initialize
 from megakd.models.electra import Discriminator, ElectraPair, MaskedLM
 
 log = logging.getLogger(__name__)
@@ -97,10 +98,28 @@ def build_models(cfg: Config) -> tuple[MaskedLM, Discriminator | None]:
     return generator, discriminator
 
 
+def admin_profile(cfg: Config, models: list[MaskedLM | Discriminator | None], shards_dir: Path,
+                  tokenizer: Tokenizer) -> None:
+    """Admin's one-batch profiling pass for models with `init: admin`.
+
+    Every rank profiles the same batch (the first one a one-rank loader yields), so ω, like the
+    weights, is identical everywhere. The generator sees masked input, the discriminator clean.
+    """
+    admin = [m for m in models if m is not None and m.config.init == "admin"]
+    if not admin:
+        return
+    loader = PretrainingLoader(shards_dir, tokenizer, micro_batch_size=cfg.train.micro_batch_size,
+                               seed=cfg.train.seed, mask_prob=cfg.data.mask_prob)
+    batch = next(iter(loader))
+    for model in admin:
+        ids = batch["masked_input_ids"] if isinstance(model, MaskedLM) else batch["input_ids"]
+        omegas = admin_initialize(model.encoder, ids, batch["attention_mask"])
+        log.info("Admin init of the %s: omega from %.3g to %.3g", type(model).__name__, omegas[0], omegas[-1])
+
+
 def build_trainer(cfg: Config, backend: Backend | None = None) -> Trainer:
     backend = backend or build_backend(cfg)
-    data_rank, data_world = data_parallel(backend)
-    micro_batch, accumulation = cfg.batch_layout(data_world)
+    micro_batch, accumulation = cfg.batch_layout(backend.data_world_size)
     tokenizer_dir, shards_dir = resolve_data(cfg)
     tokenizer = Tokenizer.load(tokenizer_dir)
     check_vocab(cfg, tokenizer)
@@ -109,6 +128,7 @@ def build_trainer(cfg: Config, backend: Backend | None = None) -> Trainer:
         log.info("data: %s (%d samples, seq_len %d), tokenizer %s", shards_dir, manifest["num_samples"],
                  manifest["seq_len"], tokenizer_dir)
     generator, discriminator = build_models(cfg)
+    admin_profile(cfg, [generator, discriminator], shards_dir, tokenizer)
     kd = None
     if cfg.distill.teacher:
         from megakd.distill.dwt import attach_teacher
@@ -117,7 +137,7 @@ def build_trainer(cfg: Config, backend: Backend | None = None) -> Trainer:
     units = build_units(cfg, generator, discriminator, kd)
     backend.prepare(units, accumulation)
     loader = PretrainingLoader(
-        shards_dir, tokenizer, micro_batch_size=micro_batch, rank=data_rank, world_size=data_world,
+        shards_dir, tokenizer, micro_batch_size=micro_batch, rank=backend.data_rank, world_size=backend.data_world_size,
         num_workers=cfg.data.num_workers, seed=cfg.train.seed, mask_prob=cfg.data.mask_prob,
         skip_bad_shards=cfg.data.skip_bad_shards,
     )

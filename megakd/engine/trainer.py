@@ -51,12 +51,11 @@ class Trainer:
         self.loader = loader
         self.objective = objective
         self.run_dir = Path(cfg.run.dir)
-        data_rank, data_world = data_parallel(backend)
-        _, self.accumulation_steps = cfg.batch_layout(data_world)
+        _, self.accumulation_steps = cfg.batch_layout(backend.data_world_size)
         self.step = 0
         self.bad_steps = 0
         self.interval: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
-        self.rng = torch.Generator().manual_seed(cfg.train.seed * 100_003 + data_rank)
+        self.rng = torch.Generator().manual_seed(cfg.train.seed * 100_003 + backend.data_rank)
         self._preempt_requested = False
 
     # -- state -----------------------------------------------------------------------------------
@@ -150,7 +149,7 @@ class Trainer:
         """Run one optimizer step; returns grad norms, or None if the step was skipped."""
         if self.kd is not None:
             self.kd.step = self.step
-        if getattr(self.backend, "owns_step", False):  # pipeline: one engine call runs the whole step
+        if self.backend.owns_step:  # pipeline: one engine call runs the whole step
             norms, stats = self.backend.train_step(list(self.units.values()), batches, self.rng)
             self._accumulate(stats)
             if norms is None:
@@ -286,12 +285,6 @@ class Trainer:
         if self.backend.is_main and cfg.run.plots and not preempted:
             plot_metrics(self.run_dir / "metrics.jsonl", self.run_dir / "plots")
         return TrainResult(step=self.step, preempted=preempted, run_dir=self.run_dir)
-
-
-def data_parallel(backend: Backend) -> tuple[int, int]:
-    """(rank, size) in the data-parallel group: the whole world, except that the stages of one
-    pipeline (`PipelineBackend`) read the same batches and sample with the same generator."""
-    return getattr(backend, "data_rank", backend.rank), getattr(backend, "data_world_size", backend.world_size)
 
 
 def _check_same_model(path: Path, cfg: Config) -> None:

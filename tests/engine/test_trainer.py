@@ -133,3 +133,23 @@ def test_world_size_must_divide_batch(tiny_data, tmp_path):
         "train.global_batch_size": 6, "train.micro_batch_size": 4}))
     with pytest.raises(ConfigError, match="not divisible"):
         build_trainer(cfg)
+
+
+def test_admin_init_profiles_the_first_batch(tiny_data, tmp_path):
+    from megakd.data.stream import PretrainingLoader
+    from megakd.data.tokenizer import Tokenizer
+    from megakd.engine.pretrain import build_models
+    from megakd.models.admin import admin_initialize
+
+    cfg = load_config("configs/electra-tiny.yaml", tiny_overrides_for(tiny_data, tmp_path, **{
+        "model.discriminator.init": "admin"}))
+    disc = build_trainer(cfg).units["discriminator"].model
+    _, reference = build_models(cfg)  # same seed → same weights; ω still at 1
+    tokenizer_dir, shards_dir = tiny_data
+    batch = next(iter(PretrainingLoader(shards_dir, Tokenizer.load(tokenizer_dir),
+                                        micro_batch_size=cfg.train.micro_batch_size, seed=cfg.train.seed)))
+    admin_initialize(reference.encoder, batch["input_ids"], batch["attention_mask"])
+    first = disc.encoder.layers[0].attention_omega
+    assert not torch.allclose(first, torch.ones_like(first))
+    for ours, ref in zip(disc.encoder.layers, reference.encoder.layers):
+        assert torch.equal(ours.attention_omega, ref.attention_omega) and torch.equal(ours.ffn_omega, ref.ffn_omega)

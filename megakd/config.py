@@ -36,7 +36,6 @@ class RunConfig:
     wandb_mode: str = "offline"  # offline | online
     plots: bool = True
     export_hf: bool = True  # write run.dir/hf (HuggingFace format) at the end of training
-    export_hf: bool = True  # write run.dir/hf at the end of training
     progress_bar: bool = True
 
 

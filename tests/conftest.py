@@ -8,6 +8,10 @@ import os
 
 import pytest
 
+# Triton reads this once, at import, and DeepSpeed imports Triton while test modules are being
+# collected: set it here, before anything, so the kernel tests' interpreter path works in a full
+# run too. `auto` never picks the interpreter, so nothing else changes.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 

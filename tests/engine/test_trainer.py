@@ -153,3 +153,15 @@ def test_admin_init_profiles_the_first_batch(tiny_data, tmp_path):
     assert not torch.allclose(first, torch.ones_like(first))
     for ours, ref in zip(disc.encoder.layers, reference.encoder.layers):
         assert torch.equal(ours.attention_omega, ref.attention_omega) and torch.equal(ours.ffn_omega, ref.ffn_omega)
+
+
+def test_bf16_autocast_trains_close_to_fp32(tiny_data, tmp_path):
+    rows = {}
+    for precision in ("fp32", "bf16"):
+        run = tmp_path / precision
+        _train(tiny_data, run, **{"train.max_steps": 3, "train.precision": precision})
+        rows[precision] = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    for a, b in zip(rows["fp32"], rows["bf16"]):
+        assert b["gen_loss"] == pytest.approx(a["gen_loss"], rel=0.02)
+        assert b["disc_loss"] == pytest.approx(a["disc_loss"], rel=0.05)
+    assert rows["fp32"][-1]["gen_loss"] != rows["bf16"][-1]["gen_loss"]  # autocast really ran in bf16

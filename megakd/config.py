@@ -200,9 +200,6 @@ class Config:
                               f"got {self.train.precision!r}")
         if self.model.objective == "electra" and not self.electra.decoupled:
             raise ConfigError(f"{p} needs electra.decoupled=true (one pipeline, two optimizers), got false")
-        if self.distill.teacher:
-            raise ConfigError(f"{p} does not run a DWT teacher yet: set distill.teacher='' or "
-                              "backend.pipeline_stages=1")
         layers = self.model.generator.num_layers
         where = f"model.generator.num_layers={layers}"
         if self.model.objective == "electra":

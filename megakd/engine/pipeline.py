@@ -10,6 +10,10 @@ parameter count, embeddings with their model's first layer, heads with its last.
 Between stages the activation is a tuple of tensors: the hidden states (and the T5 relative
 bias, which then takes its gradient back to the stage that owns the table), the original ids,
 the attention and MLM masks and, after the generator head, the corrupted ids and the MLM loss.
+Under DWT the masked ids also travel from the first stage to the generator head's stage, where
+the frozen teacher (`TeacherKD`, a plain object: no stage module, so DeepSpeed neither places
+nor updates it) reads them with the masks; `GeneratorTask` adds the KD term there exactly as on
+every other backend, with α_s(t) from the `step` the trainer sets before each `train_batch`.
 The MLM loss travels down the pipeline as a tensor (one float per micro-batch, where the masked
 hidden states would be [N, E] with N varying): the last stage returns L_MLM + λ·L_RTD. λ cannot
 reach the generator: its parameters get gradient only through L_MLM (the corrupted ids are
@@ -46,7 +50,7 @@ from torch.utils.checkpoint import checkpoint
 from megakd.config import Config, ConfigError
 from megakd.engine.backends import Unit
 from megakd.engine.deepspeed_backend import CHECKPOINT_TAG, DeepSpeedBackend
-from megakd.engine.tasks import DiscriminatorTask, GeneratorTask
+from megakd.engine.tasks import DiscriminatorTask, GeneratorTask, TeacherKD
 from megakd.models.electra import MaskedLM
 from megakd.models.encoder import Encoder
 from megakd.objectives.electra import corrupt
@@ -83,22 +87,27 @@ class _Encoded(nn.Module):
 
 
 class _Embed(nn.Module):
-    """A model's embeddings (and relative-bias table) through `Encoder.prepare`."""
+    """A model's embeddings (and relative-bias table) through `Encoder.prepare`.
 
-    def __init__(self, encoder: Encoder, source: str):
+    The masked ids are dropped once embedded unless `keep_masked_ids` (DWT: the teacher on the
+    generator head's stage reads them).
+    """
+
+    def __init__(self, encoder: Encoder, source: str, keep_masked_ids: bool = False):
         super().__init__()
         self._encoder = (encoder,)  # out of the module tree: its layers live on their own stages
         self.embeddings = encoder.embeddings
         self.relative_bias = encoder.relative_bias
         self.source = source
+        self.dropped = set() if keep_masked_ids else {"masked_input_ids"}
 
     def keys_after(self, keys: set[str]) -> set[str]:
-        keys = (keys - {"masked_input_ids"}) | {"hidden"}
+        keys = (keys - self.dropped) | {"hidden"}
         return keys | {"position_bias"} if self.relative_bias is not None else keys
 
     def forward(self, state: dict) -> dict:
         x, _, position_bias = self._encoder[0].prepare(state[self.source], state["attention_mask"])
-        state = {k: v for k, v in state.items() if k != "masked_input_ids"}
+        state = {k: v for k, v in state.items() if k not in self.dropped}
         state["hidden"] = x
         if position_bias is not None:
             state["position_bias"] = position_bias
@@ -139,25 +148,30 @@ class _Head(nn.Module):
 
 
 class _GeneratorHead(_Head):
-    """MLM loss at masked positions; under ELECTRA also samples and writes the corrupted ids."""
+    """MLM loss at masked positions (plus DWT's KD term with `kd`); under ELECTRA also samples and
+    writes the corrupted ids."""
 
-    def __init__(self, model: MaskedLM, kernel_backend: str, temperature: float, electra: bool):
+    CONSUMED = ("hidden", "position_bias", "masked_input_ids")
+
+    def __init__(self, model: MaskedLM, kernel_backend: str, temperature: float, electra: bool,
+                 kd: TeacherKD | None):
         super().__init__()
-        self.task = GeneratorTask(_Encoded(model), kernel_backend, temperature)
+        self.task = GeneratorTask(_Encoded(model), kernel_backend, temperature, kd)
         self.electra = electra
         self.rng: torch.Generator | None = None  # the trainer's sampling generator, set per step
 
     def keys_after(self, keys: set[str]) -> set[str]:
-        keys = keys - {"hidden", "position_bias"}
+        keys = keys - set(self.CONSUMED)
         return keys | {"corrupted", "mlm_loss"} if self.electra else {"loss"}
 
     def forward(self, state: dict) -> dict:
         self.task.model.hidden = state["hidden"]
-        out = self.task({**state, "masked_input_ids": None}, self.rng)  # the ids were embedded upstream
+        # The student embedded its ids upstream; they are here only under DWT, for the teacher.
+        out = self.task({**state, "masked_input_ids": state.get("masked_input_ids")}, self.rng)
         self._add(out["stats"])
         if not self.electra:
             return {"loss": out["loss"]}
-        rest = {k: v for k, v in state.items() if k not in ("hidden", "position_bias")}
+        rest = {k: v for k, v in state.items() if k not in self.CONSUMED}
         return {**rest, "corrupted": corrupt(state["input_ids"], state["mlm_mask"], out["samples"]),
                 "mlm_loss": out["loss"].reshape(1)}
 
@@ -201,7 +215,8 @@ class PipelineStage(nn.Module):
         return [p for p in self.pieces if isinstance(p, _Head)]
 
 
-def _model_pieces(model: nn.Module, head: nn.Module, source: str) -> list[tuple[list[nn.Module], int]]:
+def _model_pieces(model: nn.Module, head: nn.Module, source: str,
+                  keep_masked_ids: bool = False) -> list[tuple[list[nn.Module], int]]:
     """(pieces, parameter count) per encoder layer: embeddings join the first layer, the head the last."""
     encoder = model.encoder
     recompute = encoder.config.activation_checkpointing
@@ -209,7 +224,7 @@ def _model_pieces(model: nn.Module, head: nn.Module, source: str) -> list[tuple[
     for i, layer in enumerate(encoder.layers):
         pieces: list[nn.Module] = [_Layer(layer, recompute)]
         if i == 0:
-            pieces.insert(0, _Embed(encoder, source))
+            pieces.insert(0, _Embed(encoder, source, keep_masked_ids))
         if i == len(encoder.layers) - 1:
             pieces.append(head)
         items.append((pieces, sum(p.numel() for piece in pieces for p in piece.parameters())))
@@ -228,8 +243,9 @@ def build_stages(units: list[Unit], cfg: Config, num_stages: int) -> list[Pipeli
     kb = cfg.kernels.backend
     generator = units[0].model
     electra = len(units) == 2
-    items = _model_pieces(generator, _GeneratorHead(generator, kb, cfg.electra.sampling_temperature, electra),
-                          "masked_input_ids")
+    kd = units[0].task.kd  # DWT's teacher, run by the generator head
+    head = _GeneratorHead(generator, kb, cfg.electra.sampling_temperature, electra, kd)
+    items = _model_pieces(generator, head, "masked_input_ids", keep_masked_ids=kd is not None)
     if electra:
         discriminator = units[1].model
         items += _model_pieces(discriminator, _DiscriminatorHead(discriminator, kb, units[1].loss_scale),

@@ -2,7 +2,9 @@
 
 One `torchrun --nproc_per_node 2` launch trains ELECTRA (DecoupledOptim: generator then
 discriminator in one pipeline), BERT-MLM (T5 relative positions: the bias table's gradient and
-the tied MLM output matrix cross the stage boundary) and an ELECTRA resume from step 2. With 2
+the tied MLM output matrix cross the stage boundary), that BERT-MLM as a DWT student (the
+teacher, 3 pretraining steps on the tiny data, runs on the head's stage) and an ELECTRA resume
+from step 2. With 2
 stages there is one pipeline, so the reference is the `single` backend on the same global batch
 (micro-batch 4, accumulation 4) with the same sampling generator (harness.py, world=1). What
 differs is where float32 sums happen (the MLM loss joins λ·L_RTD in one backward, gradient norms
@@ -20,6 +22,7 @@ import torch
 from megakd.config import ConfigError, load_config
 from megakd.convert.checkpoints import read_unit_state
 from megakd.engine.checkpoint import latest_checkpoint
+from megakd.engine.pretrain import run_pretraining
 from tests.distributed.harness import CONFIG, read_metrics, reference_run, torchrun
 from tests.helpers import tiny_overrides
 
@@ -36,6 +39,8 @@ MLM = {"model.objective": "mlm", "model.generator.num_layers": 2, "model.generat
 ELECTRA_KEYS = ("gen_loss", "gen_acc", "disc_loss", "disc_acc", "rtd_f1", "replaced_frac", "lr_generator",
                 "lr_discriminator", "grad_norm_generator", "grad_norm_discriminator")
 MLM_KEYS = ("gen_loss", "gen_acc", "lr_generator", "grad_norm_generator")
+# α_h ≠ 1 and τ ≠ 1 so a dropped weight or τ² shows; α_s goes 4, 3, 2, 1 over the 4 steps
+DWT = {"distill.alpha_hard": 0.5, "distill.temperature": 2.0, "distill.alpha_schedule": "linear"}
 
 
 @pytest.fixture(scope="module")
@@ -45,14 +50,19 @@ def runs(tiny_data, tmp_path_factory):
     def overrides(name: str, **extra) -> list[str]:
         return tiny_overrides(tiny_data, root / name, **{**COMMON, **extra})
 
+    run_pretraining(load_config(CONFIG, overrides("teacher", **{"model.objective": "mlm", "train.max_steps": 3,
+                                                                 "optim.generator.lr": 3e-3})))
+    dwt = {**MLM, **DWT, "distill.teacher": str(root / "teacher")}
     torchrun(2, [
         {"overrides": overrides("electra", **PIPE, **{"train.save_every": 2, "run.keep_last": 0})},
         {"overrides": overrides("electra_resumed", **PIPE),
          "resume": str(root / "electra" / "checkpoints" / "step_00000002")},
         {"overrides": overrides("mlm", **PIPE, **MLM)},
+        {"overrides": overrides("dwt", **PIPE, **dwt)},
     ], root / "spec.json")
     reference_run(overrides("electra_reference"), world=1)
     reference_run(overrides("mlm_reference", **MLM), world=1)
+    reference_run(overrides("dwt_reference", **dwt), world=1)
     return root
 
 
@@ -98,6 +108,17 @@ def test_mlm_pipeline_matches_single_process(runs):
     _assert_close_metrics(got, want, MLM_KEYS)
     assert "disc_loss" not in got[0]
     _assert_same_weights(runs / "mlm", runs / "mlm_reference", "generator")
+
+
+@pytest.mark.slow
+def test_dwt_pipeline_matches_single_process(runs):
+    """DWT with the BERT-MLM student split over both stages: the teacher's KD term, α_s per step, weights."""
+    want = read_metrics(runs / "dwt_reference")
+    got = read_metrics(runs / "dwt")
+    assert [r["alpha_soft"] for r in got] == pytest.approx([4.0, 3.0, 2.0, 1.0])
+    assert all(r["kd_loss"] > 0 for r in got)
+    _assert_close_metrics(got, want, (*MLM_KEYS, "kd_loss", "alpha_soft"))
+    _assert_same_weights(runs / "dwt", runs / "dwt_reference", "generator")
 
 
 @pytest.mark.slow

@@ -70,7 +70,10 @@ def _assert_close_metrics(got: list[dict], want: list[dict], keys: tuple[str, ..
     assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, STEPS + 1))
     for g, w in zip(got, want):
         for key in keys:
-            assert math.isclose(g[key], w[key], rel_tol=RTOL, abs_tol=1e-9), (key, g["step"], g[key], w[key])
+            # kd_loss is a KL: a small difference of two cross-entropies of size ~gen_loss, so its
+            # float32 error is absolute (~1e-6 × gen_loss), not relative to its own small value.
+            abs_tol = 1e-5 if key == "kd_loss" else 1e-9
+            assert math.isclose(g[key], w[key], rel_tol=RTOL, abs_tol=abs_tol), (key, g["step"], g[key], w[key])
 
 
 def _assert_same_weights(run, reference, unit: str) -> None:

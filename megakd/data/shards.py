@@ -17,10 +17,7 @@ import hashlib
 import io
 import json
 import logging
-import os
-import shutil
 import tarfile
-import tempfile
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -31,6 +28,7 @@ import numpy as np
 
 from megakd.data.sources import expand_inputs, iter_documents
 from megakd.data.tokenizer import Tokenizer
+from megakd.fsutil import atomic_output_dir
 
 logger = logging.getLogger(__name__)
 
@@ -224,14 +222,9 @@ def write_shards(
         raise ValueError(f"min_tokens={min_tokens}: expected 1..seq_len-2={seq_len - 2}")
     if samples_per_shard < 1 or num_workers < 1:
         raise ValueError(f"samples_per_shard={samples_per_shard}, num_workers={num_workers}: expected ≥ 1")
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"shards output {out}: directory exists and is not empty")
     sources = expand_inputs(inputs)
     dtype = token_dtype(tokenizer.vocab_size).name
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary output directory
-    try:
+    with atomic_output_dir(out) as tmp:
         writer = _ShardWriter(tmp, samples_per_shard)
         doc_counts: dict[str, int] = {}
         stats = {"documents": 0, "empty_documents": 0, "dropped_chunks": 0, "dropped_tokens": 0}
@@ -278,12 +271,6 @@ def write_shards(
             "shards": writer.shards,
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     logger.info("wrote %d samples in %d shards to %s (mean fill %.3f, %d short chunks dropped)",
                 manifest["num_samples"], len(manifest["shards"]), out, manifest["mean_fill"],
                 manifest["dropped_chunks"])

@@ -12,15 +12,13 @@ import hashlib
 import io
 import json
 import logging
-import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import sentencepiece as spm
 
 from megakd.data.sources import expand_inputs, iter_documents
+from megakd.fsutil import atomic_output_dir
 
 logger = logging.getLogger(__name__)
 
@@ -127,15 +125,10 @@ def train_tokenizer(
     The directory is written under a temporary name and renamed, so it is complete or absent.
     """
     out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"tokenizer output {out}: directory exists and is not empty")
     if vocab_size < 300:
         raise ValueError(f"vocab_size={vocab_size}: expected at least 300 (256 byte-fallback pieces + specials)")
     sources = [str(p) for p in expand_inputs(inputs)]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary output directory
-    try:
+    with atomic_output_dir(out) as tmp:
         spm.set_random_generator_seed(seed)
         # model_writer instead of model_prefix: the prefix (a temp path) would be stored in the
         # model and make identical trainings differ byte-wise.
@@ -174,11 +167,5 @@ def train_tokenizer(
             "training": {"input_sentence_size": input_sentence_size, "seed": seed, "sources": sources},
         }
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     logger.info("trained tokenizer %s: vocab %d, hash %s", out, tok.vocab_size, tok.vocab_hash)
     return Tokenizer(out)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import os
 import socket
 from pathlib import Path
 
@@ -46,7 +47,9 @@ class DeepSpeedBackend(DDPBackend):
         super().__init__(cfg.train.precision, cfg.backend.dist_backend)
         if not dist.is_initialized():
             # DeepSpeed needs a process group even for one process; a private loopback one
-            # leaves the environment alone (no RANK/MASTER_* variables are invented).
+            # leaves RANK/MASTER_* alone. deepspeed.initialize still reads LOCAL_RANK, which for
+            # a lone process can only be 0.
+            os.environ.setdefault("LOCAL_RANK", "0")
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]

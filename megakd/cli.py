@@ -74,13 +74,9 @@ def cmd_eval_rtd(args: argparse.Namespace) -> int:
 
     from megakd.distill.rtd_eval import evaluate_rtd
 
-    try:
-        report = evaluate_rtd(args.generator, args.discriminator, args.shards, args.tokenizer,
-                              num_batches=args.batches, batch_size=args.batch_size, seed=args.seed,
-                              mask_prob=args.mask_prob)
-    except ValueError as err:  # shards, tokenizer or model files that do not fit
-        print(f"megakd: error: {err}", file=sys.stderr)
-        return 2
+    report = evaluate_rtd(args.generator, args.discriminator, args.shards, args.tokenizer,
+                          num_batches=args.batches, batch_size=args.batch_size, seed=args.seed,
+                          mask_prob=args.mask_prob)
     text = json.dumps(report, indent=2)
     if args.out:
         with open(args.out, "w") as f:
@@ -109,18 +105,14 @@ def cmd_data_shards(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from megakd.convert import ConversionError, from_hf, to_hf
+    from megakd.convert import from_hf, to_hf
 
-    try:
-        if args.convert_command == "to-hf":
-            written = to_hf(args.src, args.out, force=args.force)
-            log.info("wrote %s", ", ".join(f"{args.out}/{d} ({arch})" for d, arch in written.items()))
-        else:
-            kind, _ = from_hf(args.src, args.out, force=args.force)
-            log.info("wrote megakd %s model directory %s", kind, args.out)
-    except ConversionError as err:
-        print(f"megakd: error: {err}", file=sys.stderr)
-        return 2
+    if args.convert_command == "to-hf":
+        written = to_hf(args.src, args.out, force=args.force)
+        log.info("wrote %s", ", ".join(f"{args.out}/{d} ({arch})" for d, arch in written.items()))
+    else:
+        kind, _ = from_hf(args.src, args.out, force=args.force)
+        log.info("wrote megakd %s model directory %s", kind, args.out)
     return 0
 
 
@@ -320,7 +312,11 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.log_level)
     try:
         return args.func(args)
-    except (ConfigError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError, FileExistsError) as err:
+        # Bad input (ConfigError, ConversionError, ShardError and the data pipeline's checks are
+        # ValueErrors): one line naming the file or key, exit 2. --log-level DEBUG keeps the traceback.
+        if args.log_level == "DEBUG":
+            raise
         print(f"megakd: error: {err}", file=sys.stderr)
         return 2
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -12,8 +13,11 @@ from pathlib import Path
 import torch
 
 from megakd.config import load_config
+from megakd.convert.checkpoints import read_unit_state
 from megakd.data.stream import PretrainingLoader
 from megakd.data.tokenizer import Tokenizer
+from megakd.engine.checkpoint import latest_checkpoint
+from megakd.engine.metrics import read_metrics as read_metrics_file
 from megakd.engine.pretrain import build_trainer
 from megakd.engine.trainer import Trainer
 
@@ -50,7 +54,54 @@ def torchrun(nprocs: int, runs: list[dict], spec_path: Path, timeout: float = 60
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return read_metrics_file(run_dir / "metrics.jsonl")
+
+
+# Every multi-process run is compared with its single-process replay in the same way. The only
+# difference left is float32 summation order (gloo all-reduce, ZeRO reduce-scatter, stage
+# boundaries), measured ≤ 2e-7 relative; RTOL = 1e-5 still catches a wrong averaging factor, λ or
+# clipping threshold (all ≥ 1e-3).
+RTOL = 1e-5
+WEIGHT_ATOL = 1e-5
+ELECTRA_KEYS = ("gen_loss", "gen_acc", "disc_loss", "disc_acc", "rtd_f1", "lr_generator", "lr_discriminator",
+                "grad_norm_generator", "grad_norm_discriminator")
+
+
+def assert_metrics_close(got: list[dict], want: list[dict], keys: tuple[str, ...] = ELECTRA_KEYS) -> None:
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for g, w in zip(got, want):
+        for key in keys:
+            # kd_loss is a KL: a small difference of two cross-entropies of size ~gen_loss, so its
+            # float32 error is absolute (~1e-6 × gen_loss), not relative to its own small value.
+            abs_tol = 1e-5 if key == "kd_loss" else 1e-9
+            assert math.isclose(g[key], w[key], rel_tol=RTOL, abs_tol=abs_tol), (key, g["step"], g[key], w[key])
+
+
+def assert_same_weights(run: Path, reference: Path, unit: str) -> None:
+    got, ref = read_unit_state(latest_checkpoint(run), unit), read_unit_state(latest_checkpoint(reference), unit)
+    assert got.keys() == ref.keys()
+    for key in ref:
+        torch.testing.assert_close(got[key], ref[key], rtol=0, atol=WEIGHT_ATOL, msg=f"{run.name} {unit} {key}")
+
+
+def assert_clipping_bites(metrics: list[dict], unit: str, clip: float) -> None:
+    """The clip threshold must engage on some steps and not all, or clipping goes untested."""
+    clipped = [r[f"grad_norm_{unit}"] > clip for r in metrics]
+    assert any(clipped) and not all(clipped), (unit, clipped)
+
+
+def assert_resume_exact(full: Path, resumed: Path, steps: list[int], units: tuple[str, ...]) -> None:
+    """A run resumed mid-way logs exactly the uninterrupted run's metrics and ends with its weights."""
+    by_step = {r["step"]: r for r in read_metrics(full)}
+    rows = read_metrics(resumed)
+    assert [r["step"] for r in rows] == steps
+    for r in rows:
+        for key, value in r.items():
+            if key != "tokens_per_s":
+                assert value == by_step[r["step"]][key], (key, r["step"])
+    for unit in units:
+        a, b = read_unit_state(latest_checkpoint(full), unit), read_unit_state(latest_checkpoint(resumed), unit)
+        assert all(torch.equal(a[k], b[k]) for k in a), unit
 
 
 class _RankInterleaved:

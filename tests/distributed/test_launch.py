@@ -6,19 +6,24 @@ tolerance of test_backends.py (measured ≤ 2e-7 relative; summation order is th
 
 from __future__ import annotations
 
-import math
 import os
 import signal
 import subprocess
 import time
 
 import pytest
-import torch
 
-from megakd.convert.checkpoints import read_unit_state
 from megakd.engine.checkpoint import latest_checkpoint, step_of
-from tests.distributed.harness import CONFIG, REPO, child_env, free_port, read_metrics, reference_run
-from tests.distributed.test_backends import COMPARED, RTOL, WEIGHT_ATOL
+from tests.distributed.harness import (
+    CONFIG,
+    REPO,
+    assert_metrics_close,
+    assert_same_weights,
+    child_env,
+    free_port,
+    read_metrics,
+    reference_run,
+)
 from tests.helpers import tiny_overrides
 
 pytestmark = pytest.mark.slow
@@ -30,16 +35,11 @@ COMMON = {"model.generator.dropout": 0.0, "model.discriminator.dropout": 0.0, "r
 
 
 def _assert_matches_reference(run_dir, ref_dir, steps: list[int]) -> None:
-    got = {r["step"]: r for r in read_metrics(run_dir)}
-    want = {r["step"]: r for r in read_metrics(ref_dir)}
-    assert sorted(got) == steps
-    for step in steps:
-        for key in COMPARED:
-            assert math.isclose(got[step][key], want[step][key], rel_tol=RTOL, abs_tol=1e-9), (key, step)
+    got, want = read_metrics(run_dir), [r for r in read_metrics(ref_dir) if r["step"] in steps]
+    assert [r["step"] for r in got] == steps
+    assert_metrics_close(got, want)
     for unit in ("generator", "discriminator"):
-        a, b = read_unit_state(latest_checkpoint(run_dir), unit), read_unit_state(latest_checkpoint(ref_dir), unit)
-        for key in b:
-            torch.testing.assert_close(a[key], b[key], rtol=0, atol=WEIGHT_ATOL, msg=f"{unit} {key}")
+        assert_same_weights(run_dir, ref_dir, unit)
 
 
 def _run(cmd: list[str], timeout: float = 600, **env: str) -> None:

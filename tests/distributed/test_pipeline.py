@@ -14,8 +14,6 @@ test_backends.py still catches a wrong λ, averaging factor or clip threshold (a
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -23,11 +21,20 @@ from megakd.config import ConfigError, load_config
 from megakd.convert.checkpoints import read_unit_state
 from megakd.engine.checkpoint import latest_checkpoint
 from megakd.engine.pretrain import run_pretraining
-from tests.distributed.harness import CONFIG, read_metrics, reference_run, torchrun
+from tests.distributed.harness import (
+    CONFIG,
+    ELECTRA_KEYS,
+    WEIGHT_ATOL,
+    assert_clipping_bites,
+    assert_metrics_close,
+    assert_resume_exact,
+    assert_same_weights,
+    read_metrics,
+    reference_run,
+    torchrun,
+)
 from tests.helpers import tiny_overrides
 
-RTOL = 1e-5
-WEIGHT_ATOL = 1e-5
 STEPS = 4
 COMMON = {
     "train.max_steps": STEPS, "train.global_batch_size": 16, "train.micro_batch_size": 4,
@@ -36,8 +43,6 @@ COMMON = {
 }
 PIPE = {"backend.name": "deepspeed", "backend.pipeline_stages": 2}
 MLM = {"model.objective": "mlm", "model.generator.num_layers": 2, "model.generator.position_encoding": "t5_relative"}
-ELECTRA_KEYS = ("gen_loss", "gen_acc", "disc_loss", "disc_acc", "rtd_f1", "replaced_frac", "lr_generator",
-                "lr_discriminator", "grad_norm_generator", "grad_norm_discriminator")
 MLM_KEYS = ("gen_loss", "gen_acc", "lr_generator", "grad_norm_generator")
 # α_h ≠ 1 and τ ≠ 1 so a dropped weight or τ² shows; α_s goes 4, 3, 2, 1 over the 4 steps
 DWT = {"distill.alpha_hard": 0.5, "distill.temperature": 2.0, "distill.alpha_schedule": "linear"}
@@ -66,51 +71,29 @@ def runs(tiny_data, tmp_path_factory):
     return root
 
 
-def _assert_close_metrics(got: list[dict], want: list[dict], keys: tuple[str, ...]) -> None:
-    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, STEPS + 1))
-    for g, w in zip(got, want):
-        for key in keys:
-            # kd_loss is a KL: a small difference of two cross-entropies of size ~gen_loss, so its
-            # float32 error is absolute (~1e-6 × gen_loss), not relative to its own small value.
-            abs_tol = 1e-5 if key == "kd_loss" else 1e-9
-            assert math.isclose(g[key], w[key], rel_tol=RTOL, abs_tol=abs_tol), (key, g["step"], g[key], w[key])
-
-
-def _assert_same_weights(run, reference, unit: str) -> None:
-    got, ref = read_unit_state(latest_checkpoint(run), unit), read_unit_state(latest_checkpoint(reference), unit)
-    assert got.keys() == ref.keys()
-    for key in ref:
-        torch.testing.assert_close(got[key], ref[key], rtol=0, atol=WEIGHT_ATOL, msg=f"{unit} {key}")
-
-
-def _assert_clipping_bites(metrics: list[dict], unit: str, clip: float) -> None:
-    clipped = [r[f"grad_norm_{unit}"] > clip for r in metrics]
-    assert any(clipped) and not all(clipped), (unit, clipped)
-
-
 @pytest.mark.slow
 def test_electra_pipeline_matches_single_process(runs):
     """Loss/RTD trajectory, both LRs, both clipped gradient norms and final weights of both models."""
     want = read_metrics(runs / "electra_reference")
-    _assert_clipping_bites(want, "generator", COMMON["optim.generator.clip_norm"])
-    _assert_clipping_bites(want, "discriminator", COMMON["optim.discriminator.clip_norm"])
+    assert_clipping_bites(want, "generator", COMMON["optim.generator.clip_norm"])
+    assert_clipping_bites(want, "discriminator", COMMON["optim.discriminator.clip_norm"])
     got = read_metrics(runs / "electra")
     assert all(r["lr_generator"] != r["lr_discriminator"] for r in got[:-1])  # two schedules (both 0 at the end)
-    _assert_close_metrics(got, want, ELECTRA_KEYS)
+    assert_metrics_close(got, want, (*ELECTRA_KEYS, "replaced_frac"))
     assert all(r["tokens_per_s"] > 0 for r in got)
     for unit in ("generator", "discriminator"):
-        _assert_same_weights(runs / "electra", runs / "electra_reference", unit)
+        assert_same_weights(runs / "electra", runs / "electra_reference", unit)
 
 
 @pytest.mark.slow
 def test_mlm_pipeline_matches_single_process(runs):
     """BERT-MLM split mid-encoder: tied output matrix and relative-bias table on both sides."""
     want = read_metrics(runs / "mlm_reference")
-    _assert_clipping_bites(want, "generator", COMMON["optim.generator.clip_norm"])
+    assert_clipping_bites(want, "generator", COMMON["optim.generator.clip_norm"])
     got = read_metrics(runs / "mlm")
-    _assert_close_metrics(got, want, MLM_KEYS)
+    assert_metrics_close(got, want, MLM_KEYS)
     assert "disc_loss" not in got[0]
-    _assert_same_weights(runs / "mlm", runs / "mlm_reference", "generator")
+    assert_same_weights(runs / "mlm", runs / "mlm_reference", "generator")
 
 
 @pytest.mark.slow
@@ -120,24 +103,14 @@ def test_dwt_pipeline_matches_single_process(runs):
     got = read_metrics(runs / "dwt")
     assert [r["alpha_soft"] for r in got] == pytest.approx([4.0, 3.0, 2.0, 1.0])
     assert all(r["kd_loss"] > 0 for r in got)
-    _assert_close_metrics(got, want, (*MLM_KEYS, "kd_loss", "alpha_soft"))
-    _assert_same_weights(runs / "dwt", runs / "dwt_reference", "generator")
+    assert_metrics_close(got, want, (*MLM_KEYS, "kd_loss", "alpha_soft"))
+    assert_same_weights(runs / "dwt", runs / "dwt_reference", "generator")
 
 
 @pytest.mark.slow
 def test_pipeline_resume_is_exact(runs):
     """The pipeline checkpoint of step 2 (stage modules, both optimizers and schedules) replays 3-4."""
-    full = {r["step"]: r for r in read_metrics(runs / "electra")}
-    resumed = read_metrics(runs / "electra_resumed")
-    assert [r["step"] for r in resumed] == [3, 4]
-    for r in resumed:
-        for key, value in r.items():
-            if key != "tokens_per_s":
-                assert value == full[r["step"]][key], (key, r["step"])
-    for unit in ("generator", "discriminator"):
-        a = read_unit_state(latest_checkpoint(runs / "electra"), unit)
-        b = read_unit_state(latest_checkpoint(runs / "electra_resumed"), unit)
-        assert all(torch.equal(a[k], b[k]) for k in a), unit
+    assert_resume_exact(runs / "electra", runs / "electra_resumed", [3, 4], ("generator", "discriminator"))
 
 
 @pytest.mark.slow

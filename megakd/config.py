@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from megakd.kernels import BACKENDS
 from megakd.models.encoder import EncoderConfig
 from megakd.objectives.distill import ALPHA_SCHEDULES
 
@@ -145,7 +146,7 @@ class Config:
         _check_choice("train.precision", self.train.precision, ("fp32", "bf16", "fp16"))
         _check_choice("backend.name", self.backend.name, ("single", "ddp", "deepspeed"))
         _check_choice("backend.dist_backend", self.backend.dist_backend, ("auto", "gloo", "nccl"))
-        _check_choice("kernels.backend", self.kernels.backend, ("auto", "triton", "torch"))
+        _check_choice("kernels.backend", self.kernels.backend, BACKENDS)
         self._validate_distill()
         _check_choice("run.wandb_mode", self.run.wandb_mode, ("offline", "online"))
         if self.backend.zero_stage not in (0, 1, 2, 3):
@@ -175,7 +176,7 @@ class Config:
                 raise ConfigError(str(err).replace("model.", f"model.{name}.", 1)) from None
         if self.model.objective == "electra" and not self.electra.decoupled:
             gen, disc = self.model.generator, self.model.discriminator
-            if (gen.embedding_size or gen.hidden_size) != (disc.embedding_size or disc.hidden_size):
+            if gen.embed_dim != disc.embed_dim:
                 raise ConfigError(
                     "model.generator.embedding_size: shared embeddings (electra.decoupled=false) need the "
                     "generator and discriminator to have the same embedding size"
@@ -189,12 +190,9 @@ class Config:
         p = f"backend.pipeline_stages={self.backend.pipeline_stages}"
         if self.backend.name != "deepspeed":
             raise ConfigError(f"{p} needs backend.name=deepspeed, got {self.backend.name!r}")
-        if self.backend.zero_stage > 1:
-            raise ConfigError(f"{p} needs backend.zero_stage<=1 (DeepSpeed's pipeline engine), "
-                              f"got {self.backend.zero_stage}")
-        if self.backend.zero_stage == 1:
-            raise ConfigError(f"{p} needs backend.zero_stage=0 (per-model clipping runs on unpartitioned "
-                              "gradients), got 1")
+        if self.backend.zero_stage != 0:
+            raise ConfigError(f"{p} needs backend.zero_stage=0 (DeepSpeed's pipeline engine allows <= 1, and "
+                              f"per-model clipping runs on unpartitioned gradients), got {self.backend.zero_stage}")
         if self.train.precision != "fp32":
             raise ConfigError(f"{p} needs train.precision=fp32 (per-model clipping runs on fp32 gradients), "
                               f"got {self.train.precision!r}")

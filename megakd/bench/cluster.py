@@ -102,14 +102,13 @@ def matmul_tflops(precision: str, device: torch.device, n: int = 2048, iters: in
 def loader_throughput(cfg: Config, batches: int, rank: int, world_size: int) -> dict:
     """Samples/s of the real PretrainingLoader (shards, decoding, masking): this rank's, and all ranks'
     (every rank reads the same number of batches; the slowest rank sets the pace)."""
-    from megakd.data.stream import PretrainingLoader
     from megakd.data.tokenizer import Tokenizer
-    from megakd.engine.pretrain import resolve_data
+    from megakd.engine.pretrain import build_loader, check_vocab, resolve_data
 
     tokenizer_dir, shards_dir = resolve_data(cfg)
-    loader = PretrainingLoader(shards_dir, Tokenizer.load(tokenizer_dir), micro_batch_size=cfg.train.micro_batch_size,
-                               rank=rank, world_size=world_size, num_workers=cfg.data.num_workers,
-                               seed=cfg.train.seed, mask_prob=cfg.data.mask_prob)
+    tokenizer = Tokenizer.load(tokenizer_dir)
+    check_vocab(cfg, tokenizer)
+    loader = build_loader(cfg, tokenizer, shards_dir, cfg.train.micro_batch_size, rank, world_size)
     it = iter(loader)
     next(it)  # worker start-up is not throughput
     start = time.perf_counter()

@@ -22,12 +22,11 @@ from torch import Tensor, nn
 
 from megakd.config import Config, ConfigError, load_config
 from megakd.convert.common import ConversionError
-from megakd.engine.checkpoint import latest_checkpoint
+from megakd.engine.checkpoint import DEEPSPEED_TAG, latest_checkpoint
 from megakd.models.electra import Discriminator, ElectraPair, MaskedLM
 
 log = logging.getLogger(__name__)
 
-DEEPSPEED_TAG = "ds"
 DEEPSPEED_PREFIX = "model."
 
 

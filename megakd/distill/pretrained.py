@@ -19,9 +19,7 @@ from megakd.config import ConfigError
 from megakd.convert import ConversionError, from_hf, load_model_dir, read_model_dir_info
 from megakd.convert.checkpoints import load_checkpoint, resolve_checkpoint
 from megakd.data.tokenizer import Tokenizer
-from megakd.models.electra import Discriminator, MaskedLM
 
-KINDS = {"masked_lm": MaskedLM, "discriminator": Discriminator}
 _DESCRIBE = {"masked_lm": "a masked LM (BERT-MLM or ELECTRA generator)", "discriminator": "an ELECTRA discriminator"}
 
 

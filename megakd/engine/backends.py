@@ -12,7 +12,7 @@ import contextlib
 import datetime
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,11 +33,15 @@ class Unit:
     loss_scale: float = 1.0  # the λ this unit's loss is multiplied by before backward
     wrapped: nn.Module | None = None
     scaler: torch.amp.GradScaler | None = None
-    extra: dict = field(default_factory=dict)
 
     @property
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
+
+    @property
+    def max_grad_norm(self) -> float:
+        """The threshold for the λ-weighted gradient this unit actually holds (inf = no clipping)."""
+        return self.clip_norm * self.loss_scale if self.clip_norm > 0 else float("inf")
 
 
 def init_distributed(dist_backend: str = "auto") -> tuple[int, int, int]:
@@ -122,8 +126,7 @@ class Backend:
         if unit.scaler is not None:
             unit.scaler.unscale_(unit.optimizer)
         params = [p for g in unit.optimizer.param_groups for p in g["params"]]
-        max_norm = unit.clip_norm * unit.loss_scale if unit.clip_norm > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        norm = torch.nn.utils.clip_grad_norm_(params, unit.max_grad_norm)
         if unit.scaler is not None:
             unit.scaler.step(unit.optimizer)
             unit.scaler.update()

@@ -16,6 +16,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
+# The tag of every DeepSpeed checkpoint inside a step directory (`<step>/<unit>/ds/`); the
+# converter reads the same name.
+DEEPSPEED_TAG = "ds"
+
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 

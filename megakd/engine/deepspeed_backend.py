@@ -32,10 +32,10 @@ import torch.distributed as dist
 
 from megakd.config import Config
 from megakd.engine.backends import DDPBackend, Unit
+from megakd.engine.checkpoint import DEEPSPEED_TAG
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_TAG = "ds"  # the tag megakd.convert reads
 
 
 class DeepSpeedBackend(DDPBackend):
@@ -67,7 +67,7 @@ class DeepSpeedBackend(DDPBackend):
             "train_micro_batch_size_per_gpu": self.micro_batch_size,
             "gradient_accumulation_steps": accumulation_steps,
             "train_batch_size": self.micro_batch_size * accumulation_steps * self.world_size,
-            "gradient_clipping": unit.clip_norm * unit.loss_scale,
+            "gradient_clipping": unit.clip_norm * unit.loss_scale,  # DeepSpeed: 0.0 = off (max_grad_norm's inf)
             "zero_optimization": {"stage": self.zero_stage},
             "zero_allow_untested_optimizer": True,
             "steps_per_print": 2**31 - 1,  # the trainer logs; keep DeepSpeed's progress lines out
@@ -135,16 +135,16 @@ class DeepSpeedBackend(DDPBackend):
     # -- checkpoint state ------------------------------------------------------------------------
     def save_units(self, units: list[Unit], directory: Path) -> None:
         for unit in units:  # every rank writes its own ZeRO partition
-            unit.wrapped.save_checkpoint(str(directory / unit.name), tag=CHECKPOINT_TAG)
+            unit.wrapped.save_checkpoint(str(directory / unit.name), tag=DEEPSPEED_TAG)
 
     def load_units(self, units: list[Unit], directory: Path) -> None:
         for unit in units:
-            path = directory / unit.name / CHECKPOINT_TAG
+            path = directory / unit.name / DEEPSPEED_TAG
             if not path.is_dir():
                 hint = " (written by the single/ddp backend?)" if (directory / f"{unit.name}.pt").is_file() else ""
                 raise FileNotFoundError(f"checkpoint {directory} has no DeepSpeed state for '{unit.name}' "
                                         f"(expected {path}){hint}")
-            loaded, _ = unit.wrapped.load_checkpoint(str(directory / unit.name), tag=CHECKPOINT_TAG,
+            loaded, _ = unit.wrapped.load_checkpoint(str(directory / unit.name), tag=DEEPSPEED_TAG,
                                                      load_optimizer_states=True, load_lr_scheduler_states=True)
             if loaded is None:
                 raise RuntimeError(f"DeepSpeed could not load {path}")

@@ -49,7 +49,8 @@ from torch.utils.checkpoint import checkpoint
 
 from megakd.config import Config, ConfigError
 from megakd.engine.backends import Unit
-from megakd.engine.deepspeed_backend import CHECKPOINT_TAG, DeepSpeedBackend
+from megakd.engine.checkpoint import DEEPSPEED_TAG
+from megakd.engine.deepspeed_backend import DeepSpeedBackend
 from megakd.engine.tasks import DiscriminatorTask, GeneratorTask, TeacherKD
 from megakd.models.electra import MaskedLM
 from megakd.models.encoder import Encoder
@@ -320,8 +321,7 @@ class PipelineOptimizer(torch.optim.Optimizer):
             self.zero_grad(set_to_none=True)
             return None
         for unit, norm in zip(self.units, norms.tolist()):
-            max_norm = unit.clip_norm * unit.loss_scale if unit.clip_norm > 0 else float("inf")
-            coef = min(max_norm / (norm + 1e-6), 1.0)  # torch.nn.utils.clip_grad_norm_'s factor
+            coef = min(unit.max_grad_norm / (norm + 1e-6), 1.0)  # torch.nn.utils.clip_grad_norm_'s factor
             for g in unit.optimizer.param_groups:
                 for p in g["params"]:
                     if p.grad is not None:
@@ -464,7 +464,7 @@ class PipelineBackend(DeepSpeedBackend):
 
     # -- checkpoint state ------------------------------------------------------------------------
     def save_units(self, units: list[Unit], directory: Path) -> None:
-        self.engine.save_checkpoint(str(directory / "pipeline"), tag=CHECKPOINT_TAG)
+        self.engine.save_checkpoint(str(directory / "pipeline"), tag=DEEPSPEED_TAG)
         mine = {t.data_ptr() for t in self.stage.state_dict().values()}
         for unit in units:
             owned = {k: v.cpu() for k, v in unit.model.state_dict().items()
@@ -479,10 +479,10 @@ class PipelineBackend(DeepSpeedBackend):
                 torch.save({"model": state}, directory / f"{unit.name}.pt")
 
     def load_units(self, units: list[Unit], directory: Path) -> None:
-        path = directory / "pipeline" / CHECKPOINT_TAG
+        path = directory / "pipeline" / DEEPSPEED_TAG
         if not path.is_dir():
             raise FileNotFoundError(f"checkpoint {directory} has no DeepSpeed pipeline state (expected {path})")
-        loaded, _ = self.engine.load_checkpoint(str(directory / "pipeline"), tag=CHECKPOINT_TAG,
+        loaded, _ = self.engine.load_checkpoint(str(directory / "pipeline"), tag=DEEPSPEED_TAG,
                                                 load_optimizer_states=True, load_lr_scheduler_states=True)
         if loaded is None:
             raise RuntimeError(f"DeepSpeed could not load {path}")

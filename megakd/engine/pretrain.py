@@ -117,6 +117,16 @@ def admin_profile(cfg: Config, models: list[MaskedLM | Discriminator | None], sh
         log.info("Admin init of the %s: omega from %.3g to %.3g", type(model).__name__, omegas[0], omegas[-1])
 
 
+def build_loader(cfg: Config, tokenizer: Tokenizer, shards_dir: Path, micro_batch_size: int, rank: int,
+                 world_size: int) -> PretrainingLoader:
+    """The pretraining data stream as `cfg.data` describes it (training and `megakd bench` alike)."""
+    return PretrainingLoader(
+        shards_dir, tokenizer, micro_batch_size=micro_batch_size, rank=rank, world_size=world_size,
+        num_workers=cfg.data.num_workers, seed=cfg.train.seed, mask_prob=cfg.data.mask_prob,
+        skip_bad_shards=cfg.data.skip_bad_shards, pin_memory=torch.cuda.is_available(),
+    )
+
+
 def build_trainer(cfg: Config, backend: Backend | None = None) -> Trainer:
     backend = backend or build_backend(cfg)
     micro_batch, accumulation = cfg.batch_layout(backend.data_world_size)
@@ -136,14 +146,10 @@ def build_trainer(cfg: Config, backend: Backend | None = None) -> Trainer:
         kd = attach_teacher(cfg, tokenizer, generator, backend.device)
     units = build_units(cfg, generator, discriminator, kd)
     backend.prepare(units, accumulation)
-    loader = PretrainingLoader(
-        shards_dir, tokenizer, micro_batch_size=micro_batch, rank=backend.data_rank, world_size=backend.data_world_size,
-        num_workers=cfg.data.num_workers, seed=cfg.train.seed, mask_prob=cfg.data.mask_prob,
-        skip_bad_shards=cfg.data.skip_bad_shards,
-    )
+    loader = build_loader(cfg, tokenizer, shards_dir, micro_batch, backend.data_rank, backend.data_world_size)
     # Dropout must differ per rank but be reproducible: reseed after the shared model init.
     torch.manual_seed(cfg.train.seed * 1_000_003 + backend.rank)
-    return Trainer(cfg, backend, units, loader, objective=cfg.model.objective, tokenizer_dir=tokenizer_dir,
+    return Trainer(cfg, backend, units, loader, tokenizer_dir=tokenizer_dir,
                    kd=kd)
 
 

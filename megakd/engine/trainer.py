@@ -41,20 +41,22 @@ class TrainResult:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, backend: Backend, units: list[Unit], loader, *, objective: str,
-                 tokenizer_dir: Path, kd: TeacherKD | None = None):
+    def __init__(self, cfg: Config, backend: Backend, units: list[Unit], loader, *, tokenizer_dir: Path,
+                 kd: TeacherKD | None = None):
         self.cfg = cfg
         self.kd = kd  # DWT: told the step before each optimizer step, for α_s(t)
         self.tokenizer_dir = Path(tokenizer_dir)
         self.backend = backend
         self.units = {u.name: u for u in units}
         self.loader = loader
-        self.objective = objective
         self.run_dir = Path(cfg.run.dir)
         _, self.accumulation_steps = cfg.batch_layout(backend.data_world_size)
         self.step = 0
         self.bad_steps = 0
-        self.interval: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
+        # Running sums since the last log line, kept on the device so a micro-batch adds its
+        # statistics without waiting for the GPU; they are copied to the host once per log line.
+        self.interval: dict[str, torch.Tensor] = defaultdict(
+            lambda: torch.zeros((), dtype=torch.float64, device=backend.device))
         self.rng = torch.Generator().manual_seed(cfg.train.seed * 100_003 + backend.data_rank)
         self._preempt_requested = False
 
@@ -63,7 +65,7 @@ class Trainer:
         return {
             "step": self.step,
             "bad_steps": self.bad_steps,
-            "interval": {k: v.clone() for k, v in self.interval.items()},
+            "interval": {k: v.cpu() for k, v in self.interval.items()},
             "data": self.loader.state_dict(),
             "rng": {
                 "torch": torch.get_rng_state(),
@@ -78,7 +80,7 @@ class Trainer:
         self.step = state["step"]
         self.bad_steps = state["bad_steps"]
         self.interval.clear()
-        self.interval.update(state["interval"])
+        self.interval.update({k: v.to(self.backend.device) for k, v in state["interval"].items()})
         self.loader.load_state_dict(state["data"])
         rng = state["rng"]
         torch.set_rng_state(rng["torch"])
@@ -143,7 +145,7 @@ class Trainer:
 
     def _accumulate(self, stats: dict) -> None:
         for key, value in stats.items():
-            self.interval[key] += value.detach().double().cpu()
+            self.interval[key] += value.detach().double()
 
     def train_step(self, batches) -> dict[str, float] | None:
         """Run one optimizer step; returns grad norms, or None if the step was skipped."""
@@ -163,7 +165,7 @@ class Trainer:
             self.interval["tokens"] += float(batch["attention_mask"].sum())
             batch = {k: v.to(self.backend.device) for k, v in batch.items()}
             losses += self._micro_batch(batch, last=i == self.accumulation_steps - 1)
-        finite = torch.tensor(float(all(bool(torch.isfinite(x)) for x in losses)))
+        finite = torch.isfinite(torch.stack([x.float() for x in losses])).all().double()
         if self.backend.all_reduce_sum(finite).item() < self.backend.world_size:
             for unit in self.units.values():
                 self.backend.skip_step(unit)
@@ -295,10 +297,11 @@ def _check_same_model(path: Path, cfg: Config) -> None:
     saved = yaml.safe_load(saved_file.read_text())
     current = config_to_dict(cfg)
     for section in ("model", "electra"):
+        saved_flat = _flatten(saved.get(section, {}), section)
         for key, value in _flatten(current[section], section).items():
-            old = _flatten(saved.get(section, {}), section).get(key)
             if key in ("electra.loss_weight", "electra.sampling_temperature"):
                 continue
+            old = saved_flat.get(key)
             if old != value:
                 raise ConfigError(
                     f"checkpoint {path} was written with {key}={old!r}, but the config says {value!r}"

@@ -2,7 +2,7 @@
 
 One seed: AdaMax (β (0.9, 0.98), ε 1e-6, coupled L2 weight decay on matrices only, as torch's
 Adamax implements it), linear warm-up over `warmup_frac` of the optimizer steps then linear decay
-to 0 (`megakd.engine.optim.lr_multiplier`), gradient clipping at 1.0, dropout 0.1, dev evaluation
+to 0 (`megakd.engine.optim.build_scheduler`), gradient clipping at 1.0, dropout 0.1, dev evaluation
 after every epoch. The batch order of epoch e is `randperm` from a generator seeded with
 (seed, e), so a seed reproduces bit-for-bit on CPU.
 
@@ -30,7 +30,7 @@ from tqdm import tqdm
 from megakd.config import ConfigError, ScheduleConfig, save_config
 from megakd.data.tokenizer import Tokenizer
 from megakd.engine.metrics import MetricsWriter
-from megakd.engine.optim import lr_multiplier, param_groups
+from megakd.engine.optim import build_scheduler, param_groups
 from megakd.finetune.config import FinetuneConfig, LabelRegConfig, ModelInitConfig
 from megakd.finetune.data import EncodedTask, load_task
 from megakd.finetune.metrics import mean_std, task_metrics
@@ -122,7 +122,7 @@ def train_seed(cfg: FinetuneConfig, seed: int, model: SequenceClassifier, tokeni
     schedule = ScheduleConfig(warmup_steps=round(f.warmup_frac * total), decay="linear")
     optimizer = torch.optim.Adamax(param_groups(model.named_parameters(), f.weight_decay), lr=f.lr,
                                    betas=tuple(f.betas), eps=f.eps)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(s, schedule, total))
+    scheduler = build_scheduler(optimizer, schedule, total)
     writer = MetricsWriter(out_dir, tensorboard=False, wandb=False, wandb_project="", wandb_mode="offline", config={})
     params = [p for p in model.parameters() if p.requires_grad]
     step, bad_steps, epoch_losses, metrics = 0, 0, [], {}

@@ -22,8 +22,11 @@ def _check_train(t: dict, cfg) -> None:
     assert t["achieved_tflops_per_device"] == pytest.approx(
         t["model_flops_per_step"] / t["step_s"] / t["world_size"] / 1e12)
     assert t["mfu"] == pytest.approx(t["achieved_tflops_per_device"] / t["peak_tflops"])
-    measured = [v for v in t["phases_s"].values() if v is not None]
-    assert all(v >= 0 for v in measured) and sum(measured) == pytest.approx(t["step_s"], rel=0.05)
+    # "other" is the remainder by construction; the measured phases themselves must be real and fit.
+    phases = {k: v for k, v in t["phases_s"].items() if v is not None and k != "other"}
+    assert phases["forward"] > 0 and phases["backward"] > 0 and phases["optimizer"] > 0
+    if t["world_size"] == 1:  # with more ranks each phase is the slowest rank's, so sums may exceed a step
+        assert sum(phases.values()) <= t["step_s"] * 1.05
 
 
 def test_bench_one_process(tiny_data, tmp_path, capsys):

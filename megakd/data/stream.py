@@ -80,13 +80,20 @@ def _decode_npy(data: bytes, headers: dict[bytes, tuple[np.dtype, tuple[int, ...
     return np.frombuffer(data, dtype=dtype, offset=end)
 
 
-def read_shard(path: Path, entry: dict, dtype: str) -> list[np.ndarray]:
-    """All samples of one shard in stored order, checked against its manifest entry."""
+def shard_problem(path: Path, entry: dict) -> str | None:
+    """Why the shard file cannot be the one its manifest entry describes, or None."""
     if not path.is_file():
-        raise ShardError(f"shard {path}: missing (listed in {MANIFEST})")
+        return f"shard {path}: missing (listed in {MANIFEST})"
     size = path.stat().st_size
     if size != entry["bytes"]:
-        raise ShardError(f"shard {path}: {size} bytes, {MANIFEST} says {entry['bytes']} (truncated or replaced?)")
+        return f"shard {path}: {size} bytes, {MANIFEST} says {entry['bytes']} (truncated or replaced?)"
+    return None
+
+
+def read_shard(path: Path, entry: dict, dtype: str) -> list[np.ndarray]:
+    """All samples of one shard in stored order, checked against its manifest entry."""
+    if problem := shard_problem(path, entry):
+        raise ShardError(problem)
     out: list[np.ndarray] = []
     headers: dict[bytes, tuple[np.dtype, tuple[int, ...]]] = {}
     first = entry["first_index"]
@@ -258,13 +265,7 @@ class PretrainingLoader:
                              f"world_size*num_workers = {world_size * k} slots")
         self.bad_shards: dict[str, str] = {}
         for entry in manifest["shards"]:
-            path = self.shards_dir / entry["file"]
-            problem = None
-            if not path.is_file():
-                problem = f"shard {path}: missing (listed in {MANIFEST})"
-            elif path.stat().st_size != entry["bytes"]:
-                problem = (f"shard {path}: {path.stat().st_size} bytes, {MANIFEST} says {entry['bytes']} "
-                           f"(truncated or replaced?)")
+            problem = shard_problem(self.shards_dir / entry["file"], entry)
             if problem and not skip_bad_shards:
                 raise ShardError(problem)
             if problem:

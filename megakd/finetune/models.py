@@ -26,7 +26,7 @@ from megakd.convert.checkpoints import load_checkpoint, resolve_checkpoint
 from megakd.convert.common import atomic_output_dir
 from megakd.data.tokenizer import Tokenizer
 from megakd.finetune.config import ModelInitConfig
-from megakd.models.electra import MaskedLM, SequenceClassifier
+from megakd.models.electra import SequenceClassifier
 from megakd.models.encoder import Encoder, EncoderConfig
 
 CLASSIFIER_FORMAT = "megakd-classifier/1"
@@ -41,7 +41,6 @@ class Pretrained:
     config: EncoderConfig
     tokenizer: Tokenizer
     encoder: Encoder | None
-    mlm: MaskedLM | None  # the whole MLM when the source was one (a TGT generator)
 
 
 def _tokenizer(path: Path | None, source: Path, override: str) -> Tokenizer:
@@ -64,7 +63,7 @@ def load_pretrained(path: str | Path, work_dir: Path, tokenizer: str = "") -> Pr
     try:
         if (src / CLASSIFIER_FILE).is_file():
             model, tok = load_classifier(src)
-            return Pretrained(model.config, Tokenizer.load(tokenizer) if tokenizer else tok, model.encoder, None)
+            return Pretrained(model.config, Tokenizer.load(tokenizer) if tokenizer else tok, model.encoder)
         if (src / "config.json").is_file():
             out = Path(work_dir) / "imported"
             from_hf(src, out, force=True)
@@ -73,29 +72,12 @@ def load_pretrained(path: str | Path, work_dir: Path, tokenizer: str = "") -> Pr
             info = read_model_dir_info(src)
             kind, model = load_model_dir(src)
             encoder = model if kind == "encoder" else model.encoder
-            return Pretrained(encoder.config, _tokenizer(info.get("tokenizer"), src, tokenizer), encoder,
-                              model if kind == "masked_lm" else None)
+            return Pretrained(encoder.config, _tokenizer(info.get("tokenizer"), src, tokenizer), encoder)
         ckpt = load_checkpoint(resolve_checkpoint(src))
     except ConversionError as err:
         raise ConfigError(f"model.path: {err}") from None
     model = ckpt.discriminator if ckpt.discriminator is not None else ckpt.generator
-    return Pretrained(model.config, _tokenizer(ckpt.tokenizer_dir, src, tokenizer), model.encoder, None)
-
-
-def load_generator(path: str | Path, work_dir: Path) -> tuple[MaskedLM, Tokenizer]:
-    """An MLM for TGT: a pretraining run/checkpoint's generator, a megakd model dir or an HF MLM dir."""
-    src = Path(path)
-    if src.is_dir() and not (src / "model.yaml").is_file() and not (src / "config.json").is_file():
-        try:
-            ckpt = load_checkpoint(resolve_checkpoint(src))
-        except ConversionError as err:
-            raise ConfigError(f"tgt.generator: {err}") from None
-        return ckpt.generator, _tokenizer(ckpt.tokenizer_dir, src, "")
-    pre = load_pretrained(src, work_dir)
-    if pre.mlm is None:
-        raise ConfigError(f"tgt.generator: {src} is not a masked language model (ElectraForMaskedLM, "
-                          "BertForMaskedLM, a megakd masked_lm dir or a pretraining run)")
-    return pre.mlm, pre.tokenizer
+    return Pretrained(model.config, _tokenizer(ckpt.tokenizer_dir, src, tokenizer), model.encoder)
 
 
 def build_classifier(init: ModelInitConfig, num_labels: int, dropout: float, seed: int,

@@ -232,16 +232,17 @@ def run_finetune(cfg: FinetuneConfig) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
     lr = cfg.labelreg
+    # The teacher and the encoded train split are the same for every seed: predict once.
+    teacher_logits: list[Tensor] = []
 
     def make_objective(seed: int, model: SequenceClassifier, tokenizer: Tokenizer, train: EncodedTask,
                        out_dir: Path) -> Objective:
-        teacher = None
-        if lr.target in TEACHER_TARGETS:
-            teacher = teacher_logits_for(lr.teacher, "labelreg.teacher", tokenizer, train, cfg.task.num_labels,
-                                         cfg.finetune.eval_batch_size)
+        if lr.target in TEACHER_TARGETS and not teacher_logits:
+            teacher_logits.append(teacher_logits_for(lr.teacher, "labelreg.teacher", tokenizer, train,
+                                                     cfg.task.num_labels, cfg.finetune.eval_batch_size))
             if lr.target == "selfkd":
                 check_same_architecture(model, lr.teacher)
-        return LabelRegObjective(lr, cfg.task.num_labels, teacher)
+        return LabelRegObjective(lr, cfg.task.num_labels, teacher_logits[0] if teacher_logits else None)
 
     results, _, _ = run_seeds(cfg, run_dir, cfg.model, make_objective)
     return summarize(results, run_dir, cfg.metric)

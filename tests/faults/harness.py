@@ -1,0 +1,52 @@
+"""What every fault-injection test needs: run a command, and prove what it did (not) change.
+
+Each fault test is a table row: a bad input or an injected fault, the exit code the command must
+end with, a fragment of the one-line message (naming the file or key), and whether the run
+directory must be byte-identical before and after.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """sha256 of every file under `root` (relative path → digest); directories by their listing."""
+    out: dict[str, str] = {}
+    if not root.exists():
+        return out
+    for path in sorted(root.rglob("*")):
+        rel = str(path.relative_to(root))
+        if path.is_file() and not path.is_symlink():
+            out[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
+        elif path.is_dir():
+            out[rel + "/"] = ""
+    return out
+
+
+@dataclass
+class Outcome:
+    code: int
+    stdout: str
+    stderr: str
+
+    def error_line(self) -> str:
+        """The last non-empty stderr line: where a one-line error must be."""
+        lines = [ln for ln in self.stderr.splitlines() if ln.strip()]
+        return lines[-1] if lines else ""
+
+
+def megakd(*args: str, env: dict[str, str] | None = None, timeout: float = 600,
+           cwd: Path = REPO) -> Outcome:
+    """Run `python -m megakd.cli ARGS` in a fresh process (so signals, exit codes and stderr are real)."""
+    full_env = {**os.environ, **(env or {})}
+    proc = subprocess.run([sys.executable, "-m", "megakd.cli", *args], cwd=cwd, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+    return Outcome(proc.returncode, proc.stdout, proc.stderr)

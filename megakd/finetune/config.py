@@ -112,7 +112,9 @@ class TGTConfig:
     mode: str = "random"  # random | gradient
     mask_prob: float = 0.15  # fraction p of tokens resampled
     noise_std: float = 0.0  # σ of Gaussian noise on the generator's input embeddings
-    step_size: float = 1.0  # gradient mode: η of each ascent step (on per-row normalised gradients)
+    ascent: str = "paper"  # gradient mode: paper (η·∇ of Σ H(h, f), discrete forward, straight-through
+    # backward) | normalized (η·∇/‖∇‖ of KL(h ‖ f) on the soft mixture π·W_emb)
+    step_size: float = 1.0  # gradient mode: η of each ascent step
     steps: int = 1  # gradient mode: ascent steps
     sampling_temperature: float = 1.0  # random mode
 
@@ -180,6 +182,7 @@ class FinetuneConfig:
             raise ConfigError("soteacher.student.path: required with soteacher.student.init=pretrained")
         g = self.tgt
         _check_choice("tgt.mode", g.mode, ("random", "gradient"))
+        _check_choice("tgt.ascent", g.ascent, ("paper", "normalized"))
         if g.enabled and not (g.generator and g.labeler):
             raise ConfigError("tgt.generator and tgt.labeler: both are required with tgt.enabled=true")
         if not 0.0 < g.mask_prob < 1.0:

@@ -44,7 +44,7 @@ from megakd.finetune.models import (
     save_classifier,
 )
 from megakd.models.electra import SequenceClassifier
-from megakd.objectives.label_reg import TEACHER_TARGETS, label_reg_loss
+from megakd.objectives.label_reg import TEACHER_TARGETS, akd_temperature, annealing_kd_loss, label_reg_loss
 
 log = logging.getLogger(__name__)
 
@@ -82,13 +82,18 @@ class LabelRegObjective:
     def loss(self, model: SequenceClassifier, batch: dict[str, Tensor], epoch: int
              ) -> tuple[Tensor, Tensor, dict[str, float]]:
         logits = model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
-        return self.loss_from_logits(logits, batch), logits, {}
+        return self.loss_from_logits(logits, batch, epoch), logits, {}
 
-    def loss_from_logits(self, logits: Tensor, batch: dict[str, Tensor]) -> Tensor:
+    def loss_from_logits(self, logits: Tensor, batch: dict[str, Tensor], epoch: int = 0) -> Tensor:
         if self.num_labels == 1:
             return F.mse_loss(logits.squeeze(-1), batch["labels"])
         c = self.cfg
         teacher = None if self.teacher_logits is None else self.teacher_logits[batch["row"]]
+        if c.target == "akd":
+            temperature = akd_temperature(epoch, c.akd_phase1_epochs, c.temperature)
+            if temperature is None:  # phase II
+                return F.cross_entropy(logits, batch["labels"])
+            return annealing_kd_loss(logits, teacher, temperature, c.temperature)
         return label_reg_loss(logits, batch["labels"], c.target, alpha=c.alpha, a=c.a, temperature=c.temperature,
                               tau_squared=c.tau_squared, teacher_logits=teacher)
 

@@ -121,3 +121,49 @@ def test_teacher_gets_no_gradient_and_missing_teacher_is_an_error():
         label_reg_loss(logits, labels, "kd", alpha=0.5)
     with pytest.raises(ValueError, match="labelreg.target"):
         label_reg_loss(logits, labels, "mixup")
+
+
+def test_annealing_kd_schedule_and_loss_match_float64_reference():
+    """Table 11's setting (τ_max 10, 20 phase-I epochs, 30 in all): T falls 10 → 1 over phase I, Φ(T) =
+    1 − (T − 1)/τ_max scales the teacher's logits, phase II is CE on the labels."""
+    from megakd.finetune.config import LabelRegConfig
+    from megakd.finetune.trainer import LabelRegObjective
+    from megakd.objectives.label_reg import akd_temperature, annealing_kd_loss
+
+    temperatures = [akd_temperature(e, 20, 10.0) for e in range(30)]
+    assert temperatures[0] == 10.0 and temperatures[19] == 1.0 and temperatures[20:] == [None] * 10
+    assert temperatures[:20] == pytest.approx([10.0 - 9.0 * e / 19 for e in range(20)], rel=0, abs=1e-15)
+    assert akd_temperature(0, 1, 10.0) == 1.0  # one phase-I epoch: straight to the teacher's logits
+
+    logits, teacher, labels = _inputs(3)
+    cfg = LabelRegConfig(target="akd", temperature=10.0, akd_phase1_epochs=20, teacher="t")
+    objective = LabelRegObjective(cfg, K, teacher)
+    batch = {"labels": labels, "row": torch.arange(len(labels))}
+    z, zt = logits.numpy(), teacher.numpy()
+    for epoch in (0, 7, 19):
+        t = 10.0 - 9.0 * epoch / 19
+        phi = 1 - (t - 1) / 10
+        ref = sum(sum((z[i, k] - phi * zt[i, k]) ** 2 for k in range(K)) for i in range(len(z))) / len(z)
+        assert annealing_kd_loss(logits, teacher, t, 10.0).item() == pytest.approx(ref, rel=1e-13)
+        assert objective.loss_from_logits(logits, batch, epoch).item() == pytest.approx(ref, rel=1e-13)
+    assert objective.loss_from_logits(logits, batch, 19).item() == pytest.approx(
+        ((z - zt) ** 2).sum(-1).mean(), rel=1e-13)  # T = 1: regress onto the teacher's own logits
+    assert objective.loss_from_logits(logits, batch, 25).item() == pytest.approx(
+        _reference(logits, labels, "onehot"), rel=1e-13)  # phase II
+    with pytest.raises(ValueError, match="akd"):
+        label_reg_loss(logits, labels, "akd", teacher_logits=teacher)
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["labelreg.akd_phase1_epochs=0"], "akd_phase1_epochs"),
+    (["labelreg.akd_phase1_epochs=4"], "akd_phase1_epochs"),  # more than finetune.epochs=3
+    (["labelreg.akd_phase1_epochs=2", "labelreg.temperature=0.5"], "temperature"),
+])
+def test_annealing_kd_config_is_checked(overrides, match):
+    from megakd.config import ConfigError, load_config
+    from megakd.finetune.config import FinetuneConfig
+
+    base = ["model.path=x", "labelreg.target=akd", "labelreg.teacher=t", "finetune.epochs=3"]
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, [*base, *overrides], cls=FinetuneConfig)
+    load_config(None, [*base, "labelreg.akd_phase1_epochs=2", "labelreg.temperature=10"], cls=FinetuneConfig)

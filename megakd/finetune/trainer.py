@@ -254,9 +254,16 @@ def run_finetune(cfg: FinetuneConfig) -> dict:
 
 
 def check_same_architecture(model: SequenceClassifier, teacher_dir: str) -> None:
-    """Self-KD's teacher is a fine-tuned copy of the student: same encoder shape."""
+    """Self-KD's teacher is a fine-tuned copy of the student: same encoder shape (one line naming both if not)."""
     teacher, _ = load_classifier(teacher_dir)
     shape = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if shape != {k: tuple(v.shape) for k, v in teacher.state_dict().items()}:
-        raise ConfigError(f"labelreg.teacher: {teacher_dir} is not the student's architecture "
-                          "(labelreg.target=selfkd needs a fine-tuned copy of the same model; use kd)")
+        raise ConfigError(f"labelreg.teacher: {teacher_dir} is {_architecture(teacher)}, the student "
+                          f"{_architecture(model)} (labelreg.target=selfkd needs a fine-tuned copy of the "
+                          "student's architecture; use kd for another model)")
+
+
+def _architecture(model: SequenceClassifier) -> str:
+    c = model.config
+    return (f"{c.num_layers} layers x {c.hidden_size} hidden ({c.num_heads} heads, FFN {c.intermediate_size}, "
+            f"embeddings {c.embed_dim}, vocab {c.vocab_size}, {c.position_encoding}, {model.num_labels} labels)")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -167,3 +169,53 @@ def test_annealing_kd_config_is_checked(overrides, match):
     with pytest.raises(ConfigError, match=match):
         load_config(None, [*base, *overrides], cls=FinetuneConfig)
     load_config(None, [*base, "labelreg.akd_phase1_epochs=2", "labelreg.temperature=10"], cls=FinetuneConfig)
+
+
+def _classifier(layers: int, hidden: int, seed: int = 0):
+    from megakd.models.electra import SequenceClassifier
+    from megakd.models.encoder import EncoderConfig
+    from tests.helpers import TINY_VOCAB
+
+    torch.manual_seed(seed)
+    return SequenceClassifier(EncoderConfig(vocab_size=TINY_VOCAB, hidden_size=hidden, num_layers=layers, num_heads=2,
+                                            intermediate_size=2 * hidden, max_position_embeddings=32), 2)
+
+
+def test_selfkd_teacher_must_have_the_students_architecture(tiny_data, tmp_path):
+    from megakd.config import ConfigError
+    from megakd.data.tokenizer import Tokenizer
+    from megakd.finetune.models import save_classifier
+    from megakd.finetune.trainer import check_same_architecture
+
+    tokenizer = Tokenizer.load(tiny_data[0])
+    student = _classifier(2, 16)
+    same = save_classifier(_classifier(2, 16, seed=1), tokenizer, tmp_path / "same")
+    other = save_classifier(_classifier(1, 24), tokenizer, tmp_path / "other")
+    check_same_architecture(student, str(same))  # a fine-tuned copy: accepted
+    with pytest.raises(ConfigError) as err:
+        check_same_architecture(student, str(other))
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(f"labelreg.teacher: {other} is 1 layers x 24 hidden")
+    assert "the student 2 layers x 16 hidden" in message and "use kd" in message
+
+
+@pytest.mark.slow
+def test_annealing_kd_and_selfkd_refusal_through_the_cli(tiny_electra_run, tiny_data, tmp_path):
+    from megakd.cli import main
+    from megakd.data.tokenizer import Tokenizer
+    from megakd.finetune.models import save_classifier
+
+    student_path = tiny_electra_run / "hf" / "discriminator"
+    teacher = save_classifier(_classifier(1, 24), Tokenizer.load(tiny_data[0]), tmp_path / "teacher")
+    common = ["finetune", "-c", "configs/finetune-rt.yaml", f"model.path={student_path}", "run.progress_bar=false",
+              "task.max_train_examples=16", "task.max_dev_examples=8", "finetune.max_seq_len=32",
+              "finetune.batch_size=8", "finetune.epochs=3", "finetune.seeds=[0]", "finetune.log_every=1",
+              f"labelreg.teacher={teacher}"]
+    run = tmp_path / "akd"
+    assert main([*common, f"run.dir={run}", "labelreg.target=akd", "labelreg.temperature=10",
+                 "labelreg.akd_phase1_epochs=2"]) == 0
+    losses = json.loads((run / "seed_0" / "result.json").read_text())["train_loss"]
+    assert len(losses) == 3 and np.isfinite(losses).all()
+    bad = tmp_path / "selfkd"
+    assert main([*common, f"run.dir={bad}", "labelreg.target=selfkd", "labelreg.alpha=0.5"]) == 2
+    assert not (bad / "seed_0" / "result.json").exists()

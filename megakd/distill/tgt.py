@@ -17,8 +17,8 @@ with one x̃ per real example. Generation:
   latent z) and take `steps` ascent steps, then decode x̃ by the argmax of the MLM head at the
   masked positions. `tgt.ascent` chooses the step:
 
-  - ``paper`` (default; the TGT paper's eq. 5 and its extension to discrete data): e ← e + η·∇_e Σ_i ℓ_d(f(x̃_i), h(x̃_i)) with
-    ℓ_d = H(h, f) = −Σ_y h_y log f_y, the soft-label CE the student is trained on, summed over the
+  - ``paper`` (default; the TGT paper's eq. 5 and its extension to discrete data):
+    e ← e + η·∇_e Σ_i ℓ_d(f(x̃_i), h(x̃_i)) with ℓ_d = H(h, f) = −Σ_y h_y log f_y, the soft-label CE the student is trained on, summed over the
     batch so each example's step is its own ℓ_d's gradient. The forward pass runs on the discrete
     decoding x̃ = argmax Dec(e) (student and labeler read exactly the embedding rows of x̃); the
     backward pass is straight-through: the one-hot of x̃ is given the gradient of π = softmax of

@@ -85,6 +85,15 @@ def cmd_eval_rtd(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_repro(args: argparse.Namespace) -> int:
+    from megakd.repro import run_finding
+
+    report = run_finding(args.name, args.out, args.work, quick=args.quick,
+                         seeds=tuple(args.seeds) if args.seeds else None)
+    log.info("finding %s: %s; section written to %s", args.name, report.verdict, args.out)
+    return 0
+
+
 def cmd_data_tokenizer(args: argparse.Namespace) -> int:
     from megakd.data.tokenizer import train_tokenizer
 
@@ -237,6 +246,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mask-prob", type=float, default=0.15)
     p.add_argument("--out", help="also write the JSON report to this file")
     p.set_defaults(func=cmd_eval_rtd)
+
+    p = sub.add_parser("repro", help="re-run one of the papers' findings at CPU scale and write its section of "
+                       "docs/REPRODUCTION.md (paper numbers, measured mean ± std over seeds, verdict)")
+    p.add_argument("name", choices=("lambda",), help="the finding")
+    p.add_argument("--quick", action="store_true", help="small settings, for tests of the report's structure")
+    p.add_argument("--seeds", type=int, nargs="+", help="override the finding's seeds")
+    p.add_argument("--out", default="docs/REPRODUCTION.md", help="the report (its other sections are kept)")
+    p.add_argument("--work", default="runs/repro", help="scratch directory for the runs")
+    p.set_defaults(func=cmd_repro)
 
     data = sub.add_parser("data", help="tokenizer training and WebDataset shard writing")
     data_sub = data.add_subparsers(dest="data_command", required=True)

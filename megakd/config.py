@@ -22,6 +22,8 @@ from megakd.kernels import BACKENDS
 from megakd.models.encoder import EncoderConfig
 from megakd.objectives.distill import ALPHA_SCHEDULES
 
+JOINT_CLIPS = ("weighted", "unweighted")
+
 
 class ConfigError(ValueError):
     """A config file or override is invalid; the message names the key."""
@@ -86,6 +88,10 @@ class OptimConfig:
     generator: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=2e-4))
     discriminator: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1.5e-3))
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    # Original ELECTRA (electra.decoupled=false) only: what optim.discriminator.clip_norm bounds.
+    # weighted = ∇(L_MLM + λ·L_RTD), as original ELECTRA clips; unweighted = ∇(L_MLM/λ + L_RTD), the
+    # scale DecoupledOptim clips the discriminator at (README: "λ, clipping and DecoupledOptim").
+    joint_clip: str = "weighted"
 
 
 @dataclass
@@ -143,6 +149,7 @@ class Config:
     def validate(self) -> Config:
         _check_choice("model.objective", self.model.objective, ("electra", "mlm"))
         _check_choice("optim.schedule.decay", self.optim.schedule.decay, ("linear", "cosine", "constant"))
+        _check_choice("optim.joint_clip", self.optim.joint_clip, JOINT_CLIPS)
         _check_choice("train.precision", self.train.precision, ("fp32", "bf16", "fp16"))
         _check_choice("backend.name", self.backend.name, ("single", "ddp", "deepspeed"))
         _check_choice("backend.dist_backend", self.backend.dist_backend, ("auto", "gloo", "nccl"))

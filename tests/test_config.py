@@ -22,6 +22,8 @@ def test_table_a1_values():
             assert opt.betas == (0.9, 0.98) and opt.eps == 1e-6 and opt.clip_norm == 2.0
             assert opt.weight_decay == 0.01
         assert cfg.model.generator.vocab_size == 128_000 and cfg.electra.decoupled
+        for model in (cfg.model.generator, cfg.model.discriminator):  # Admin as its authors' code runs it
+            assert (model.init, model.admin_profile) == ("admin", "reference")
     g, d = base.model.generator, base.model.discriminator
     assert (g.num_layers, g.hidden_size, d.num_layers, d.hidden_size) == (12, 768, 12, 768)
     assert (d.relative_buckets, d.relative_max_distance, d.init) == (32, 128, "admin")

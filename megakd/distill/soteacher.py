@@ -7,8 +7,9 @@ numpy memmap files in the seed's run directory (`cr_store/mean.npy` float64 [N, 
 and survives the process (a 128K-example task with 3 classes is 3 MB). As in the authors' code,
 predictions are recorded from the ordinary training forward pass (dropout on), the store is
 updated after the loss with weight 1/(1+count) (an exact running mean, since each example is seen
-once per epoch), and CR is skipped in epoch 0. λ_CR(t) uses t = epoch index and T =
-`finetune.epochs`, so it is 0 in epoch 0 and rises towards λ_max.
+once per epoch), and CR is skipped in the first epoch. λ_CR(t) uses the 1-based epoch number
+t = 1..T, T = `finetune.epochs` (the papers' λ_CR(t) = (t/T)·λ_max), so the last epoch trains
+with exactly λ_max under every schedule.
 
 The student is trained with label-regularisation KD from each seed's teacher, RepDistiller's
 convention (SPEC §2): α·CE + (1−α)·τ²·KL(p^t_τ ‖ p^s_τ), α = `soteacher.student_alpha` (0.5), τ =
@@ -38,7 +39,7 @@ from megakd.finetune.data import EncodedTask
 from megakd.finetune.metrics import agreement, calibration_report
 from megakd.finetune.trainer import LabelRegObjective, SeedResult, run_seeds, summarize, teacher_logits_for
 from megakd.models.electra import SequenceClassifier
-from megakd.objectives.soteacher import consistency_loss, cr_weight, lipschitz_penalty
+from megakd.objectives.soteacher import consistency_loss, cr_weight_for_epoch, lipschitz_penalty
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ class SoTeacherObjective:
             loss = loss + self.cfg.lambda_lr * lip
             logs["lipschitz"] = lip.item()
         probs = F.softmax(logits, dim=-1)
-        lam = cr_weight(self.cfg.cr_schedule, epoch, self.num_epochs, self.cfg.lambda_cr)
+        lam = cr_weight_for_epoch(self.cfg.cr_schedule, epoch, self.num_epochs, self.cfg.lambda_cr)
         if epoch > 0 and lam > 0:
             targets, has = self.store.targets(batch["index"])
             cr = consistency_loss(probs, targets, has)

@@ -13,11 +13,21 @@ with one x̃ per real example. Generation:
   stable example index), optionally add N(0, σ²) noise to the MLM's input embeddings of the masked
   sequence, and resample the masked positions from the MLM's softmax. Only masked positions can
   change.
-- ``gradient`` (first-order): start from the same (noisy) input embeddings e and take `steps`
-  ascent steps e ← e + η·g/‖g‖ (per example) on J(e) = KL(h ‖ f) evaluated on the *soft* decoding
-  of e: at masked positions the student and labeler read π·W_emb, π = softmax of the MLM head, so
-  J is differentiable in e (the straight-through relaxation of SPEC §6.3); then decode x̃ by the
-  argmax of the MLM head at the masked positions.
+- ``gradient`` (first-order): start from the same (noisy) input embeddings e of the MLM (its
+  latent z) and take `steps` ascent steps, then decode x̃ by the argmax of the MLM head at the
+  masked positions. `tgt.ascent` chooses the step:
+
+  - ``paper`` (default; the TGT paper's eq. 5 and its extension to discrete data):
+    e ← e + η·∇_e Σ_i ℓ_d(f(x̃_i), h(x̃_i)) with ℓ_d = H(h, f) = −Σ_y h_y log f_y, the soft-label CE the student is trained on, summed over the
+    batch so each example's step is its own ℓ_d's gradient. The forward pass runs on the discrete
+    decoding x̃ = argmax Dec(e) (student and labeler read exactly the embedding rows of x̃); the
+    backward pass is straight-through: the one-hot of x̃ is given the gradient of π = softmax of
+    the MLM head, as if the student's and labeler's input embeddings were π·W_emb (the paper ties
+    the decoder's softmax to their input embeddings for this; here they share the vocabulary).
+    Gradients reach e through both the student and the labeler, as in the paper.
+  - ``normalized``: a variant the paper does not use, kept for comparison: ascend
+    J(e) = mean KL(h ‖ f) with the normalized step e ← e + η·∇J/‖∇J‖ (norm per example), both
+    models reading the soft mixture π·W_emb in the forward pass too.
 """
 
 from __future__ import annotations
@@ -72,6 +82,11 @@ class TeacherGenerator:
                           inputs_embeds=e)
         return self.mlm.masked_hidden(hidden, mask)
 
+    def decoder_logits(self, e: Tensor, batch: dict[str, Tensor], mask: Tensor) -> Tensor:
+        """Dec(e): the MLM head's logits [M, V] at the M masked positions."""
+        head = self.mlm.head
+        return F.linear(self._hidden(e, batch, mask), head.decoder_weight, head.bias)
+
     @torch.no_grad()
     def random(self, batch: dict[str, Tensor], epoch: int) -> tuple[Tensor, Tensor]:
         """(x̃ ids, mask): masked positions resampled from the MLM; everything else unchanged."""
@@ -82,27 +97,44 @@ class TeacherGenerator:
                                          temperature=self.cfg.sampling_temperature, backend=self.backend)
         return corrupt(batch["input_ids"], mask, samples), mask
 
+    def decode_straight_through(self, e: Tensor, batch: dict[str, Tensor], mask: Tensor) -> Tensor:
+        """[M, V] one-hot of x̃ = argmax Dec(e) at the M masked positions, with the gradient of π = softmax Dec(e).
+
+        `pi - pi.detach()` is exactly zero, so the forward value is exactly the one-hot.
+        """
+        pi = F.softmax(self.decoder_logits(e, batch, mask), dim=-1)
+        one_hot = F.one_hot(pi.argmax(-1), pi.shape[-1]).to(pi.dtype)
+        return one_hot + (pi - pi.detach())
+
     def disagreement(self, e: Tensor, batch: dict[str, Tensor], mask: Tensor, student: SequenceClassifier,
                      labeler: SequenceClassifier) -> Tensor:
-        """J(e) = mean KL(h ‖ f) on the soft decoding of e (π·W_emb at masked positions, the real tokens elsewhere)."""
-        pi = F.softmax(self.mlm.head(self._hidden(e, batch, mask)), dim=-1)
+        """What `tgt.ascent` ascends: Σ_i H(h(x̃_i), f(x̃_i)) on the straight-through decoding (paper), or
+        mean KL(h ‖ f) on the soft decoding π·W_emb (normalized); real tokens outside the mask."""
+        paper = self.cfg.ascent == "paper"
+        if paper:
+            tokens = self.decode_straight_through(e, batch, mask)
+        else:
+            tokens = F.softmax(self.decoder_logits(e, batch, mask), dim=-1)
 
         def logits(model: SequenceClassifier) -> Tensor:
             vectors = model.encoder.embed(batch["input_ids"])
-            soft = pi.to(vectors.dtype) @ model.encoder.embeddings.word_embeddings.weight
-            vectors = vectors.masked_scatter(mask[..., None], soft)
+            rows = tokens.to(vectors.dtype) @ model.encoder.embeddings.word_embeddings.weight
+            vectors = vectors.masked_scatter(mask[..., None], rows)
             return model(attention_mask=batch["attention_mask"], token_type_ids=batch["token_type_ids"],
                          inputs_embeds=vectors)
 
+        if paper:  # the batch mean times B: a sum of per-example losses
+            return soft_cross_entropy(logits(student), F.softmax(logits(labeler), dim=-1)) * len(e)
         return kl_divergence(logits(labeler), logits(student))
 
     def ascend(self, e: Tensor, batch: dict[str, Tensor], mask: Tensor, student: SequenceClassifier,
                labeler: SequenceClassifier) -> Tensor:
-        """One step e + η·∇J/‖∇J‖ (norm per example over all its positions)."""
+        """One step: e + η·∇J (paper) or e + η·∇J/‖∇J‖ with the norm per example over its positions (normalized)."""
         e = e.detach().requires_grad_(True)
         (grad,) = torch.autograd.grad(self.disagreement(e, batch, mask, student, labeler), e)
-        norm = grad.flatten(1).norm(dim=1).clamp_min(1e-12)[:, None, None]
-        return (e + self.cfg.step_size * grad / norm).detach()
+        if self.cfg.ascent == "normalized":
+            grad = grad / grad.flatten(1).norm(dim=1).clamp_min(1e-12)[:, None, None]
+        return (e + self.cfg.step_size * grad).detach()
 
     def gradient(self, batch: dict[str, Tensor], epoch: int, student: SequenceClassifier,
                  labeler: SequenceClassifier) -> tuple[Tensor, Tensor]:
@@ -115,7 +147,7 @@ class TeacherGenerator:
             for _ in range(self.cfg.steps):
                 e = self.ascend(e, batch, mask, student, labeler)
             with torch.no_grad():
-                tokens = self.mlm.head(self._hidden(e, batch, mask)).argmax(-1)
+                tokens = self.decoder_logits(e, batch, mask).argmax(-1)
         finally:
             student.train(was_training)
         return corrupt(batch["input_ids"], mask, tokens), mask

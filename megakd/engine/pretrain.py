@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from pathlib import Path
 
 import torch
 
-from megakd.config import Config, ConfigError
+from megakd.config import Config, ConfigError, OptimConfig, OptimizerConfig
 from megakd.data.shards import read_manifest
 from megakd.data.stream import PretrainingLoader
 from megakd.data.tokenizer import Tokenizer
@@ -85,9 +86,21 @@ def build_units(cfg: Config, generator: MaskedLM, discriminator: Discriminator |
             unit("discriminator", DiscriminatorTask(discriminator, kb), discriminator, cfg.optim.discriminator,
                  loss_scale=cfg.electra.loss_weight),
         ]
+    ignored = _changed_keys(cfg.optim.generator, OptimConfig().generator, "optim.generator")
+    if ignored:
+        log.warning("%s: ignored with electra.decoupled=false (one optimizer, configured by optim.discriminator.*)",
+                    ", ".join(ignored))
     pair = ElectraPair(generator, discriminator, share_embeddings=True)
-    task = JointElectraTask(pair, cfg.electra.loss_weight, kb, temperature, kd)
-    return [unit("electra", task, pair, cfg.optim.discriminator)]
+    unweighted = cfg.optim.joint_clip == "unweighted"
+    task = JointElectraTask(pair, cfg.electra.loss_weight, kb, temperature, kd, unweighted=unweighted)
+    return [unit("electra", task, pair, cfg.optim.discriminator,
+                 loss_scale=cfg.electra.loss_weight if unweighted else 1.0)]
+
+
+def _changed_keys(value: OptimizerConfig, default: OptimizerConfig, prefix: str) -> list[str]:
+    """`prefix.field=value` for every field of `value` that differs from `default`."""
+    return [f"{prefix}.{f.name}={getattr(value, f.name)}" for f in dataclasses.fields(value)
+            if getattr(value, f.name) != getattr(default, f.name)]
 
 
 def build_models(cfg: Config) -> tuple[MaskedLM, Discriminator | None]:
@@ -113,7 +126,7 @@ def admin_profile(cfg: Config, models: list[MaskedLM | Discriminator | None], sh
     batch = next(iter(loader))
     for model in admin:
         ids = batch["masked_input_ids"] if isinstance(model, MaskedLM) else batch["input_ids"]
-        omegas = admin_initialize(model.encoder, ids, batch["attention_mask"])
+        omegas = admin_initialize(model.encoder, ids, batch["attention_mask"], seed=cfg.train.seed)
         log.info("Admin init of the %s: omega from %.3g to %.3g", type(model).__name__, omegas[0], omegas[-1])
 
 

@@ -113,10 +113,15 @@ class DiscriminatorTask(nn.Module):
 
 
 class JointElectraTask(nn.Module):
-    """Original ELECTRA: one module, one optimizer, loss L_MLM + λ·L_RTD, shared embeddings allowed."""
+    """Original ELECTRA: one module, one optimizer, loss L_MLM + λ·L_RTD, shared embeddings allowed.
+
+    `unweighted=True` returns L_MLM/λ + L_RTD instead, for a unit whose loss_scale is λ: the
+    backward pass still sees L_MLM + λ·L_RTD, but the unit's clipping and its logged gradient norm
+    are on the unweighted scale (optim.joint_clip=unweighted).
+    """
 
     def __init__(self, pair: ElectraPair, loss_weight: float, kernel_backend: str = "auto", temperature: float = 1.0,
-                 kd: TeacherKD | None = None):
+                 kd: TeacherKD | None = None, unweighted: bool = False):
         super().__init__()
         self.model = pair
         # The per-model tasks share the pair's parameters. A tuple keeps them out of the module tree,
@@ -125,13 +130,16 @@ class JointElectraTask(nn.Module):
         self._tasks = (GeneratorTask(pair.generator, kernel_backend, temperature, kd),
                        DiscriminatorTask(pair.discriminator, kernel_backend))
         self.loss_weight = loss_weight
+        self.unweighted = unweighted
 
     def forward(self, batch: dict[str, torch.Tensor], rng: torch.Generator | None = None) -> dict:
         generator_task, discriminator_task = self._tasks
         gen = generator_task(batch, rng)
         corrupted = corrupt(batch["input_ids"], batch["mlm_mask"], gen["samples"])
         disc = discriminator_task(corrupted, batch["input_ids"], batch["attention_mask"])
+        loss = gen["loss"] / self.loss_weight + disc["loss"] if self.unweighted else \
+            gen["loss"] + self.loss_weight * disc["loss"]
         return {
-            "loss": gen["loss"] + self.loss_weight * disc["loss"],
+            "loss": loss,
             "stats": {**gen["stats"], **disc["stats"]},
         }

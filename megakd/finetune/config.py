@@ -80,10 +80,11 @@ class OptimConfig:
 
 @dataclass
 class LabelRegConfig:
-    target: str = "onehot"  # onehot | ls | tfreg | kd | selfkd
+    target: str = "onehot"  # onehot | ls | tfreg | kd | selfkd | akd
     alpha: float = 0.0  # weight of the smoothing distribution / of the KD term
     a: float = 0.95  # TF-reg: probability of the true class in the teacher-free distribution
-    temperature: float = 1.0  # KD τ
+    temperature: float = 1.0  # KD τ; akd: the maximum temperature τ_max
+    akd_phase1_epochs: int = 0  # akd: epochs of phase I (logit regression, T from τ_max to 1); the rest is CE
     tau_squared: bool = False  # scale the KD term by τ²
     teacher: str = ""  # kd / selfkd: a fine-tuned classifier directory (selfkd: a same-architecture copy)
 
@@ -112,7 +113,9 @@ class TGTConfig:
     mode: str = "random"  # random | gradient
     mask_prob: float = 0.15  # fraction p of tokens resampled
     noise_std: float = 0.0  # σ of Gaussian noise on the generator's input embeddings
-    step_size: float = 1.0  # gradient mode: η of each ascent step (on per-row normalised gradients)
+    ascent: str = "paper"  # gradient mode: paper (η·∇ of Σ H(h, f), discrete forward, straight-through
+    # backward) | normalized (η·∇/‖∇‖ of KL(h ‖ f) on the soft mixture π·W_emb)
+    step_size: float = 1.0  # gradient mode: η of each ascent step
     steps: int = 1  # gradient mode: ascent steps
     sampling_temperature: float = 1.0  # random mode
 
@@ -167,7 +170,11 @@ class FinetuneConfig:
             raise ConfigError(f"labelreg.a: expected a value in (0, 1], got {lr.a}")
         if lr.temperature <= 0:
             raise ConfigError(f"labelreg.temperature: expected > 0, got {lr.temperature}")
-        if lr.target in ("kd", "selfkd") and not lr.teacher:
+        if lr.target == "akd" and not (1 <= lr.akd_phase1_epochs <= f.epochs and lr.temperature >= 1):
+            raise ConfigError(f"labelreg.akd_phase1_epochs and labelreg.temperature: akd needs 1 <= phase-I epochs "
+                              f"<= finetune.epochs={f.epochs} and τ_max >= 1, got {lr.akd_phase1_epochs} and "
+                              f"{lr.temperature}")
+        if lr.target in ("kd", "selfkd", "akd") and not lr.teacher:
             raise ConfigError(f"labelreg.teacher: required with labelreg.target={lr.target} "
                               "(a fine-tuned classifier directory)")
         if t.num_labels == 1 and (lr.target != "onehot" or self.soteacher.enabled or self.tgt.enabled):
@@ -180,6 +187,7 @@ class FinetuneConfig:
             raise ConfigError("soteacher.student.path: required with soteacher.student.init=pretrained")
         g = self.tgt
         _check_choice("tgt.mode", g.mode, ("random", "gradient"))
+        _check_choice("tgt.ascent", g.ascent, ("paper", "normalized"))
         if g.enabled and not (g.generator and g.labeler):
             raise ConfigError("tgt.generator and tgt.labeler: both are required with tgt.enabled=true")
         if not 0.0 < g.mask_prob < 1.0:

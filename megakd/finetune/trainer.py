@@ -44,7 +44,7 @@ from megakd.finetune.models import (
     save_classifier,
 )
 from megakd.models.electra import SequenceClassifier
-from megakd.objectives.label_reg import TEACHER_TARGETS, label_reg_loss
+from megakd.objectives.label_reg import TEACHER_TARGETS, akd_temperature, annealing_kd_loss, label_reg_loss
 
 log = logging.getLogger(__name__)
 
@@ -82,13 +82,18 @@ class LabelRegObjective:
     def loss(self, model: SequenceClassifier, batch: dict[str, Tensor], epoch: int
              ) -> tuple[Tensor, Tensor, dict[str, float]]:
         logits = model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
-        return self.loss_from_logits(logits, batch), logits, {}
+        return self.loss_from_logits(logits, batch, epoch), logits, {}
 
-    def loss_from_logits(self, logits: Tensor, batch: dict[str, Tensor]) -> Tensor:
+    def loss_from_logits(self, logits: Tensor, batch: dict[str, Tensor], epoch: int = 0) -> Tensor:
         if self.num_labels == 1:
             return F.mse_loss(logits.squeeze(-1), batch["labels"])
         c = self.cfg
         teacher = None if self.teacher_logits is None else self.teacher_logits[batch["row"]]
+        if c.target == "akd":
+            temperature = akd_temperature(epoch, c.akd_phase1_epochs, c.temperature)
+            if temperature is None:  # phase II
+                return F.cross_entropy(logits, batch["labels"])
+            return annealing_kd_loss(logits, teacher, temperature, c.temperature)
         return label_reg_loss(logits, batch["labels"], c.target, alpha=c.alpha, a=c.a, temperature=c.temperature,
                               tau_squared=c.tau_squared, teacher_logits=teacher)
 
@@ -249,9 +254,16 @@ def run_finetune(cfg: FinetuneConfig) -> dict:
 
 
 def check_same_architecture(model: SequenceClassifier, teacher_dir: str) -> None:
-    """Self-KD's teacher is a fine-tuned copy of the student: same encoder shape."""
+    """Self-KD's teacher is a fine-tuned copy of the student: same encoder shape (one line naming both if not)."""
     teacher, _ = load_classifier(teacher_dir)
     shape = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if shape != {k: tuple(v.shape) for k, v in teacher.state_dict().items()}:
-        raise ConfigError(f"labelreg.teacher: {teacher_dir} is not the student's architecture "
-                          "(labelreg.target=selfkd needs a fine-tuned copy of the same model; use kd)")
+        raise ConfigError(f"labelreg.teacher: {teacher_dir} is {_architecture(teacher)}, the student "
+                          f"{_architecture(model)} (labelreg.target=selfkd needs a fine-tuned copy of the "
+                          "student's architecture; use kd for another model)")
+
+
+def _architecture(model: SequenceClassifier) -> str:
+    c = model.config
+    return (f"{c.num_layers} layers x {c.hidden_size} hidden ({c.num_heads} heads, FFN {c.intermediate_size}, "
+            f"embeddings {c.embed_dim}, vocab {c.vocab_size}, {c.position_encoding}, {model.num_labels} labels)")

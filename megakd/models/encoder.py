@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 POSITION_ENCODINGS = ("absolute", "t5_relative")
 INITS = ("normal", "admin")
+ADMIN_PROFILES = ("reference", "bert")
 
 
 @dataclass
@@ -38,6 +39,8 @@ class EncoderConfig:
     layer_norm_eps: float = 1e-12
     initializer_range: float = 0.02
     init: str = "normal"  # "normal" (BERT/HF init) | "admin"
+    admin_profile: str = "reference"  # init=admin: "reference" (Xavier layers, profiled in train mode, as the
+    # Admin authors' code) | "bert" (BERT's N(0, 0.02) layers, profiled in eval mode on real tokens); models/admin.py
     activation_checkpointing: bool = False
     pad_token_id: int = 0
 
@@ -68,6 +71,8 @@ class EncoderConfig:
                                  f"= {self.relative_buckets // 4}, got {self.relative_max_distance}")
         if self.init not in INITS:
             raise ValueError(f"model.init: expected one of {INITS}, got {self.init!r}")
+        if self.admin_profile not in ADMIN_PROFILES:
+            raise ValueError(f"model.admin_profile: expected one of {ADMIN_PROFILES}, got {self.admin_profile!r}")
         for name in ("dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"model.{name}: expected a probability in [0, 1), got {getattr(self, name)}")
@@ -91,6 +96,24 @@ def init_weights(module: nn.Module, std: float) -> None:
     elif isinstance(module, nn.LayerNorm):
         nn.init.ones_(module.weight)
         nn.init.zeros_(module.bias)
+
+
+def xavier_init_layer(layer: nn.Module) -> None:
+    """The Admin reference's (fairseq) layer init: Xavier-uniform weights, zero biases.
+
+    fairseq holds query, key and value in one [3H, H] matrix initialised as a whole, so each of
+    the three gets the bound sqrt(6 / (H + 3H)); the attention output and the FFN matrices are
+    Xavier-uniform on their own shapes.
+    """
+    attention = layer.attention
+    for linear in (attention.query, attention.key, attention.value):
+        bound = math.sqrt(6.0 / (linear.in_features + 3 * linear.out_features))
+        nn.init.uniform_(linear.weight, -bound, bound)
+    for linear in (attention.output, layer.ffn.fc_in, layer.ffn.fc_out):
+        nn.init.xavier_uniform_(linear.weight)
+    for linear in (attention.query, attention.key, attention.value, attention.output, layer.ffn.fc_in,
+                   layer.ffn.fc_out):
+        nn.init.zeros_(linear.bias)
 
 
 class Embeddings(nn.Module):
@@ -257,6 +280,9 @@ class Encoder(nn.Module):
         self.layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.num_layers))
         for module in self.modules():
             init_weights(module, config.initializer_range)
+        if config.init == "admin" and config.admin_profile == "reference":
+            for layer in self.layers:
+                xavier_init_layer(layer)
 
     def embed(self, input_ids: Tensor) -> Tensor:
         """Word-embedding lookup [B, L, E]: what `forward(inputs_embeds=...)` expects (HF semantics)."""

@@ -8,7 +8,11 @@
   layer's output, so they contribute 0 as well.
 - ℓ_CR is the squared error between this epoch's probabilities and the running mean of the same
   example's probabilities from earlier epochs (summed over classes, batch mean).
-- λ_CR(t) follows one of four schedules over epochs t ∈ [0, T].
+- λ_CR(t) follows one of four schedules over the epoch number t = 1..T (T epochs). The papers
+  write λ_CR(t) = (t/T)·λ_max, "linearly interpolated from 0 to its maximum", and the piecewise
+  schedule's intervals (0, T/3], (T/3, 2T/3], (2T/3, T] cover t = 1..T but not 0: the epoch number
+  is 1-based, so the last epoch trains with exactly λ_max under every schedule. (Epoch 1 has no
+  earlier prediction to be consistent with, so its CR term is skipped whatever its weight.)
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ def consistency_loss(probs: Tensor, targets: Tensor, has_target: Tensor) -> Tens
 
 
 def cr_weight(schedule: str, t: float, total: float, lam_max: float) -> float:
-    """λ_CR(t) for epoch t of T (SPEC §3.2); every schedule is 0 at t = 0 and λ_max at t = T."""
+    """λ_CR(t) for the 1-based epoch number t of T; every schedule is 0 at t = 0 and λ_max at t = T."""
     if schedule not in CR_SCHEDULES:
         raise ValueError(f"soteacher.cr_schedule: expected one of {', '.join(CR_SCHEDULES)}, got {schedule!r}")
     r = min(max(t / total, 0.0), 1.0)
@@ -51,3 +55,8 @@ def cr_weight(schedule: str, t: float, total: float, lam_max: float) -> float:
     if r <= 1 / 3:
         return 0.0
     return lam_max / 2 if r <= 2 / 3 else lam_max
+
+
+def cr_weight_for_epoch(schedule: str, epoch: int, num_epochs: int, lam_max: float) -> float:
+    """λ_CR of the 0-based training epoch `epoch` of `num_epochs`: the last epoch gets λ_max."""
+    return cr_weight(schedule, epoch + 1, num_epochs, lam_max)

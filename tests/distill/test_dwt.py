@@ -241,3 +241,21 @@ def test_teacher_from_run_hf_dir_and_model_dir_is_the_same_model(tiny_data, tmp_
         torch.testing.assert_close(loaded.model.logits(ids), reference.model.logits(ids), rtol=1e-5, atol=1e-5)
     with pytest.raises(ConfigError, match="holds a megakd .masked_lm. model; expected an ELECTRA discriminator"):
         load_pretrained(teacher_run, "discriminator", "distill.teacher")
+
+
+@pytest.mark.parametrize("recipe,teacher_layers,alpha_soft", [
+    ("dwt-weak", 4, (1.0, 1.0)),  # the paper's +1.44 / −1.37 / −2.76 came from constant α_h:α_s = 1:1
+    ("dwt-very-weak", 2, (1.0, 1.0)),
+    ("dwt-extremely-weak", 1, (1.0, 1.0)),
+    ("dwt-weak-strong", 4, (4.0, 4.0)),  # "Strong" = constant 1:4
+    ("dwt-weak-4to1", 4, (4.0, 1.0)),  # the recommended (never run) decay, its own recipe
+])
+def test_dwt_recipes_use_the_papers_loss_weights(recipe, teacher_layers, alpha_soft):
+    cfg = load_config(f"configs/{recipe}.yaml")
+    d, steps = cfg.distill, cfg.train.max_steps
+    assert d.alpha_hard == 1.0 and d.init == "random" and d.teacher == f"runs/dwt-teacher-{teacher_layers}l"
+    schedule = [alpha_schedule(d.alpha_schedule, d.alpha_soft_start, d.alpha_soft_end, s, steps, d.alpha_step_at)
+                for s in range(steps)]
+    assert (schedule[0], schedule[-1]) == alpha_soft
+    assert schedule == sorted(schedule, reverse=True)  # constant or decaying, never rising
+    assert cfg.model.generator.num_layers == 6 and cfg.model.objective == "mlm"  # the 6-layer student

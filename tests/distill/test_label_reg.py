@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -121,3 +123,99 @@ def test_teacher_gets_no_gradient_and_missing_teacher_is_an_error():
         label_reg_loss(logits, labels, "kd", alpha=0.5)
     with pytest.raises(ValueError, match="labelreg.target"):
         label_reg_loss(logits, labels, "mixup")
+
+
+def test_annealing_kd_schedule_and_loss_match_float64_reference():
+    """Table 11's setting (τ_max 10, 20 phase-I epochs, 30 in all): T falls 10 → 1 over phase I, Φ(T) =
+    1 − (T − 1)/τ_max scales the teacher's logits, phase II is CE on the labels."""
+    from megakd.finetune.config import LabelRegConfig
+    from megakd.finetune.trainer import LabelRegObjective
+    from megakd.objectives.label_reg import akd_temperature, annealing_kd_loss
+
+    temperatures = [akd_temperature(e, 20, 10.0) for e in range(30)]
+    assert temperatures[0] == 10.0 and temperatures[19] == 1.0 and temperatures[20:] == [None] * 10
+    assert temperatures[:20] == pytest.approx([10.0 - 9.0 * e / 19 for e in range(20)], rel=0, abs=1e-15)
+    assert akd_temperature(0, 1, 10.0) == 1.0  # one phase-I epoch: straight to the teacher's logits
+
+    logits, teacher, labels = _inputs(3)
+    cfg = LabelRegConfig(target="akd", temperature=10.0, akd_phase1_epochs=20, teacher="t")
+    objective = LabelRegObjective(cfg, K, teacher)
+    batch = {"labels": labels, "row": torch.arange(len(labels))}
+    z, zt = logits.numpy(), teacher.numpy()
+    for epoch in (0, 7, 19):
+        t = 10.0 - 9.0 * epoch / 19
+        phi = 1 - (t - 1) / 10
+        ref = sum(sum((z[i, k] - phi * zt[i, k]) ** 2 for k in range(K)) for i in range(len(z))) / len(z)
+        assert annealing_kd_loss(logits, teacher, t, 10.0).item() == pytest.approx(ref, rel=1e-13)
+        assert objective.loss_from_logits(logits, batch, epoch).item() == pytest.approx(ref, rel=1e-13)
+    assert objective.loss_from_logits(logits, batch, 19).item() == pytest.approx(
+        ((z - zt) ** 2).sum(-1).mean(), rel=1e-13)  # T = 1: regress onto the teacher's own logits
+    assert objective.loss_from_logits(logits, batch, 25).item() == pytest.approx(
+        _reference(logits, labels, "onehot"), rel=1e-13)  # phase II
+    with pytest.raises(ValueError, match="akd"):
+        label_reg_loss(logits, labels, "akd", teacher_logits=teacher)
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["labelreg.akd_phase1_epochs=0"], "akd_phase1_epochs"),
+    (["labelreg.akd_phase1_epochs=4"], "akd_phase1_epochs"),  # more than finetune.epochs=3
+    (["labelreg.akd_phase1_epochs=2", "labelreg.temperature=0.5"], "temperature"),
+])
+def test_annealing_kd_config_is_checked(overrides, match):
+    from megakd.config import ConfigError, load_config
+    from megakd.finetune.config import FinetuneConfig
+
+    base = ["model.path=x", "labelreg.target=akd", "labelreg.teacher=t", "finetune.epochs=3"]
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, [*base, *overrides], cls=FinetuneConfig)
+    load_config(None, [*base, "labelreg.akd_phase1_epochs=2", "labelreg.temperature=10"], cls=FinetuneConfig)
+
+
+def _classifier(layers: int, hidden: int, seed: int = 0):
+    from megakd.models.electra import SequenceClassifier
+    from megakd.models.encoder import EncoderConfig
+    from tests.helpers import TINY_VOCAB
+
+    torch.manual_seed(seed)
+    return SequenceClassifier(EncoderConfig(vocab_size=TINY_VOCAB, hidden_size=hidden, num_layers=layers, num_heads=2,
+                                            intermediate_size=2 * hidden, max_position_embeddings=32), 2)
+
+
+def test_selfkd_teacher_must_have_the_students_architecture(tiny_data, tmp_path):
+    from megakd.config import ConfigError
+    from megakd.data.tokenizer import Tokenizer
+    from megakd.finetune.models import save_classifier
+    from megakd.finetune.trainer import check_same_architecture
+
+    tokenizer = Tokenizer.load(tiny_data[0])
+    student = _classifier(2, 16)
+    same = save_classifier(_classifier(2, 16, seed=1), tokenizer, tmp_path / "same")
+    other = save_classifier(_classifier(1, 24), tokenizer, tmp_path / "other")
+    check_same_architecture(student, str(same))  # a fine-tuned copy: accepted
+    with pytest.raises(ConfigError) as err:
+        check_same_architecture(student, str(other))
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(f"labelreg.teacher: {other} is 1 layers x 24 hidden")
+    assert "the student 2 layers x 16 hidden" in message and "use kd" in message
+
+
+@pytest.mark.slow
+def test_annealing_kd_and_selfkd_refusal_through_the_cli(tiny_electra_run, tiny_data, tmp_path):
+    from megakd.cli import main
+    from megakd.data.tokenizer import Tokenizer
+    from megakd.finetune.models import save_classifier
+
+    student_path = tiny_electra_run / "hf" / "discriminator"
+    teacher = save_classifier(_classifier(1, 24), Tokenizer.load(tiny_data[0]), tmp_path / "teacher")
+    common = ["finetune", "-c", "configs/finetune-rt.yaml", f"model.path={student_path}", "run.progress_bar=false",
+              "task.max_train_examples=16", "task.max_dev_examples=8", "finetune.max_seq_len=32",
+              "finetune.batch_size=8", "finetune.epochs=3", "finetune.seeds=[0]", "finetune.log_every=1",
+              f"labelreg.teacher={teacher}"]
+    run = tmp_path / "akd"
+    assert main([*common, f"run.dir={run}", "labelreg.target=akd", "labelreg.temperature=10",
+                 "labelreg.akd_phase1_epochs=2"]) == 0
+    losses = json.loads((run / "seed_0" / "result.json").read_text())["train_loss"]
+    assert len(losses) == 3 and np.isfinite(losses).all()
+    bad = tmp_path / "selfkd"
+    assert main([*common, f"run.dir={bad}", "labelreg.target=selfkd", "labelreg.alpha=0.5"]) == 2
+    assert not (bad / "seed_0" / "result.json").exists()

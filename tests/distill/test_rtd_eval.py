@@ -103,3 +103,27 @@ def test_cli_writes_the_report_and_rejects_bad_models(tiny_data, models, tmp_pat
     mlm = save_model_dir(ckpt.generator, "masked_lm", tmp_path / "mlm", tokenizer_dir=ckpt.tokenizer_dir)
     with pytest.raises(ConfigError, match="--discriminator=.*expected an ELECTRA discriminator"):
         evaluate_rtd(run, [mlm], tiny_data[1])
+
+
+def test_standalone_generator_recipes_are_4_layer_mlms_with_the_discriminators_width():
+    for recipe, parent in (("rtd-generator-base", "electra-base"), ("rtd-generator-tiny", "electra-tiny")):
+        cfg, base = load_config(f"configs/{recipe}.yaml"), load_config(f"configs/{parent}.yaml")
+        g, d = cfg.model.generator, base.model.discriminator
+        assert cfg.model.objective == "mlm" and g.num_layers == 4
+        assert (g.hidden_size, g.num_heads, g.intermediate_size, g.vocab_size, g.position_encoding, g.init) == \
+            (d.hidden_size, d.num_heads, d.intermediate_size, d.vocab_size, d.position_encoding, d.init)
+        assert cfg.train.max_steps == base.train.max_steps and cfg.data == base.data
+
+
+def test_a_standalone_generator_run_scores_discriminators(tiny_data, models, tmp_path, capsys):
+    run, other = models
+    generator = tmp_path / "rtd-generator"
+    run_pretraining(load_config("configs/rtd-generator-tiny.yaml", tiny_overrides(
+        tiny_data, generator, **{"train.max_steps": 2, "run.export_hf": "false", "model.generator.num_layers": 4})))
+    assert load_checkpoint(resolve_checkpoint(generator)).generator.config.num_layers == 4
+    assert cli_main(["eval-rtd", "--generator", str(generator), "--discriminator", str(run), str(other),
+                     "--shards", str(tiny_data[1]), "--batches", "2", "--batch-size", "4"]) == 0
+    scores = json.loads(capsys.readouterr().out)["discriminators"]
+    assert [s["path"] for s in scores] == [str(run), str(other)] and all(0 <= s["f1"] <= 1 for s in scores)
+    direct = evaluate_rtd(generator, [run, other], tiny_data[1], num_batches=2, batch_size=4)
+    assert scores == json.loads(json.dumps(direct["discriminators"]))

@@ -18,7 +18,7 @@ from megakd.finetune.config import SoTeacherConfig
 from megakd.finetune.models import load_classifier
 from megakd.models.electra import SequenceClassifier
 from megakd.models.encoder import EncoderConfig
-from megakd.objectives.soteacher import consistency_loss, cr_weight, lipschitz_penalty
+from megakd.objectives.soteacher import consistency_loss, cr_weight, cr_weight_for_epoch, lipschitz_penalty
 
 ROOT = Path(__file__).parents[2]
 
@@ -65,6 +65,19 @@ def test_lipschitz_penalty_and_gradient_match_float64_reference():
 ])
 def test_cr_weight_schedules(schedule, t, total, expected):
     assert cr_weight(schedule, t, total, 2.0) == pytest.approx(2.0 * expected, abs=1e-15)
+
+
+@pytest.mark.parametrize("schedule", ["linear", "cosine", "cyclic", "piecewise"])
+@pytest.mark.parametrize("num_epochs", [1, 2, 3, 5, 20])
+def test_last_training_epoch_reaches_lambda_max(schedule, num_epochs):
+    """Training epochs are 0-based; the papers' t is the 1-based epoch number, so epoch T−1 has λ_max."""
+    weights = [cr_weight_for_epoch(schedule, e, num_epochs, 2.0) for e in range(num_epochs)]
+    assert weights[-1] == 2.0
+    assert all(0.0 <= w <= 2.0 for w in weights) and weights == sorted(weights)
+    if schedule == "linear":  # (t/T)·λ_max at t = epoch + 1, in float64
+        assert weights == pytest.approx([(e + 1) / num_epochs * 2.0 for e in range(num_epochs)], rel=0, abs=1e-15)
+    if schedule == "piecewise" and num_epochs == 5:  # t = 1 | 2, 3 | 4, 5 in (0, 5/3], (5/3, 10/3], (10/3, 5]
+        assert weights == [0.0, 1.0, 1.0, 2.0, 2.0]
 
 
 def test_cr_weight_rejects_unknown_schedule():
@@ -132,8 +145,8 @@ def test_objective_records_its_predictions_and_skips_cr_in_epoch_zero(tmp_path):
         else:
             prev = torch.stack(probs).mean(0)
             cr = ((p - prev) ** 2).sum(-1).mean().item()
-            assert logs["lambda_cr"] == pytest.approx(epoch / 3)
-            assert loss.item() == pytest.approx(ce + 1e-3 * lip + epoch / 3 * cr, rel=1e-5)
+            assert logs["lambda_cr"] == pytest.approx((epoch + 1) / 3)  # 1-based epoch number: λ_max at the end
+            assert loss.item() == pytest.approx(ce + 1e-3 * lip + (epoch + 1) / 3 * cr, rel=1e-5)
         probs.append(p)
         loss.backward()
         with torch.no_grad():  # move the model so the predictions differ between epochs

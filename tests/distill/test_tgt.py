@@ -65,9 +65,10 @@ def test_random_mode_changes_only_masked_positions(parts):
     assert not torch.equal(mask, other_mask)
 
 
-def test_gradient_ascent_step_increases_the_disagreement(parts):
+def test_normalized_ascent_step_increases_the_disagreement(parts):
     tok, mlm, student, labeler, batch = parts
-    gen = TeacherGenerator(mlm, tok, TGTConfig(mode="gradient", mask_prob=0.3, step_size=1e-2), seed=0)
+    cfg = TGTConfig(mode="gradient", ascent="normalized", mask_prob=0.3, step_size=1e-2)
+    gen = TeacherGenerator(mlm, tok, cfg, seed=0)
     mask = gen.mask(batch, 0)
     e0 = gen.start_embeddings(batch, mask)
     e1 = gen.ascend(e0, batch, mask, student, labeler)
@@ -81,6 +82,55 @@ def test_gradient_ascent_step_increases_the_disagreement(parts):
     out, mask = gen.gradient(batch, 0, student, labeler)
     assert torch.equal(out[~mask], batch["input_ids"][~mask]) and ((out >= 0) & (out < TINY_VOCAB)).all()
     assert student.training  # searched in eval mode, training mode restored
+
+
+def test_paper_ascent_is_the_straight_through_gradient_of_the_soft_label_ce(parts):
+    """Paper mode: forward on the discrete argmax decoding, e ← e + η·∇Σ H(h, f) with the straight-through
+    gradient, checked against an independent float64 reference R(e) whose autograd gradient at e0 is that
+    estimator: the decoded tokens' embedding rows plus (π(e) − π(e0))·W_emb."""
+    tok, mlm, student, labeler, batch = parts
+    eta = 1e-3
+    gen = TeacherGenerator(mlm, tok, TGTConfig(mode="gradient", mask_prob=0.3, step_size=eta), seed=0)
+    assert gen.cfg.ascent == "paper"  # the default
+    mask = gen.mask(batch, 0)
+    e0 = gen.start_embeddings(batch, mask).detach()
+    am, tt, ids = batch["attention_mask"], batch["token_type_ids"], batch["input_ids"]
+
+    def pi(e):  # the MLM head (transform, then the tied decoder) at the masked positions
+        return F.softmax(mlm.head(mlm(attention_mask=am, token_type_ids=tt, inputs_embeds=e)[mask]), -1)
+
+    pi0 = pi(e0).detach()
+    decoded = ids.clone()
+    decoded[mask] = pi0.argmax(-1)  # x̃ = argmax Dec(e0) at the masked positions
+
+    def reference(e):
+        def logits(model):
+            rows = model.encoder.embeddings.word_embeddings(decoded)
+            rows = rows + torch.zeros_like(rows).masked_scatter(
+                mask[..., None], (pi(e) - pi0) @ model.encoder.embeddings.word_embeddings.weight)
+            return model(attention_mask=am, token_type_ids=tt, inputs_embeds=rows)
+
+        h = F.softmax(logits(labeler), -1)
+        return -(h * F.log_softmax(logits(student), -1)).sum()
+
+    # forward = the discrete tokens: J(e0) is Σ H(h(x̃), f(x̃)) of the models run on the token ids
+    with torch.no_grad():
+        discrete = -(F.softmax(labeler(decoded, am, tt), -1) * F.log_softmax(student(decoded, am, tt), -1)).sum()
+    j0 = gen.disagreement(e0, batch, mask, student, labeler)
+    assert j0.item() == pytest.approx(discrete.item(), rel=1e-12)
+
+    e = e0.clone().requires_grad_(True)
+    (g_ref,) = torch.autograd.grad(reference(e), e)
+    assert g_ref[~mask].abs().sum() > 0  # the gradient reaches unmasked positions through the MLM's attention
+    e1 = gen.ascend(e0, batch, mask, student, labeler)
+    torch.testing.assert_close(e1 - e0, eta * g_ref, rtol=1e-9, atol=1e-15)  # unnormalized: η·∇
+    # the reference's gradient is right (central differences) and the step raises it to first order
+    unit, eps = g_ref / g_ref.norm(), 1e-4
+    with torch.no_grad():
+        directional = (reference(e0 + eps * unit) - reference(e0 - eps * unit)) / (2 * eps)
+        assert directional.item() == pytest.approx(g_ref.norm().item(), rel=1e-4)
+        assert reference(e0 + 1e-2 * unit) > reference(e0)
+    assert all(p.grad is None for p in [*student.parameters(), *labeler.parameters(), *mlm.parameters()])
 
 
 def test_objective_is_ce_plus_soft_labels_on_real_and_generated(parts):

@@ -23,8 +23,8 @@ def params_after(tiny_data, tmp_path_factory):
     """Parameters after STEPS steps for (λ, decoupled, clip, ε); each setting is trained once per module."""
     cache: dict = {}
 
-    def get(lam: float, decoupled: bool, clip: float, eps: float) -> dict:
-        key = (lam, decoupled, clip, eps)
+    def get(lam: float, decoupled: bool, clip: float, eps: float, joint_clip: str = "weighted") -> dict:
+        key = (lam, decoupled, clip, eps, joint_clip)
         if key not in cache:
             cache[key] = _params_after(tiny_data, tmp_path_factory.mktemp("lambda"), *key)
         return cache[key]
@@ -32,9 +32,11 @@ def params_after(tiny_data, tmp_path_factory):
     return get
 
 
-def _params_after(tiny_data, tmp_path, lam: float, decoupled: bool, clip: float, eps: float) -> dict:
+def _params_after(tiny_data, tmp_path, lam: float, decoupled: bool, clip: float, eps: float,
+                  joint_clip: str = "weighted") -> dict:
     overrides = tiny_overrides(tiny_data, tmp_path / f"run-{lam}-{decoupled}-{clip}", **{
         "electra.loss_weight": lam, "electra.decoupled": decoupled, "train.max_steps": STEPS,
+        "optim.joint_clip": joint_clip,
         "optim.generator.clip_norm": clip, "optim.discriminator.clip_norm": clip,
         "optim.generator.eps": eps, "optim.discriminator.eps": eps,
         "model.generator.embedding_size": 32, "model.discriminator.embedding_size": 32,
@@ -90,3 +92,30 @@ def test_lambda_matters_with_shared_embeddings(params_after):
     shared_key = "electra.generator.encoder.embeddings.word_embeddings.weight"
     assert (a[shared_key] - b[shared_key]).abs().max() > 1e-3
     assert torch.isfinite(a[shared_key]).all()
+
+
+def test_joint_unweighted_clip_is_the_weighted_clip_at_lambda_times_the_norm(params_after):
+    """optim.joint_clip=unweighted bounds ∇(L_MLM/λ + L_RTD) by clip_norm, i.e. ∇(L_MLM + λ·L_RTD) by
+    λ·clip_norm: the same run as `weighted` with a λ-times threshold, and a different one at the same threshold."""
+    lam = 10.0
+    unweighted = params_after(lam, False, 0.05, 1e-6, "unweighted")
+    assert _max_diff(unweighted, params_after(lam, False, 0.05 * lam, 1e-6, "weighted")) < 1e-9
+    assert _max_diff(unweighted, params_after(lam, False, 0.05, 1e-6, "weighted")) > 1e-4
+
+
+def test_joint_mode_says_that_optim_generator_is_ignored(tiny_data, tmp_path, caplog):
+    from megakd.engine.pretrain import build_models, build_units
+
+    for decoupled in (True, False):
+        caplog.clear()
+        cfg = load_config("configs/electra-tiny.yaml", tiny_overrides(tiny_data, tmp_path, **{
+            "electra.decoupled": decoupled, "optim.generator.clip_norm": 1.0}))
+        with caplog.at_level("WARNING", logger="megakd.engine.pretrain"):
+            build_units(cfg, *build_models(cfg))
+        warnings = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
+        if decoupled:
+            assert warnings == []
+        else:  # tiny_overrides sets optim.generator.lr=2e-3; the recipe default is 2e-4
+            assert len(warnings) == 1 and "\n" not in warnings[0]
+            assert "optim.generator.lr=0.002" in warnings[0] and "optim.generator.clip_norm=1.0" in warnings[0]
+            assert "optim.discriminator" in warnings[0]

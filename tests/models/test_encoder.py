@@ -157,7 +157,7 @@ def test_activation_checkpointing_gives_identical_loss_and_gradients(position_en
 @pytest.mark.parametrize("position_encoding", ["absolute", "t5_relative"])
 def test_admin_profiling_sets_omega_from_branch_variances(position_encoding: str) -> None:
     torch.manual_seed(0)
-    model = MaskedLM(tiny(init="admin", position_encoding=position_encoding, embedding_size=16))
+    model = MaskedLM(tiny(init="admin", admin_profile="bert", position_encoding=position_encoding, embedding_size=16))
     encoder = model.encoder
     input_ids, mask, token_types = padded_batch(61)
     omegas = admin_initialize(encoder, input_ids, mask, token_types)
@@ -184,6 +184,67 @@ def test_admin_profiling_sets_omega_from_branch_variances(position_encoding: str
     assert expected[0] != pytest.approx(1.0, abs=0.05)  # the profiling really changed something
     assert torch.isfinite(hidden).all()
     assert torch.isfinite(model.logits(input_ids, mask, token_types)).all()
+
+
+@pytest.mark.parametrize("position_encoding", ["absolute", "t5_relative"])
+def test_admin_reference_profile_matches_the_reference_recursion_in_float64(position_encoding: str) -> None:
+    """`reference`: Xavier layers, training mode (dropout on), every position; ω_1 = 1 and
+    ω_{i+1} = sqrt(Var[ω_i·x_{i−1}] + Var[f_i]), rebuilt here from a replay with the same dropout masks."""
+    torch.manual_seed(0)
+    config = tiny(init="admin", position_encoding=position_encoding, dropout=0.2, attention_dropout=0.1)
+    assert config.admin_profile == "reference"  # the default
+    encoder = Encoder(config).double()
+    hidden = config.hidden_size
+    for layer in encoder.layers:  # Xavier-uniform bounds: q/k/v as one [3H, H] matrix, the others their own
+        a, f = layer.attention, layer.ffn
+        for linear, bound in ((a.query, math.sqrt(6 / (4 * hidden))), (a.value, math.sqrt(6 / (4 * hidden))),
+                              (a.output, math.sqrt(6 / (2 * hidden))),
+                              (f.fc_in, math.sqrt(6 / (hidden + config.intermediate_size)))):
+            w = linear.weight.detach()
+            assert w.abs().max() <= bound and w.abs().max() > 0.9 * bound
+            assert w.std().item() == pytest.approx(bound / math.sqrt(3), rel=0.1)
+            assert torch.count_nonzero(linear.bias) == 0
+    input_ids, mask, token_types = padded_batch(61)
+    encoder.eval()  # the profile must switch to training mode by itself
+    torch.manual_seed(5)
+    before = torch.rand(3)
+    torch.manual_seed(5)
+    omegas = admin_initialize(encoder, input_ids, mask, token_types, seed=123)
+    assert not encoder.training
+    assert torch.equal(torch.rand(3), before)  # the caller's RNG stream is untouched
+
+    inputs: list[torch.Tensor] = []  # x_{i−1} of every sublayer, then its branch output f_i (after dropout)
+    branches: list[torch.Tensor] = []
+    for layer in encoder.layers:
+        layer.attention.register_forward_pre_hook(lambda m, args: inputs.append(args[0]))
+        layer.ffn.register_forward_pre_hook(lambda m, args: inputs.append(args[0]))
+        layer.dropout.register_forward_hook(lambda m, a, out: branches.append(out))
+    encoder.train()
+    torch.manual_seed(123)  # the same dropout masks, drawn in the same order
+    with torch.no_grad():
+        encoder(input_ids, mask, token_types)
+    actual = [p for layer in encoder.layers for p in (layer.attention_omega, layer.ffn_omega)]
+    expected, ratio = [], 1.0
+    for omega, x, f in zip(actual, inputs, branches):
+        expected.append(ratio)
+        kept = (omega.detach() * x).flatten()  # padding positions included, as the reference's view(-1)
+        ratio = math.sqrt(kept.var(unbiased=False).item() + f.flatten().var(unbiased=False).item())
+    assert len(expected) == 2 * config.num_layers and expected[0] == 1.0
+    for got, want in zip(actual, expected):
+        torch.testing.assert_close(got, torch.full_like(got, want), rtol=1e-12, atol=0)
+    assert omegas == pytest.approx(expected, rel=1e-12)
+    assert all(b > a for a, b in zip(expected, expected[1:]))
+
+    # the bert profile of the same weights differs (eval mode, real tokens only, Var[x_0] + Σ Var[f])
+    bert = Encoder(tiny(init="admin", admin_profile="bert", position_encoding=position_encoding, dropout=0.2,
+                        attention_dropout=0.1)).double()
+    bert.load_state_dict(encoder.state_dict())
+    assert admin_initialize(bert, input_ids, mask, token_types)[-1] != pytest.approx(omegas[-1], rel=1e-3)
+
+
+def test_admin_profile_is_validated() -> None:
+    with pytest.raises(ValueError, match="model.admin_profile"):
+        tiny(init="admin", admin_profile="fairseq").validate()
 
 
 def test_admin_initialize_refuses_normal_init() -> None:

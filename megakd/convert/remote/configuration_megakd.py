@@ -11,7 +11,7 @@ ENCODER_FIELDS = (
     "vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size", "embedding_size",
     "max_position_embeddings", "type_vocab_size", "position_encoding", "relative_buckets",
     "relative_max_distance", "dropout", "attention_dropout", "layer_norm_eps", "initializer_range", "init",
-    "pad_token_id",
+    "admin_profile", "pad_token_id",
 )
 
 
@@ -36,6 +36,7 @@ class MegakdConfig(PretrainedConfig):
         layer_norm_eps=1e-12,
         initializer_range=0.02,
         init="normal",
+        admin_profile="reference",
         pad_token_id=0,
         classifier_dropout=None,
         **kwargs,
@@ -56,6 +57,7 @@ class MegakdConfig(PretrainedConfig):
         self.layer_norm_eps = layer_norm_eps
         self.initializer_range = initializer_range
         self.init = init
+        self.admin_profile = admin_profile
         self.classifier_dropout = classifier_dropout
         # Names HF utilities look for (pipelines, Trainer, generation of attention masks).
         self.num_hidden_layers = num_layers

@@ -1,0 +1,49 @@
+"""`megakd repro`: the report's structure (quick mode; the verdicts are not checked), and section merging."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from megakd.cli import main
+from megakd.repro.report import VERDICTS, FindingReport, write_section
+
+
+def _report(name: str, verdict: str = "inconclusive") -> FindingReport:
+    return FindingReport(name=name, title=f"finding {name}", paper="claim", setup="ran it", columns=["a", "b"],
+                         rows=[["1", "2"]], verdict=verdict, reason="because")
+
+
+def test_sections_are_replaced_in_place_and_others_kept(tmp_path):
+    out = tmp_path / "docs" / "REPRODUCTION.md"
+    write_section(_report("first"), out)
+    write_section(_report("second"), out)
+    write_section(_report("first", "reproduced"), out)
+    text = out.read_text()
+    assert text.startswith("# Reproduction report")
+    assert text.count("<!-- finding:first -->") == 1 and text.count("<!-- finding:second -->") == 1
+    assert text.index("finding:first") < text.index("finding:second")  # replaced where it was
+    assert "**Verdict: reproduced.**" in text and "**Verdict: inconclusive.**" in text
+    with pytest.raises(ValueError, match="verdict"):
+        _report("x", "sort of").markdown()
+
+
+@pytest.mark.slow
+def test_quick_lambda_finding_writes_its_section(tmp_path):
+    out = tmp_path / "docs" / "REPRODUCTION.md"
+    write_section(_report("other"), out)  # an existing section of another finding survives
+    assert main(["repro", "lambda", "--quick", "--out", str(out), "--work", str(tmp_path / "work")]) == 0
+    text = out.read_text()
+    assert "<!-- finding:other -->" in text
+    section = re.search(r"<!-- finding:lambda -->(.*)<!-- /finding:lambda -->", text, re.DOTALL).group(1)
+    for part in ("**Paper.**", "**Setup.**", "`megakd repro lambda --quick`", "**Measured.**"):
+        assert part in section, part
+    rows = [line for line in section.splitlines() if line.startswith("| ") and "±" in line]
+    modes = ("DecoupledOptim", "DecoupledOptim, ε=1e-30", "original ELECTRA")
+    assert [tuple(r.split(" | ")[:2]) for r in rows] == [(f"| {m}", lam) for m in modes for lam in ("10", "50")]
+    assert all(cell.count("±") == 1 for r in rows for cell in r.strip("| ").split(" | ")[2:])
+    verdict = re.search(r"\*\*Verdict: (.+?)\.\*\* \S", section).group(1)
+    assert verdict in VERDICTS
+    assert (out.parent / "repro" / "lambda.png").stat().st_size > 0 and "![lambda](repro/lambda.png)" in section
+    assert not any((tmp_path / "work").iterdir())  # scratch runs removed

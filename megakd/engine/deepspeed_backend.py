@@ -147,7 +147,7 @@ class DeepSpeedBackend(DDPBackend):
                 hint = " (written by the single/ddp backend?)" if (directory / f"{unit.name}{WEIGHTS_SUFFIX}").is_file() else ""
                 raise FileNotFoundError(f"checkpoint {directory} has no DeepSpeed state for '{unit.name}' "
                                         f"(expected {path}){hint}")
-            with deepspeed_safe_loading():
+            with deepspeed_safe_loading(path):
                 loaded, _ = unit.wrapped.load_checkpoint(str(directory / unit.name), tag=DEEPSPEED_TAG,
                                                          load_optimizer_states=True, load_lr_scheduler_states=True)
             if loaded is None:

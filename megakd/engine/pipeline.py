@@ -484,7 +484,7 @@ class PipelineBackend(DeepSpeedBackend):
         path = directory / "pipeline" / DEEPSPEED_TAG
         if not path.is_dir():
             raise FileNotFoundError(f"checkpoint {directory} has no DeepSpeed pipeline state (expected {path})")
-        with deepspeed_safe_loading():
+        with deepspeed_safe_loading(path):
             loaded, _ = self.engine.load_checkpoint(str(directory / "pipeline"), tag=DEEPSPEED_TAG,
                                                     load_optimizer_states=True, load_lr_scheduler_states=True)
         if loaded is None:

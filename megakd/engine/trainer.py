@@ -182,15 +182,26 @@ class Trainer:
             raise error if error is not None else StoreError(f"{self.run_dir}: refused on rank 0 (see its message)")
         self._opened = True
         if resume is None:
+            self._announce()
             return
         if resume == "auto":
             if chosen_plus_one == 0:
                 log.info("no checkpoint in %s: starting from step 0", self.run_dir)
+                self._announce()
                 return
             path = checkpoint.checkpoints_root(self.run_dir) / f"step_{int(chosen_plus_one) - 1:08d}"
         else:
             path = self._explicit_checkpoint(resume)
-        self._resume_from(path, allow_change)
+        try:
+            self._resume_from(path, allow_change)
+        except BaseException:
+            self._lock.release()
+            raise
+        self._announce()
+
+    def _announce(self) -> None:
+        if self.backend.is_main:
+            self._lock.announce()
 
     @staticmethod
     def _explicit_checkpoint(spec: str) -> Path:

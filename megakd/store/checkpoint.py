@@ -29,7 +29,9 @@ MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "megakd-checkpoint/1"
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
-_TMP_DIR = re.compile(r"^\.tmp-step_(\d{8})$")
+# Unfinished saves, and published checkpoints on their way out (renamed first, so a job killed
+# mid-delete never leaves a half-deleted directory under a checkpoint's name).
+_TMP_DIR = re.compile(r"^\.(tmp-step|old-step|pruned-step)_(\d{8})")
 
 
 def checkpoints_root(run_dir: str | Path) -> Path:
@@ -63,7 +65,7 @@ def remove_stale_temp_dirs(run_dir: str | Path) -> list[Path]:
     stale = [p for p in root.iterdir() if _TMP_DIR.match(p.name)] if root.is_dir() else []
     for path in stale:
         shutil.rmtree(path, ignore_errors=True)
-        log.warning("removed %s: an unfinished checkpoint from a job that stopped while saving", path)
+        log.warning("removed %s: left by a job that stopped while saving or pruning", path)
     return stale
 
 
@@ -147,7 +149,9 @@ def commit(tmp: Path, final: Path, step: int, keep_last: int) -> None:
     if keep_last > 0:
         others = [p for p in list_checkpoints(final.parent.parent) if p != final]
         for stale in others[:max(0, len(others) - (keep_last - 1))]:
-            shutil.rmtree(stale, ignore_errors=True)
+            doomed = stale.with_name(f".pruned-{stale.name}")
+            stale.rename(doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
     log.info("saved checkpoint %s", final)
 
 

@@ -76,7 +76,7 @@ def _read_deepspeed_unit(directory: Path) -> dict[str, Tensor]:
     # Without ZeRO the model-states file holds the whole weights; with ZeRO 1-3 the fp32 master
     # weights live in the optimizer shards and must be consolidated (also under bf16/fp16).
     plain = tag_dir / "mp_rank_00_model_states.pt"
-    with deepspeed_safe_loading():
+    with deepspeed_safe_loading(tag_dir):
         state = load_state(plain) if plain.is_file() else {}
     if state and not (state.get("ds_config") or {}).get("zero_optimization", {}).get("stage", 0):
         sd = dict(state["module"])
@@ -85,7 +85,7 @@ def _read_deepspeed_unit(directory: Path) -> dict[str, Tensor]:
 
         chatter = io.StringIO()  # zero_to_fp32 prints its progress; keep it at debug level
         try:
-            with contextlib.redirect_stdout(chatter), deepspeed_safe_loading():
+            with contextlib.redirect_stdout(chatter), deepspeed_safe_loading(tag_dir):
                 sd = dict(get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=DEEPSPEED_TAG))
         except Exception as err:
             message = first_line(err)

@@ -80,17 +80,18 @@ def _deepspeed_types() -> list:
     """Exactly the non-tensor, non-container types DeepSpeed 0.19 puts into its checkpoint files."""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
 
-    return [ZeroStageEnum, LossScaler, DynamicLossScaler]
+    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
 
 
 @contextlib.contextmanager
-def deepspeed_safe_loading() -> Iterator[None]:
+def deepspeed_safe_loading(directory: str | Path) -> Iterator[None]:
     """Make DeepSpeed's `torch.load(..., weights_only=False)` calls weights-only for this block.
 
     torch reads `TORCH_FORCE_WEIGHTS_ONLY_LOAD` on every `torch.load`; with it set, a pickle
-    payload in any DeepSpeed file fails to load instead of running. The allow-list adds only
-    DeepSpeed's own enum and loss-scaler classes.
+    payload in any DeepSpeed file under `directory` fails to load instead of running. The
+    allow-list adds only DeepSpeed's own enum, loss-scaler and fragment-address classes.
     """
     key = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
     previous = os.environ.get(key)
@@ -98,9 +99,12 @@ def deepspeed_safe_loading() -> Iterator[None]:
     try:
         with torch.serialization.safe_globals(_deepspeed_types()):
             yield
+    except StoreError:
+        raise
     except Exception as err:
-        if "Weights only load failed" in str(err) or "weights_only" in str(err):
-            raise StoreError(f"refused to unpickle a DeepSpeed checkpoint file ({_unpickle_culprit(err)})") from None
+        if "Weights only load failed" in str(err):
+            raise StoreError(f"{directory}: refused to unpickle a DeepSpeed checkpoint file "
+                             f"({_unpickle_culprit(err)})") from None
         raise
     finally:
         if previous is None:

@@ -49,6 +49,7 @@ class RunDirLock:
         self._fd: int | None = None
 
     def acquire(self) -> None:
+        """Take the lock or raise naming the holder. Nothing is written yet (see `announce`)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -58,10 +59,16 @@ class RunDirLock:
             os.close(fd)
             raise StoreError(f"{self.path.parent}: in use by another megakd job ({holder}); wait for it to end "
                              "or pick another run.dir") from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"host {socket.gethostname()}, pid {os.getpid()}\n".encode())
-        os.fsync(fd)
         self._fd = fd
+
+    def announce(self) -> None:
+        """Record this process as the holder, once the run has been allowed to start.
+
+        Kept apart from `acquire` so a refused start leaves the run directory byte-identical.
+        """
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, f"host {socket.gethostname()}, pid {os.getpid()}\n".encode(), 0)
+        os.fsync(self._fd)
 
     def release(self) -> None:
         if self._fd is not None:
@@ -141,9 +148,17 @@ def check_changes(checkpoint: Path, saved: dict, current: dict, allowed: tuple[s
 
 
 def record_history(run_dir: Path, saved: dict, step: int) -> Path:
-    """Keep the config that applied up to `step` as `config_history/step_NNNNNNNN.yaml`."""
+    """Keep the config that applied up to `step` as `config_history/step_NNNNNNNN.yaml`.
+
+    `applied_from_step` is where the previous recorded change took effect (0 for the first), so
+    the history reads as consecutive step ranges, each with its config; `config.yaml` is the one
+    in force from the newest recorded step on.
+    """
     history = run_dir / HISTORY_DIR
     history.mkdir(exist_ok=True)
+    earlier = sorted(int(p.stem.split("_")[1]) for p in history.glob("step_*.yaml"))
+    start = max((s for s in earlier if s < step), default=0)
     path = history / f"step_{step:08d}.yaml"
-    path.write_text(yaml.safe_dump({"applied_until_step": step, **saved}, sort_keys=False))
+    path.write_text(yaml.safe_dump({"applied_from_step": start, "applied_until_step": step, **saved},
+                                   sort_keys=False))
     return path

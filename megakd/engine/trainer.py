@@ -135,6 +135,7 @@ class Trainer:
         if not failed:
             return
         written = tree_bytes(tmp) if tmp.is_dir() else 0
+        self.backend.barrier()  # every rank has measured the partial checkpoint before it goes
         if self.backend.is_main:
             checkpoint.abort(tmp)
         if error is None:
@@ -152,7 +153,8 @@ class Trainer:
 
         `resume`: None = a new run (run.dir must be unused, or run.overwrite moves it aside);
         "auto" = the newest intact checkpoint in run.dir (a damaged newer one is reported and
-        skipped), or step 0 if there is none; a path = that checkpoint, which must verify.
+        skipped), or step 0 if there is none; a path = that checkpoint, which must verify (one
+        from another run directory starts run.dir as a new run, so run.dir must be unused).
         """
         main = self.backend.is_main
         error: BaseException | None = None
@@ -160,7 +162,7 @@ class Trainer:
         if main:
             try:
                 self._lock.acquire()
-                if resume is None:
+                if resume is None or self._starts_new_run_dir(resume):
                     aside = rundir.claim_for_new_run(self.run_dir, self.cfg.run.overwrite)
                     if aside is not None:
                         log.warning("run.overwrite: moved the old contents of %s to %s", self.run_dir, aside)
@@ -202,6 +204,10 @@ class Trainer:
     def _announce(self) -> None:
         if self.backend.is_main:
             self._lock.announce()
+
+    def _starts_new_run_dir(self, resume: str) -> bool:
+        """`--resume PATH` with a checkpoint from another run directory starts run.dir afresh (so it must be unused)."""
+        return resume != "auto" and not Path(resume).resolve().is_relative_to(self.run_dir.resolve())
 
     @staticmethod
     def _explicit_checkpoint(spec: str) -> Path:
@@ -395,9 +401,7 @@ class Trainer:
                     norms_sum.clear()
                     steps_in_interval, t0 = 0, time.perf_counter()
                 if self._stop_requested():
-                    if last_saved != self.step:
-                        self.save()
-                        last_saved = self.step
+                    self.save()
                     preempted = True
                     log.warning("stopped at step %d on a signal; continue with --resume auto", self.step)
                     break

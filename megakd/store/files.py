@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import json
 import logging
 import os
 from collections.abc import Iterator, Mapping
@@ -20,10 +21,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import Tensor
 
 log = logging.getLogger(__name__)
+
+ALIASES = "megakd_aliases"  # safetensors metadata: {alias key: stored key} for tied weights
 
 
 class StoreError(ValueError):
@@ -54,16 +58,18 @@ def save_state(state: Any, path: str | Path) -> None:
 
 
 def save_weights(state_dict: Mapping[str, Tensor], path: str | Path) -> None:
-    """A state dict as safetensors; a tensor that aliases an earlier key (tied weights) is stored once."""
-    seen: set[tuple[int, int]] = set()
-    out = {}
+    """A state dict as safetensors. A tensor that aliases an earlier key (tied weights) is stored
+    once; the alias is recorded in the metadata, and `load_weights` gives it back under both keys."""
+    kept: dict[tuple[int, int, tuple], str] = {}
+    out, aliases = {}, {}
     for key, tensor in state_dict.items():
-        ident = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
-        if ident in seen:
+        ident = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if ident in kept:
+            aliases[key] = kept[ident]
             continue
-        seen.add(ident)
+        kept[ident] = key
         out[key] = tensor.detach().contiguous()
-    save_file(out, str(path), metadata={"format": "pt"})
+    save_file(out, str(path), metadata={"format": "pt", ALIASES: json.dumps(aliases)})
 
 
 def load_weights(path: str | Path, device: str | torch.device = "cpu") -> dict[str, Tensor]:
@@ -71,9 +77,16 @@ def load_weights(path: str | Path, device: str | torch.device = "cpu") -> dict[s
     if not path.is_file():
         raise StoreError(f"{path}: missing")
     try:
-        return load_file(str(path), device=str(device))
+        with safe_open(str(path), framework="pt", device=str(device)) as f:
+            weights = {key: f.get_tensor(key) for key in f.keys()}
+            aliases = json.loads((f.metadata() or {}).get(ALIASES, "{}"))
     except Exception as err:
         raise StoreError(f"{path}: cannot read as safetensors ({first_line(err)[:200]})") from None
+    for alias, key in aliases.items():
+        if key not in weights:
+            raise StoreError(f"{path}: alias {alias!r} points to missing tensor {key!r}")
+        weights[alias] = weights[key]
+    return weights
 
 
 def _deepspeed_types() -> list:

@@ -16,7 +16,6 @@ import time
 
 import pytest
 
-from megakd.cli import main
 from tests.faults.harness import REPO, megakd
 from tests.faults.test_persistence import CONFIG, assert_same_as_base
 from tests.helpers import tiny_overrides
@@ -30,11 +29,27 @@ def _args(tiny_data, run):
     return ["-c", str(CONFIG), *tiny_overrides(tiny_data, run, **KILL_RUN)]
 
 
+def _start(tiny_data, run, *flags):
+    return subprocess.Popen([sys.executable, "-m", "megakd.cli", "pretrain", *flags, *_args(tiny_data, run)],
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _wait_for_training(proc, run):
+    """Until the first step is logged (or the process ended): kill times count from here."""
+    deadline = time.time() + 300
+    while not (run / "metrics.jsonl").exists() and proc.poll() is None:
+        assert time.time() < deadline
+        time.sleep(0.02)
+
+
 @pytest.fixture(scope="module")
 def reference(tiny_data, tmp_path_factory):
+    """The uninterrupted run, and how long it trains and saves after its first logged step."""
     run = tmp_path_factory.mktemp("kill") / "reference"
+    proc = _start(tiny_data, run)
+    _wait_for_training(proc, run)
     started = time.perf_counter()
-    assert main(["pretrain", *_args(tiny_data, run)]) == 0
+    assert proc.wait() == 0
     return run, time.perf_counter() - started
 
 
@@ -45,13 +60,9 @@ def test_kill_9_then_resume_auto_matches_the_uninterrupted_run(seed, tiny_data, 
     rng = random.Random(seed)
     kills = 0
     for attempt in range(3):  # up to three kills, each at a random moment once training is under way
-        flags = [] if attempt == 0 else ["--resume", "auto"]
-        proc = subprocess.Popen([sys.executable, "-m", "megakd.cli", "pretrain", *flags, *_args(tiny_data, run)],
-                                cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.time() + 300
-        while not (run / "metrics.jsonl").exists() and proc.poll() is None and time.time() < deadline:
-            time.sleep(0.05)
-        time.sleep(rng.uniform(0.0, seconds))
+        proc = _start(tiny_data, run, *([] if attempt == 0 else ["--resume", "auto"]))
+        _wait_for_training(proc, run)
+        time.sleep(rng.uniform(0.0, 0.8 * seconds))
         if proc.poll() is None:
             proc.send_signal(signal.SIGKILL)
             kills += 1

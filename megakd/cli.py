@@ -41,12 +41,17 @@ def cmd_distill(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace, run) -> int:
+    """Train, then (rank 0, unless preempted) export the newest checkpoint to run.dir/hf."""
     cfg = load_config(args.config, args.overrides)
-    result = run(cfg, resume=args.resume)
+    result = run(cfg, resume=args.resume, allow_change=tuple(args.allow_change))
     if result.preempted:
         log.warning("preempted at step %d; run the same command with --resume auto to continue", result.step)
-    else:
-        log.info("finished %d steps; run directory %s", result.step, result.run_dir)
+        return 0
+    if cfg.run.export_hf and int(os.environ.get("RANK", "0")) == 0:
+        from megakd.convert import export_run
+
+        log.info("exported HuggingFace model to %s", export_run(result.run_dir))
+    log.info("finished %d steps; run directory %s", result.step, result.run_dir)
     return 0
 
 
@@ -216,7 +221,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("pretrain", help="ELECTRA (DecoupledOptim or original) or BERT-MLM pretraining")
     p.add_argument("-c", "--config", required=True, help="YAML recipe, e.g. configs/electra-tiny.yaml")
-    p.add_argument("--resume", help="'auto' (newest checkpoint in run.dir, if any) or a checkpoint directory")
+    p.add_argument("--resume", help="'auto' (newest intact checkpoint in run.dir, if any) or a checkpoint directory")
+    p.add_argument("--allow-change", action="append", default=[], metavar="KEY",
+                   help="at resume, let this state-bearing config key differ from the checkpoint's and take effect "
+                        "(repeatable), e.g. --allow-change optim.discriminator.lr")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.max_steps=100")
     p.set_defaults(func=cmd_pretrain)
 
@@ -229,7 +237,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("distill", help="DWT: pretraining with a frozen teacher MLM (distill.teacher) on the "
                        "student's MLM loss")
     p.add_argument("-c", "--config", required=True, help="YAML recipe, e.g. configs/dwt-weak.yaml")
-    p.add_argument("--resume", help="'auto' (newest checkpoint in run.dir, if any) or a checkpoint directory")
+    p.add_argument("--resume", help="'auto' (newest intact checkpoint in run.dir, if any) or a checkpoint directory")
+    p.add_argument("--allow-change", action="append", default=[], metavar="KEY",
+                   help="at resume, let this state-bearing config key differ from the checkpoint's and take effect "
+                        "(repeatable), e.g. --allow-change optim.discriminator.lr")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. distill.teacher=runs/teacher")
     p.set_defaults(func=cmd_distill)
 

@@ -40,6 +40,7 @@ class RunConfig:
     plots: bool = True
     export_hf: bool = True  # write run.dir/hf (HuggingFace format) at the end of training
     progress_bar: bool = True
+    overwrite: bool = False  # a new run into a used run.dir moves its contents to <run.dir>.old-<time>/
 
 
 @dataclass

@@ -7,10 +7,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from megakd import fsutil
+from megakd.store.files import StoreError
 
-
-class ConversionError(ValueError):
-    """Bad conversion input; the one-line message names the file or key and what was expected."""
+# Bad conversion input is bad stored input: one class, so `convert` and `store` errors read alike
+# (one line naming the file or key and what was expected).
+ConversionError = StoreError
 
 
 @contextmanager

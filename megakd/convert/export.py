@@ -23,14 +23,13 @@ from safetensors.torch import save_file
 
 import megakd.models.encoder as encoder_module
 import megakd.models.heads as heads_module
-from megakd.convert.checkpoints import load_checkpoint, resolve_checkpoint
 from megakd.convert.common import ConversionError, atomic_output_dir
-from megakd.convert.model_dir import MODEL_FILE, load_model_dir, read_model_dir_info
 from megakd.data.hf_tokenizer import write_hf_tokenizer
 from megakd.data.tokenizer import Tokenizer
 from megakd.models.electra import Discriminator, MaskedLM
 from megakd.models.encoder import EncoderConfig
 from megakd.models.hf_mapping import TIED_EMBEDDING, hf_config, hf_model_class, to_hf_state_dict
+from megakd.store import load_model
 
 log = logging.getLogger(__name__)
 
@@ -114,21 +113,21 @@ def save_hf_model(model: MaskedLM | Discriminator, kind: str, out: str | Path,
     return type(hf_model).__name__
 
 
-def _checkpoint_exports(src: Path) -> list[tuple[str, MaskedLM | Discriminator, str, Path | None]]:
-    ckpt = load_checkpoint(resolve_checkpoint(src))
-    if ckpt.discriminator is None:
-        return [(".", ckpt.generator, "bert_mlm", ckpt.tokenizer_dir)]
-    return [("discriminator", ckpt.discriminator, "electra_discriminator", ckpt.tokenizer_dir),
-            ("generator", ckpt.generator, "electra_generator", ckpt.tokenizer_dir)]
-
-
-def _model_dir_exports(src: Path) -> list[tuple[str, MaskedLM | Discriminator, str, Path | None]]:
-    info = read_model_dir_info(src)
-    kind, model = load_model_dir(src)
-    if kind == "encoder":
-        raise ConversionError(f"{src / MODEL_FILE}: kind 'encoder' has no HF pre-training head to export")
+def _exports(src: Path) -> list[tuple[str, MaskedLM | Discriminator, str, Path | None]]:
+    """(relative output dir, model, native HF flavour, tokenizer dir) for every model `src` holds."""
+    if (src / "config.json").is_file():
+        raise ConversionError(f"{src}: not a megakd run directory (no checkpoints/), checkpoint or model directory: "
+                              "it is already a HuggingFace directory")
+    stored = load_model(src)
+    if set(stored.models) == {"discriminator", "masked_lm"}:  # an ELECTRA run or checkpoint
+        return [(kind_dir, stored.models[kind], stored.hf_kinds[kind], stored.tokenizer_dir)
+                for kind_dir, kind in (("discriminator", "discriminator"), ("generator", "masked_lm"))]
+    (kind, model), = stored.models.items()
+    if kind not in ("masked_lm", "discriminator"):
+        raise ConversionError(f"{src}: holds {'a bare encoder' if kind == 'encoder' else 'a ' + kind}, which has "
+                              "no HF pre-training head to export")
     default = "bert_mlm" if kind == "masked_lm" else "electra_discriminator"
-    return [(".", model, info.get("hf_kind") or default, info.get("tokenizer"))]
+    return [(".", model, stored.hf_kinds.get(kind) or default, stored.tokenizer_dir)]
 
 
 def to_hf(src: str | Path, out: str | Path, force: bool = False) -> dict[str, str]:
@@ -140,7 +139,7 @@ def to_hf(src: str | Path, out: str | Path, force: bool = False) -> dict[str, st
     src = Path(src)
     if Path(out).resolve() == src.resolve() or Path(out).resolve() in src.resolve().parents:
         raise ConversionError(f"{out}: the output must not be or contain the source {src}")
-    exports = _model_dir_exports(src) if (src / MODEL_FILE).is_file() else _checkpoint_exports(src)
+    exports = _exports(src)
     written: dict[str, str] = {}
     with atomic_output_dir(out, force) as tmp:
         for name, model, kind, tokenizer_dir in exports:
@@ -153,8 +152,8 @@ def to_hf(src: str | Path, out: str | Path, force: bool = False) -> dict[str, st
 def export_run(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
     """Export a run's newest checkpoint to `out_dir` (default `run_dir/hf`), replacing an older export.
 
-    Called by the trainer on rank 0 after the final checkpoint is committed; it reads only files,
-    so it works the same after single, ddp and DeepSpeed training.
+    Called by `megakd pretrain` / `megakd distill` on rank 0 after training; it reads only files, so
+    it works the same after single, ddp and DeepSpeed training.
     """
     out = Path(out_dir) if out_dir is not None else Path(run_dir) / "hf"
     to_hf(run_dir, out, force=True)

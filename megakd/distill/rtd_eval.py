@@ -16,7 +16,6 @@ import torch
 
 from megakd.data.stream import PretrainingLoader
 from megakd.data.tokenizer import Tokenizer
-from megakd.distill.pretrained import check_tokenizer, load_pretrained
 from megakd.models.electra import Discriminator, MaskedLM
 from megakd.objectives.electra import (
     corrupt,
@@ -25,6 +24,7 @@ from megakd.objectives.electra import (
     rtd_labels,
     sample_replacements,
 )
+from megakd.store import check_same_tokenizer, freeze, load_model
 
 
 @torch.no_grad()
@@ -76,18 +76,20 @@ def evaluate_rtd(
 
     `tokenizer` defaults to the generator's own; every model must share it, and so must the shards.
     """
-    gen = load_pretrained(generator, "masked_lm", "--generator")
+    gen = load_model(generator, "--generator")
+    gen_model = freeze(gen.get("masked_lm"))
     if tokenizer is None and gen.tokenizer_dir is None:
         raise FileNotFoundError(f"--generator {generator}: carries no megakd tokenizer; pass --tokenizer DIR")
     tok = Tokenizer.load(tokenizer if tokenizer is not None else gen.tokenizer_dir)
-    check_tokenizer(gen, tok, "--generator")
+    check_same_tokenizer(tok, gen.tokenizer_dir, f"--generator {generator}", gen_model.config.vocab_size)
     discs = []
     for path in discriminators:
-        disc = load_pretrained(path, "discriminator", "--discriminator")
-        check_tokenizer(disc, tok, "--discriminator")
-        discs.append(disc.model)
+        disc = load_model(path, "--discriminator")
+        model = freeze(disc.get("discriminator"))
+        check_same_tokenizer(tok, disc.tokenizer_dir, f"--discriminator {path}", model.config.vocab_size)
+        discs.append(model)
     loader = PretrainingLoader(shards, tok, micro_batch_size=batch_size, seed=seed, mask_prob=mask_prob)
-    scores = score_rtd(gen.model, discs, loader, num_batches, seed, backend)
+    scores = score_rtd(gen_model, discs, loader, num_batches, seed, backend)
     return {
         "generator": str(generator), "shards": str(shards), "tokenizer": str(tok.path), "vocab_hash": tok.vocab_hash,
         "seed": seed, "batches": num_batches, "batch_size": batch_size, "mask_prob": mask_prob,

@@ -43,14 +43,13 @@ from torch import Tensor
 from megakd.config import ConfigError, save_config
 from megakd.data.masking import mlm_mask
 from megakd.data.tokenizer import Tokenizer
-from megakd.distill.pretrained import load_pretrained
 from megakd.finetune.config import FinetuneConfig, TGTConfig
 from megakd.finetune.data import EncodedTask
-from megakd.finetune.models import check_same_tokenizer, freeze, load_classifier
 from megakd.finetune.trainer import run_seeds, summarize
 from megakd.models.electra import MaskedLM, SequenceClassifier
 from megakd.objectives.electra import corrupt, sample_replacements
 from megakd.objectives.label_reg import kl_divergence, soft_cross_entropy
+from megakd.store import check_same_tokenizer, freeze, load_model
 
 log = logging.getLogger(__name__)
 
@@ -183,11 +182,10 @@ def run_tgt(cfg: FinetuneConfig) -> dict:
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
-    generator = load_pretrained(cfg.tgt.generator, "masked_lm", "tgt.generator")
-    if generator.tokenizer_dir is None:
-        raise ConfigError(f"tgt.generator: {generator.source} carries no megakd SentencePiece tokenizer")
-    mlm, gen_tokenizer = generator.model, Tokenizer.load(generator.tokenizer_dir)
-    labeler, lab_tokenizer = load_classifier(cfg.tgt.labeler)
+    generator = load_model(cfg.tgt.generator, "tgt.generator")
+    mlm, gen_tokenizer = freeze(generator.get("masked_lm")), generator.tokenizer()
+    stored_labeler = load_model(cfg.tgt.labeler, "tgt.labeler")
+    labeler, lab_tokenizer = stored_labeler.get("classifier"), stored_labeler.tokenizer()
     if labeler.num_labels != cfg.task.num_labels:
         raise ConfigError(f"tgt.labeler: {cfg.tgt.labeler} has {labeler.num_labels} labels, the task "
                           f"{cfg.task.num_labels}")

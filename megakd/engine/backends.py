@@ -19,6 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megakd.store.checkpoint_models import OPTIM_SUFFIX, WEIGHTS_SUFFIX, load_state_checked
+from megakd.store.files import load_state, load_weights, save_state, save_weights
+
 log = logging.getLogger(__name__)
 
 
@@ -149,26 +152,24 @@ class Backend:
 
     # -- checkpoint state ------------------------------------------------------------------------
     def save_units(self, units: list[Unit], directory: Path) -> None:
-        """Write every unit's model, optimizer, schedule (and scaler) state into `directory`."""
+        """Every unit's weights (`<unit>.safetensors`) and optimizer/schedule/scaler state (`<unit>.optim.pt`)."""
         if not self.is_main:
             return
         for unit in units:
-            state = {
-                "model": unit.model.state_dict(),
-                "optimizer": unit.optimizer.state_dict(),
-                "scheduler": unit.scheduler.state_dict(),
-            }
+            save_weights(unit.model.state_dict(), directory / f"{unit.name}{WEIGHTS_SUFFIX}")
+            state = {"optimizer": unit.optimizer.state_dict(), "scheduler": unit.scheduler.state_dict()}
             if unit.scaler is not None:
                 state["scaler"] = unit.scaler.state_dict()
-            torch.save(state, directory / f"{unit.name}.pt")
+            save_state(state, directory / f"{unit.name}{OPTIM_SUFFIX}")
 
     def load_units(self, units: list[Unit], directory: Path) -> None:
         for unit in units:
-            path = directory / f"{unit.name}.pt"
-            if not path.is_file():
-                raise FileNotFoundError(f"checkpoint {directory} has no state for '{unit.name}' ({path.name})")
-            state = torch.load(path, map_location=self.device, weights_only=False)
-            unit.model.load_state_dict(state["model"])
+            weights = directory / f"{unit.name}{WEIGHTS_SUFFIX}"
+            if not weights.is_file():
+                raise FileNotFoundError(f"checkpoint {directory} has no state for '{unit.name}' ({weights.name})")
+            load_state_checked(unit.model, load_weights(weights, self.device), str(weights),
+                               f"{directory / 'config.yaml'} (model)")
+            state = load_state(directory / f"{unit.name}{OPTIM_SUFFIX}", self.device)
             unit.optimizer.load_state_dict(state["optimizer"])
             unit.scheduler.load_state_dict(state["scheduler"])
             if unit.scaler is not None and "scaler" in state:

@@ -15,7 +15,8 @@ DeepSpeed 0.19 clips at 1.0 by default) at `clip_norm * loss_scale`, i.e. on the
 gradient, exactly as the single-process backend does.
 
 Checkpoints: `<step_dir>/<unit>/ds/...` via `engine.save_checkpoint(<step_dir>/<unit>, tag="ds")`;
-`megakd.convert` consolidates them (zero_to_fp32 under ZeRO 1-3).
+`megakd.convert` consolidates them (zero_to_fp32 under ZeRO 1-3). DeepSpeed's loaders unpickle;
+`megakd.store.files.deepspeed_safe_loading` makes them weights-only with an allow-list.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ import torch.distributed as dist
 
 from megakd.config import Config
 from megakd.engine.backends import DDPBackend, Unit
-from megakd.engine.checkpoint import DEEPSPEED_TAG
+from megakd.store.checkpoint import DEEPSPEED_TAG
+from megakd.store.checkpoint_models import WEIGHTS_SUFFIX
+from megakd.store.files import deepspeed_safe_loading
 
 log = logging.getLogger(__name__)
 
@@ -141,11 +144,12 @@ class DeepSpeedBackend(DDPBackend):
         for unit in units:
             path = directory / unit.name / DEEPSPEED_TAG
             if not path.is_dir():
-                hint = " (written by the single/ddp backend?)" if (directory / f"{unit.name}.pt").is_file() else ""
+                hint = " (written by the single/ddp backend?)" if (directory / f"{unit.name}{WEIGHTS_SUFFIX}").is_file() else ""
                 raise FileNotFoundError(f"checkpoint {directory} has no DeepSpeed state for '{unit.name}' "
                                         f"(expected {path}){hint}")
-            loaded, _ = unit.wrapped.load_checkpoint(str(directory / unit.name), tag=DEEPSPEED_TAG,
-                                                     load_optimizer_states=True, load_lr_scheduler_states=True)
+            with deepspeed_safe_loading(path):
+                loaded, _ = unit.wrapped.load_checkpoint(str(directory / unit.name), tag=DEEPSPEED_TAG,
+                                                         load_optimizer_states=True, load_lr_scheduler_states=True)
             if loaded is None:
                 raise RuntimeError(f"DeepSpeed could not load {path}")
 

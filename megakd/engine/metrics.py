@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from pathlib import Path
+
+from megakd.store.files import StoreError
 
 log = logging.getLogger(__name__)
 
@@ -16,7 +19,7 @@ class MetricsWriter:
     def __init__(self, run_dir: Path, *, tensorboard: bool, wandb: bool, wandb_project: str,
                  wandb_mode: str, config: dict, resume_step: int = 0):
         self.path = run_dir / "metrics.jsonl"
-        if resume_step and self.path.exists():
+        if self.path.exists():  # only a resumed run finds one (a new run starts in an unused run dir)
             self._truncate_after(resume_step)
         self.tb = None
         if tensorboard:
@@ -32,16 +35,29 @@ class MetricsWriter:
                                         resume="allow", name=run_dir.name)
 
     def _truncate_after(self, step: int) -> None:
-        """On resume, drop lines logged after the checkpoint so the file has no duplicated steps."""
-        lines = [ln for ln in self.path.read_text().splitlines() if ln.strip()]
-        kept = [ln for ln in lines if json.loads(ln).get("step", 0) <= step]
+        """On resume, drop lines logged after the checkpoint so the file has no duplicated steps.
+
+        A last line cut short by a crash mid-write is dropped with a warning; a damaged line
+        anywhere else is an error naming the file and line.
+        """
+        lines = [ln for ln in self.path.read_text(errors="replace").splitlines() if ln.strip()]
+        records = []
+        for number, line in enumerate(lines, 1):
+            try:
+                records.append((line, json.loads(line)))
+            except json.JSONDecodeError:
+                if number == len(lines):
+                    log.warning("%s: dropped a torn last line (the previous job stopped while writing it)", self.path)
+                    continue
+                raise StoreError(f"{self.path}: line {number} is not JSON; repair or remove the line to resume") from None
+        kept = [line for line, record in records if record.get("step", 0) <= step]
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(ln + "\n" for ln in kept))
         tmp.replace(self.path)
 
     def write(self, record: dict) -> None:
         with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
         step = record["step"]
         for key, value in record.items():
             if key != "step" and isinstance(value, (int, float)):
@@ -55,6 +71,11 @@ class MetricsWriter:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def strict_json(record: dict) -> dict:
+    """NaN and ±inf become null: metrics.jsonl stays standard JSON that any parser reads."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
 
 
 def read_metrics(path: Path) -> list[dict]:

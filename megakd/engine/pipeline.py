@@ -30,8 +30,8 @@ pipe group (squared norms), after summing the gradient of a weight held by two s
 generator's word embeddings, tied to its MLM output matrix) over those stages and counting it once.
 
 Checkpoints: `engine.save_checkpoint(<step_dir>/pipeline, tag="ds")` for resumption, plus a
-consolidated `<unit>.pt` ({"model": state_dict}, the single backend's layout) that `megakd
-convert` and the tests read without knowing the partition.
+consolidated `<unit>.safetensors` (the single backend's weights file) that `megakd convert` and the
+tests read without knowing the partition.
 """
 
 from __future__ import annotations
@@ -49,12 +49,14 @@ from torch.utils.checkpoint import checkpoint
 
 from megakd.config import Config, ConfigError
 from megakd.engine.backends import Unit
-from megakd.engine.checkpoint import DEEPSPEED_TAG
 from megakd.engine.deepspeed_backend import DeepSpeedBackend
 from megakd.engine.tasks import DiscriminatorTask, GeneratorTask, TeacherKD
 from megakd.models.electra import MaskedLM
 from megakd.models.encoder import Encoder
 from megakd.objectives.electra import corrupt
+from megakd.store.checkpoint import DEEPSPEED_TAG
+from megakd.store.checkpoint_models import WEIGHTS_SUFFIX
+from megakd.store.files import deepspeed_safe_loading, save_weights
 
 # The order of the named tensors in an activation tuple (DeepSpeed sends tuples, not dicts).
 ORDER = ("hidden", "position_bias", "mlm_loss", "masked_input_ids", "corrupted", "input_ids", "attention_mask",
@@ -476,13 +478,14 @@ class PipelineBackend(DeepSpeedBackend):
                 missing = sorted(set(unit.model.state_dict()) - set(state))
                 if missing:
                     raise RuntimeError(f"{unit.name}: no stage holds {missing[0]!r} ({len(missing)} in all)")
-                torch.save({"model": state}, directory / f"{unit.name}.pt")
+                save_weights(state, directory / f"{unit.name}{WEIGHTS_SUFFIX}")
 
     def load_units(self, units: list[Unit], directory: Path) -> None:
         path = directory / "pipeline" / DEEPSPEED_TAG
         if not path.is_dir():
             raise FileNotFoundError(f"checkpoint {directory} has no DeepSpeed pipeline state (expected {path})")
-        loaded, _ = self.engine.load_checkpoint(str(directory / "pipeline"), tag=DEEPSPEED_TAG,
-                                                load_optimizer_states=True, load_lr_scheduler_states=True)
+        with deepspeed_safe_loading(path):
+            loaded, _ = self.engine.load_checkpoint(str(directory / "pipeline"), tag=DEEPSPEED_TAG,
+                                                    load_optimizer_states=True, load_lr_scheduler_states=True)
         if loaded is None:
             raise RuntimeError(f"DeepSpeed could not load {path}")

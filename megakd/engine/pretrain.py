@@ -19,6 +19,8 @@ from megakd.engine.tasks import DiscriminatorTask, GeneratorTask, JointElectraTa
 from megakd.engine.trainer import Trainer, TrainResult
 from megakd.models.admin import admin_initialize
 from megakd.models.electra import Discriminator, ElectraPair, MaskedLM
+from megakd.models.remap import remap_masked_lm
+from megakd.store import check_same_tokenizer, freeze, load_model
 
 log = logging.getLogger(__name__)
 
@@ -152,11 +154,7 @@ def build_trainer(cfg: Config, backend: Backend | None = None) -> Trainer:
                  manifest["seq_len"], tokenizer_dir)
     generator, discriminator = build_models(cfg)
     admin_profile(cfg, [generator, discriminator], shards_dir, tokenizer)
-    kd = None
-    if cfg.distill.teacher:
-        from megakd.distill.dwt import attach_teacher
-
-        kd = attach_teacher(cfg, tokenizer, generator, backend.device)
+    kd = attach_teacher(cfg, tokenizer, generator, backend.device) if cfg.distill.teacher else None
     units = build_units(cfg, generator, discriminator, kd)
     backend.prepare(units, accumulation)
     loader = build_loader(cfg, tokenizer, shards_dir, micro_batch, backend.data_rank, backend.data_world_size)
@@ -166,16 +164,34 @@ def build_trainer(cfg: Config, backend: Backend | None = None) -> Trainer:
                    kd=kd)
 
 
-def run_pretraining(cfg: Config, resume: str | None = None) -> TrainResult:
+def attach_teacher(cfg: Config, tokenizer: Tokenizer, student: MaskedLM, device: torch.device) -> TeacherKD:
+    """DWT: load `distill.teacher` frozen on `device`, check it shares `tokenizer`, optionally remap `student` from it."""
+    d = cfg.distill
+    stored = load_model(d.teacher, "distill.teacher")
+    model: MaskedLM = freeze(stored.get("masked_lm")).to(device)
+    check_same_tokenizer(tokenizer, stored.tokenizer_dir, f"distill.teacher={d.teacher}", model.config.vocab_size)
+    if d.init == "remap":
+        try:
+            remap_masked_lm(model, student, d.remap_width)
+        except ValueError as err:
+            raise ConfigError(f"distill.init=remap with distill.teacher={d.teacher}: {err}") from None
+    t, s = model.config, student.config
+    log.info("DWT teacher %s: %d layers x %d hidden (%.1fM params) -> student %d x %d (%.1fM), init %s",
+             d.teacher, t.num_layers, t.hidden_size, _millions(model), s.num_layers, s.hidden_size,
+             _millions(student), d.init)
+    return TeacherKD(model, d.temperature, d.alpha_hard, d.alpha_soft_start, d.alpha_soft_end, d.alpha_schedule,
+                     cfg.train.max_steps, d.alpha_step_at)
+
+
+def _millions(model: torch.nn.Module) -> float:
+    return sum(p.numel() for p in model.parameters()) / 1e6
+
+
+def run_pretraining(cfg: Config, resume: str | None = None, allow_change: tuple[str, ...] = ()) -> TrainResult:
+    """Train (or continue) the run `cfg` describes. The HF export at the end is the command's job."""
     trainer = build_trainer(cfg)
     try:
-        if resume:
-            trainer.resume(resume)
-        result = trainer.train()
-        if cfg.run.export_hf and not result.preempted and trainer.backend.is_main:
-            from megakd.convert import export_run
-
-            log.info("exported HuggingFace model to %s", export_run(result.run_dir))
-        return result
+        trainer.open_run(resume, allow_change)
+        return trainer.train()
     finally:
-        trainer.backend.close()
+        trainer.close()

@@ -21,12 +21,13 @@ import numpy as np
 import torch
 import yaml
 
-from megakd.config import Config, ConfigError, config_to_dict, save_config
-from megakd.engine import checkpoint
+from megakd.config import Config, config_to_dict, save_config
 from megakd.engine.backends import Backend, Unit
 from megakd.engine.metrics import MetricsWriter, plot_metrics
 from megakd.engine.tasks import TeacherKD
 from megakd.objectives.electra import corrupt, precision_recall_f1
+from megakd.store import checkpoint, rundir
+from megakd.store.files import StoreError, first_line, human_bytes, is_disk_full, tree_bytes
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,10 @@ class Trainer:
             lambda: torch.zeros((), dtype=torch.float64, device=backend.device))
         self.rng = torch.Generator().manual_seed(cfg.train.seed * 100_003 + backend.data_rank)
         self._preempt_requested = False
+        self._lock = rundir.RunDirLock(self.run_dir)
+        self._saved_config: dict = {}  # the resumed checkpoint's config, kept in config_history/ if it changed
+        self._config_changes: dict = {}
+        self._opened = False
 
     # -- state -----------------------------------------------------------------------------------
     def rank_state(self) -> dict:
@@ -72,7 +77,8 @@ class Trainer:
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
                 "sampling": self.rng.get_state(),
                 "python": random.getstate(),
-                "numpy": np.random.get_state(),
+                # numpy's state holds an ndarray, which a weights-only load refuses: store it as a tensor
+                "numpy": _numpy_state_to_plain(np.random.get_state()),
             },
         }
 
@@ -88,35 +94,151 @@ class Trainer:
             torch.cuda.set_rng_state_all(rng["cuda"])
         self.rng.set_state(rng["sampling"])
         random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
+        np.random.set_state(_numpy_state_from_plain(rng["numpy"]))
 
     def save(self) -> Path:
-        tmp, final = checkpoint.begin(self.run_dir, self.step, self.backend.is_main)
+        """Write a checkpoint on every rank and publish it atomically; a failed save leaves no trace.
+
+        Every rank reaches the same collectives whether or not its own writes failed, so a full
+        disk on one rank ends every rank with an error instead of a hang.
+        """
+        main = self.backend.is_main
+        error: BaseException | None = None
+        tmp, final = checkpoint.checkpoints_root(self.run_dir) / f".tmp-step_{self.step:08d}", None
+        try:
+            tmp, final = checkpoint.begin(self.run_dir, self.step, main)
+        except OSError as err:
+            error = err
         self.backend.barrier()
-        if self.backend.is_main:
-            save_config(self.cfg, tmp / "config.yaml")
-            # A checkpoint is self-contained: conversion and resumption need no external paths.
-            shutil.copytree(self.tokenizer_dir, tmp / "tokenizer")
-        self.backend.save_units(list(self.units.values()), tmp)
-        checkpoint.save_rank_state(tmp, self.backend.rank, self.rank_state())
-        self.backend.barrier()
-        if self.backend.is_main:
-            checkpoint.commit(tmp, final, self.cfg.run.keep_last)
-        self.backend.barrier()
+        if error is None:
+            try:
+                if main:
+                    save_config(self.cfg, tmp / "config.yaml")
+                    # A checkpoint is self-contained: conversion and resumption need no external paths.
+                    shutil.copytree(self.tokenizer_dir, tmp / "tokenizer")
+                self.backend.save_units(list(self.units.values()), tmp)
+                checkpoint.save_rank_state(tmp, self.backend.rank, self.rank_state())
+            except (OSError, RuntimeError) as err:
+                error = err
+        self._agree_or_abort(error, tmp)
+        if main:
+            try:
+                checkpoint.commit(tmp, final, self.step, self.cfg.run.keep_last)
+            except (OSError, RuntimeError) as err:
+                error = err
+        self._agree_or_abort(error, tmp)
         return final
 
-    def resume(self, spec: str) -> None:
-        """`auto` = newest complete checkpoint in run.dir (or start fresh); else a checkpoint path."""
-        path = checkpoint.latest_checkpoint(self.run_dir) if spec == "auto" else Path(spec)
-        if path is None:
-            log.info("no checkpoint in %s: starting from step 0", self.run_dir)
+    def _agree_or_abort(self, error: BaseException | None, tmp: Path) -> None:
+        """All ranks learn whether any rank failed; then rank 0 removes the temp dir and all raise."""
+        failed = self.backend.all_reduce_sum(torch.tensor(float(error is not None))).item() > 0
+        if not failed:
             return
+        written = tree_bytes(tmp) if tmp.is_dir() else 0
+        self.backend.barrier()  # every rank has measured the partial checkpoint before it goes
+        if self.backend.is_main:
+            checkpoint.abort(tmp)
+        if error is None:
+            raise StoreError(f"{tmp.parent}: saving step {self.step} failed on another rank; the partial checkpoint "
+                             "was removed, older checkpoints are intact")
+        previous = checkpoint.latest_checkpoint(self.run_dir)
+        needed = f", about {human_bytes(tree_bytes(previous))} needed" if previous is not None else ""
+        what = "no space left on device" if is_disk_full(error) else first_line(error)
+        raise StoreError(f"{tmp.parent}: {what} while saving step {self.step} ({human_bytes(written)} written"
+                         f"{needed}); the partial checkpoint was removed, older checkpoints are intact") from None
+
+    # -- owning the run directory, resuming --------------------------------------------------------
+    def open_run(self, resume: str | None, allow_change: tuple[str, ...] = ()) -> None:
+        """Own run.dir, then resume from a verified checkpoint if asked.
+
+        `resume`: None = a new run (run.dir must be unused, or run.overwrite moves it aside);
+        "auto" = the newest intact checkpoint in run.dir (a damaged newer one is reported and
+        skipped), or step 0 if there is none; a path = that checkpoint, which must verify (one
+        from another run directory starts run.dir as a new run, so run.dir must be unused).
+        """
+        main = self.backend.is_main
+        error: BaseException | None = None
+        chosen = -1  # step of the checkpoint to resume from, decided on rank 0
+        if main:
+            try:
+                self._lock.acquire()
+                if resume is None or self._starts_new_run_dir(resume):
+                    aside = rundir.claim_for_new_run(self.run_dir, self.cfg.run.overwrite)
+                    if aside is not None:
+                        log.warning("run.overwrite: moved the old contents of %s to %s", self.run_dir, aside)
+                checkpoint.remove_stale_temp_dirs(self.run_dir)
+                if resume == "auto":
+                    found = checkpoint.newest_intact(self.run_dir)
+                    if found is None and checkpoint.list_checkpoints(self.run_dir):
+                        raise StoreError(f"{checkpoint.checkpoints_root(self.run_dir)}: no intact checkpoint to "
+                                         "resume from (every one failed verification; see the warnings above)")
+                    chosen = checkpoint.step_of(found) if found is not None else -1
+                elif resume is not None:
+                    checkpoint.verify(self._explicit_checkpoint(resume))
+            except (StoreError, OSError) as err:
+                error = err
+        flags = torch.tensor([float(error is not None), float(chosen + 1 if main else 0)], dtype=torch.float64)
+        failed, chosen_plus_one = self.backend.all_reduce_sum(flags).tolist()
+        if failed:
+            self._lock.release()
+            raise error if error is not None else StoreError(f"{self.run_dir}: refused on rank 0 (see its message)")
+        self._opened = True
+        if resume is None:
+            self._announce()
+            return
+        if resume == "auto":
+            if chosen_plus_one == 0:
+                log.info("no checkpoint in %s: starting from step 0", self.run_dir)
+                self._announce()
+                return
+            path = checkpoint.checkpoints_root(self.run_dir) / f"step_{int(chosen_plus_one) - 1:08d}"
+        else:
+            path = self._explicit_checkpoint(resume)
+        try:
+            self._resume_from(path, allow_change)
+        except BaseException:
+            self._lock.release()
+            raise
+        self._announce()
+
+    def _announce(self) -> None:
+        if self.backend.is_main:
+            self._lock.announce()
+
+    def _starts_new_run_dir(self, resume: str) -> bool:
+        """`--resume PATH` with a checkpoint from another run directory starts run.dir afresh (so it must be unused)."""
+        return resume != "auto" and not Path(resume).resolve().is_relative_to(self.run_dir.resolve())
+
+    @staticmethod
+    def _explicit_checkpoint(spec: str) -> Path:
+        path = Path(spec)
         if not path.is_dir():
             raise FileNotFoundError(f"--resume {spec}: no checkpoint directory at {path}")
-        _check_same_model(path, self.cfg)
+        return path
+
+    def _resume_from(self, path: Path, allow_change: tuple[str, ...]) -> None:
+        saved_file = path / "config.yaml"
+        try:
+            saved = yaml.safe_load(saved_file.read_text())
+        except (OSError, yaml.YAMLError, UnicodeDecodeError) as err:
+            raise StoreError(f"{saved_file}: unreadable ({first_line(err)})") from None
+        self._saved_config = saved
+        self._config_changes = rundir.check_changes(path, saved, config_to_dict(self.cfg), allow_change)
+        fresh = {name: _hyperparameters(unit) for name, unit in self.units.items()}
         self.backend.load_units(list(self.units.values()), path)
+        if any(key.startswith("optim.") for key in self._config_changes):
+            for name, unit in self.units.items():
+                _apply_hyperparameters(unit, fresh[name])
         self.load_rank_state(checkpoint.load_rank_state(path, self.backend.rank))
-        log.info("resumed from %s at step %d", path, self.step)
+        if self._config_changes:
+            log.warning("resumed from %s at step %d with changed %s", path, self.step, ", ".join(
+                f"{k} ({o!r} -> {n!r})" for k, (o, n) in self._config_changes.items()))
+        else:
+            log.info("resumed from %s at step %d", path, self.step)
+
+    def close(self) -> None:
+        self._lock.release()
+        self.backend.close()
 
     # -- one optimizer step ------------------------------------------------------------------------
     def _micro_batch(self, batch: dict, last: bool) -> list[torch.Tensor]:
@@ -225,10 +347,21 @@ class Trainer:
         return self.backend.all_reduce_sum(flag).item() > 0
 
     def train(self) -> TrainResult:
+        """Train to train.max_steps (a new run unless `open_run` resumed one); the run dir is locked until the end."""
+        if not self._opened:
+            self.open_run(None)
+        try:
+            return self._train()
+        finally:
+            self._lock.release()
+
+    def _train(self) -> TrainResult:
         cfg = self.cfg
         writer = None
         if self.backend.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            if self._config_changes:
+                rundir.record_history(self.run_dir, self._saved_config, self.step)
             save_config(cfg, self.run_dir / "config.yaml")
             writer = MetricsWriter(
                 self.run_dir, tensorboard=cfg.run.tensorboard, wandb=cfg.run.wandb,
@@ -289,31 +422,34 @@ class Trainer:
         return TrainResult(step=self.step, preempted=preempted, run_dir=self.run_dir)
 
 
-def _check_same_model(path: Path, cfg: Config) -> None:
-    """Refuse a checkpoint written for another model/objective, naming the first differing key."""
-    saved_file = path / "config.yaml"
-    if not saved_file.is_file():
-        raise FileNotFoundError(f"{saved_file} is missing: {path} is not a complete megakd checkpoint")
-    saved = yaml.safe_load(saved_file.read_text())
-    current = config_to_dict(cfg)
-    for section in ("model", "electra"):
-        saved_flat = _flatten(saved.get(section, {}), section)
-        for key, value in _flatten(current[section], section).items():
-            if key in ("electra.loss_weight", "electra.sampling_temperature"):
-                continue
-            old = saved_flat.get(key)
-            if old != value:
-                raise ConfigError(
-                    f"checkpoint {path} was written with {key}={old!r}, but the config says {value!r}"
-                )
+def _numpy_state_to_plain(state: tuple) -> tuple:
+    name, keys, pos, has_gauss, cached = state
+    return name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)
 
 
-def _flatten(d: dict, prefix: str) -> dict:
-    out = {}
-    for k, v in d.items():
-        key = f"{prefix}.{k}"
-        if isinstance(v, dict):
-            out.update(_flatten(v, key))
-        else:
-            out[key] = v
-    return out
+def _numpy_state_from_plain(state: tuple) -> tuple:
+    name, keys, pos, has_gauss, cached = state
+    return name, keys.numpy().astype(np.uint32), pos, has_gauss, cached
+
+
+_HYPERPARAMETERS = ("lr", "initial_lr", "betas", "eps", "weight_decay")
+
+
+def _hyperparameters(unit: Unit) -> dict:
+    """What the current config set on a unit's optimizer and schedule, before a checkpoint overwrites it."""
+    groups = [{k: g[k] for k in _HYPERPARAMETERS if k in g} for g in unit.optimizer.param_groups]
+    return {"groups": groups, "base_lrs": list(unit.scheduler.base_lrs)}
+
+
+def _apply_hyperparameters(unit: Unit, fresh: dict) -> None:
+    """Make allowed optim.* changes take effect: the loaded state keeps its moments, the config sets the rest.
+
+    The LR of the next step is the new peak times the schedule's multiplier at the resumed step.
+    """
+    scheduler = unit.scheduler
+    scheduler.base_lrs = list(fresh["base_lrs"])
+    for group, values, base, multiplier in zip(unit.optimizer.param_groups, fresh["groups"], scheduler.base_lrs,
+                                                scheduler.lr_lambdas):
+        group.update(values)
+        group["lr"] = base * multiplier(scheduler.last_epoch)
+    scheduler._last_lr = [g["lr"] for g in unit.optimizer.param_groups]

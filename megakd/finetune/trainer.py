@@ -34,17 +34,11 @@ from megakd.engine.optim import build_scheduler, param_groups
 from megakd.finetune.config import FinetuneConfig, LabelRegConfig, ModelInitConfig
 from megakd.finetune.data import EncodedTask, load_task
 from megakd.finetune.metrics import mean_std, task_metrics
-from megakd.finetune.models import (
-    Pretrained,
-    build_classifier,
-    check_same_tokenizer,
-    freeze,
-    load_classifier,
-    load_pretrained,
-    save_classifier,
-)
+from megakd.finetune.models import Pretrained, build_classifier, load_pretrained
 from megakd.models.electra import SequenceClassifier
 from megakd.objectives.label_reg import TEACHER_TARGETS, akd_temperature, annealing_kd_loss, label_reg_loss
+from megakd.store import check_same_tokenizer, freeze
+from megakd.store.model_dir import load_classifier, save_classifier
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +188,7 @@ def run_seeds(cfg: FinetuneConfig, run_dir: Path, init: ModelInitConfig, make_ob
     """Every seed of `finetune.seeds` into `run_dir/seed_<s>/`; returns the results and the encoded splits."""
     run_dir.mkdir(parents=True, exist_ok=True)
     train_ex, dev_ex = load_task(cfg.task)
-    pretrained: Pretrained | None = load_pretrained(init.path, run_dir / "init", init.tokenizer) if init.path else None
+    pretrained: Pretrained | None = load_pretrained(init.path, init.tokenizer) if init.path else None
     tokenizer = pretrained.tokenizer if pretrained else Tokenizer.load(init.tokenizer)
     regression = cfg.task.num_labels == 1
     train = EncodedTask(train_ex, tokenizer, cfg.finetune.max_seq_len, regression)
@@ -204,7 +198,7 @@ def run_seeds(cfg: FinetuneConfig, run_dir: Path, init: ModelInitConfig, make_ob
     results = []
     for seed in cfg.finetune.seeds:
         model, tokenizer = build_classifier(init, cfg.task.num_labels, cfg.finetune.dropout, seed,
-                                            run_dir / "init", pretrained)
+                                            pretrained)
         seed_dir = run_dir / f"seed_{seed}"
         results.append(train_seed(cfg, seed, model, tokenizer, train, dev,
                                   make_objective(seed, model, tokenizer, train, seed_dir), seed_dir))

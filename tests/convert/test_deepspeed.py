@@ -14,6 +14,7 @@ from torch import nn
 from megakd.config import load_config, save_config
 from megakd.convert import ConversionError, to_hf
 from megakd.models.electra import MaskedLM
+from megakd.store.checkpoint import write_manifest
 from tests.helpers import TINY_VOCAB, tiny_overrides
 
 CONFIG = Path(__file__).parents[2] / "configs" / "electra-tiny.yaml"
@@ -67,6 +68,7 @@ def _deepspeed_checkpoint(tiny_data, run: Path, stage: int) -> tuple[Path, torch
     save_config(cfg, step_dir / "config.yaml")
     shutil.copytree(tiny_data[0], step_dir / "tokenizer")
     engine.save_checkpoint(str(step_dir / "generator"), tag="ds")
+    write_manifest(step_dir, 1)  # sealed as the trainer's commit seals it
     model.eval()
     with deepspeed.zero.GatheredParameters(list(model.parameters())), torch.no_grad():
         reference = model.logits(ids)
@@ -87,6 +89,7 @@ def test_zero_checkpoint_converts_exactly(tiny_data, tmp_path, stage):
         return
     shards = sorted((step_dir / "generator" / "ds").glob("*_optim_states.pt"))
     shards[0].unlink()
+    write_manifest(step_dir, 1)  # consistently incomplete: the converter itself must notice
     with pytest.raises(ConversionError, match=r"generator: cannot consolidate the DeepSpeed ZeRO checkpoint"):
         to_hf(tmp_path / "run", tmp_path / "hf2")
     assert not (tmp_path / "hf2").exists()

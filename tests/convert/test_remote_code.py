@@ -9,10 +9,10 @@ from transformers import AutoModelForMaskedLM, AutoModelForPreTraining, AutoMode
 
 from megakd.cli import main
 from megakd.convert import save_hf_model, to_hf
-from megakd.convert.checkpoints import load_checkpoint, resolve_checkpoint
 from megakd.models.admin import admin_initialize
 from megakd.models.electra import Discriminator, MaskedLM
 from megakd.models.encoder import EncoderConfig
+from megakd.store.checkpoint_models import load_checkpoint, resolve_checkpoint
 from tests.helpers import TINY_VOCAB, tiny_overrides
 
 CONFIG = Path(__file__).parents[2] / "configs" / "electra-tiny.yaml"
@@ -35,7 +35,7 @@ def test_original_electra_t5_relative_run_exports_remote_code(tiny_data, tmp_pat
                  "model.generator.relative_buckets": 8, "model.discriminator.relative_buckets": 8,
                  "model.generator.relative_max_distance": 20, "model.discriminator.relative_max_distance": 20}
     assert main(["pretrain", "-c", str(CONFIG), *tiny_overrides(tiny_data, run, **overrides)]) == 0
-    assert (resolve_checkpoint(run) / "electra.pt").is_file()
+    assert (resolve_checkpoint(run) / "electra.safetensors").is_file()
     out = tmp_path / "hf"
     assert to_hf(run, out) == {"discriminator": "MegakdForPreTraining", "generator": "MegakdForMaskedLM"}
     ckpt = load_checkpoint(resolve_checkpoint(run))

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import (
     AutoModelForMaskedLM,
     AutoModelForPreTraining,
@@ -22,9 +23,10 @@ from transformers import (
 
 from megakd.cli import main
 from megakd.convert import ConversionError, export_run, to_hf
-from megakd.convert.checkpoints import load_checkpoint, resolve_checkpoint
 from megakd.data.default_corpus import CORPUS_DIR
 from megakd.data.tokenizer import Tokenizer
+from megakd.store.checkpoint import write_manifest
+from megakd.store.checkpoint_models import load_checkpoint, resolve_checkpoint
 from tests.helpers import TINY_SEQ_LEN, TINY_VOCAB, tiny_overrides
 
 CONFIG = Path(__file__).parents[2] / "configs" / "electra-tiny.yaml"
@@ -76,7 +78,7 @@ def test_electra_run_exports_native_classes_with_equal_logits(electra_run, tmp_p
         _close(disc(**x).logits, ckpt.discriminator.rtd_logits(ckpt.discriminator(**x)), x["attention_mask"])
         _close(gen(**x).logits, ckpt.generator.logits(**x), x["attention_mask"])
     # the weights really are the trained ones (2 steps moved them away from the seeded init)
-    trained = torch.load(resolve_checkpoint(electra_run) / "discriminator.pt", weights_only=True)["model"]
+    trained = load_file(resolve_checkpoint(electra_run) / "discriminator.safetensors")
     assert torch.equal(disc.discriminator_predictions.dense.weight, trained["head.dense.weight"])
 
 
@@ -186,7 +188,8 @@ def test_checkpoint_config_that_does_not_match_weights(electra_run, tmp_path):
     cfg = yaml.safe_load(text)
     cfg["model"]["discriminator"]["intermediate_size"] *= 2
     (step / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
-    with pytest.raises(ConversionError, match=r"discriminator\.pt: 'encoder\.layers\.0\.ffn\.fc_in\.weight' has "
+    write_manifest(step, 2)  # a consistent checkpoint whose config does not describe its weights
+    with pytest.raises(ConversionError, match=r"discriminator\.safetensors: 'encoder\.layers\.0\.ffn\.fc_in\.weight' has "
                                               r"shape \[192, 48\] but .*config\.yaml \(model\.discriminator\) "
                                               r"expects \[384, 48\]"):
         to_hf(step, tmp_path / "out")
@@ -196,11 +199,15 @@ def test_checkpoint_config_that_does_not_match_weights(electra_run, tmp_path):
 def test_missing_unit_corrupt_unit_and_not_a_checkpoint(electra_run, tmp_path):
     step = tmp_path / "step_00000002"
     shutil.copytree(resolve_checkpoint(electra_run), step)
-    (step / "discriminator.pt").unlink()
-    with pytest.raises(ConversionError, match=r"no state for unit 'discriminator' \(expected discriminator\.pt"):
+    (step / "discriminator.safetensors").unlink()
+    with pytest.raises(ConversionError, match=r"discriminator\.safetensors: missing \(listed in .*manifest\.json\)"):
         to_hf(step, tmp_path / "out")
-    (step / "discriminator.pt").write_bytes(b"not a torch file")
-    with pytest.raises(ConversionError, match=r"discriminator\.pt: cannot read"):
+    write_manifest(step, 2)
+    with pytest.raises(ConversionError, match=r"no state for unit 'discriminator' \(expected discriminator\.safetensors"):
+        to_hf(step, tmp_path / "out")
+    (step / "discriminator.safetensors").write_bytes(b"not a safetensors file")
+    write_manifest(step, 2)
+    with pytest.raises(ConversionError, match=r"discriminator\.safetensors: cannot read as safetensors"):
         to_hf(step, tmp_path / "out")
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConversionError, match="not a megakd run directory"):

@@ -15,12 +15,12 @@ from megakd.config import ConfigError, load_config
 from megakd.convert import from_hf, save_model_dir, to_hf
 from megakd.data.tokenizer import Tokenizer, train_tokenizer
 from megakd.distill.dwt import run_distill
-from megakd.distill.pretrained import check_tokenizer, load_pretrained
 from megakd.engine.pretrain import build_trainer, run_pretraining
 from megakd.engine.tasks import GeneratorTask, TeacherKD
 from megakd.models.electra import MaskedLM
 from megakd.models.encoder import EncoderConfig
 from megakd.objectives.distill import alpha_schedule, kd_loss
+from megakd.store import StoreError, check_same_tokenizer, load_model
 from tests.helpers import tiny_overrides
 
 V = 37
@@ -134,14 +134,14 @@ def test_tokenizer_mismatch_names_both_hashes_and_paths(tiny_data, tmp_path):
     teacher = _teacher_dir(tiny_data, tmp_path, tokenizer_dir=other.path)
     cfg = _student_cfg(tiny_data, tmp_path / "run", teacher)
     student_hash = Tokenizer.load(tokenizer_dir).vocab_hash
-    with pytest.raises(ConfigError) as err:
+    with pytest.raises(StoreError) as err:
         build_trainer(cfg)
     msg = str(err.value)
     assert "distill.teacher" in msg and other.vocab_hash in msg and student_hash in msg
     assert str(teacher / "tokenizer") in msg and str(tokenizer_dir) in msg and "\n" not in msg
 
     bare = _teacher_dir(tiny_data, tmp_path / "bare")  # no tokenizer at all: cannot be checked
-    with pytest.raises(ConfigError, match="carries no megakd tokenizer"):
+    with pytest.raises(StoreError, match="carries no megakd tokenizer"):
         build_trainer(_student_cfg(tiny_data, tmp_path / "run2", bare))
 
 
@@ -149,7 +149,7 @@ def test_distill_needs_a_teacher_and_a_masked_lm(tiny_data, tmp_path):
     cfg = load_config("configs/dwt-tiny.yaml", tiny_overrides(tiny_data, tmp_path / "run"))
     with pytest.raises(ConfigError, match="distill.teacher: expected a teacher"):
         run_distill(cfg)
-    with pytest.raises(ConfigError, match="no such directory"):
+    with pytest.raises(StoreError, match="distill.teacher=.*missing: no such directory"):
         build_trainer(_student_cfg(tiny_data, tmp_path / "run", tmp_path / "missing"))
 
 
@@ -233,14 +233,15 @@ def test_teacher_from_run_hf_dir_and_model_dir_is_the_same_model(tiny_data, tmp_
     to_hf(teacher_run, tmp_path / "hf")
     from_hf(tmp_path / "hf", tmp_path / "model_dir")
     ids = torch.randint(5, 512, (2, 20))
-    reference = load_pretrained(teacher_run, "masked_lm", "distill.teacher")
+    reference = load_model(teacher_run, "distill.teacher").get("masked_lm")
     for src in (tmp_path / "hf", tmp_path / "model_dir"):
-        loaded = load_pretrained(src, "masked_lm", "distill.teacher")
-        check_tokenizer(loaded, tok, "distill.teacher")
-        assert not loaded.model.training and not any(p.requires_grad for p in loaded.model.parameters())
-        torch.testing.assert_close(loaded.model.logits(ids), reference.model.logits(ids), rtol=1e-5, atol=1e-5)
-    with pytest.raises(ConfigError, match="holds a megakd .masked_lm. model; expected an ELECTRA discriminator"):
-        load_pretrained(teacher_run, "discriminator", "distill.teacher")
+        loaded = load_model(src, "distill.teacher")
+        model = loaded.get("masked_lm")
+        check_same_tokenizer(tok, loaded.tokenizer_dir, "distill.teacher", model.config.vocab_size)
+        assert not model.training
+        torch.testing.assert_close(model.logits(ids), reference.logits(ids), rtol=1e-5, atol=1e-5)
+    with pytest.raises(StoreError, match="holds a masked LM .*; expected an ELECTRA discriminator"):
+        load_model(teacher_run, "distill.teacher").get("discriminator")
 
 
 @pytest.mark.parametrize("recipe,teacher_layers,alpha_soft", [

@@ -8,14 +8,15 @@ import pytest
 import torch
 
 from megakd.cli import main as cli_main
-from megakd.config import ConfigError, load_config
+from megakd.config import load_config
 from megakd.convert import save_model_dir
-from megakd.convert.checkpoints import load_checkpoint, resolve_checkpoint
 from megakd.data.stream import PretrainingLoader
 from megakd.data.tokenizer import Tokenizer
 from megakd.distill.rtd_eval import corrupted_batches, evaluate_rtd
 from megakd.engine.pretrain import run_pretraining
 from megakd.models.electra import Discriminator
+from megakd.store import StoreError
+from megakd.store.checkpoint_models import load_checkpoint, resolve_checkpoint
 from tests.helpers import tiny_overrides
 
 
@@ -101,7 +102,7 @@ def test_cli_writes_the_report_and_rejects_bad_models(tiny_data, models, tmp_pat
     assert "--generator" in capsys.readouterr().err
     ckpt = load_checkpoint(resolve_checkpoint(run))
     mlm = save_model_dir(ckpt.generator, "masked_lm", tmp_path / "mlm", tokenizer_dir=ckpt.tokenizer_dir)
-    with pytest.raises(ConfigError, match="--discriminator=.*expected an ELECTRA discriminator"):
+    with pytest.raises(StoreError, match="--discriminator=.*expected an ELECTRA discriminator"):
         evaluate_rtd(run, [mlm], tiny_data[1])
 
 

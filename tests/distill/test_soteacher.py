@@ -15,10 +15,10 @@ from megakd.cli import main
 from megakd.config import ConfigError
 from megakd.distill.soteacher import ConsistencyStore, SoTeacherObjective
 from megakd.finetune.config import SoTeacherConfig
-from megakd.finetune.models import load_classifier
 from megakd.models.electra import SequenceClassifier
 from megakd.models.encoder import EncoderConfig
 from megakd.objectives.soteacher import consistency_loss, cr_weight, cr_weight_for_epoch, lipschitz_penalty
+from megakd.store.model_dir import load_classifier
 
 ROOT = Path(__file__).parents[2]
 

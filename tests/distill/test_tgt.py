@@ -16,9 +16,9 @@ from megakd.data.tokenizer import Tokenizer
 from megakd.distill.tgt import TeacherGenerator, TGTObjective
 from megakd.finetune.config import TGTConfig
 from megakd.finetune.data import EncodedTask, Example
-from megakd.finetune.models import save_classifier
 from megakd.models.electra import MaskedLM, SequenceClassifier
 from megakd.models.encoder import EncoderConfig
+from megakd.store.model_dir import save_classifier
 from tests.helpers import TINY_VOCAB
 
 ROOT = Path(__file__).parents[2]

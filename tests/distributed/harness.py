@@ -13,13 +13,13 @@ from pathlib import Path
 import torch
 
 from megakd.config import load_config
-from megakd.convert.checkpoints import read_unit_state
 from megakd.data.stream import PretrainingLoader
 from megakd.data.tokenizer import Tokenizer
-from megakd.engine.checkpoint import latest_checkpoint
 from megakd.engine.metrics import read_metrics as read_metrics_file
 from megakd.engine.pretrain import build_trainer
 from megakd.engine.trainer import Trainer
+from megakd.store.checkpoint import latest_checkpoint
+from megakd.store.checkpoint_models import read_unit_state
 
 REPO = Path(__file__).parents[2]
 CONFIG = REPO / "configs" / "electra-tiny.yaml"

@@ -15,8 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megakd.convert.checkpoints import read_unit_state
-from megakd.engine.checkpoint import latest_checkpoint
+from megakd.store.checkpoint import latest_checkpoint
+from megakd.store.checkpoint_models import read_unit_state
 from tests.distributed.harness import (
     WEIGHT_ATOL,
     assert_clipping_bites,

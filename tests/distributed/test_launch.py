@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from megakd.engine.checkpoint import latest_checkpoint, step_of
+from megakd.store.checkpoint import latest_checkpoint, step_of
 from tests.distributed.harness import (
     CONFIG,
     REPO,

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from megakd.config import ConfigError, load_config
-from megakd.convert.checkpoints import read_unit_state
-from megakd.engine.checkpoint import latest_checkpoint
 from megakd.engine.pretrain import run_pretraining
+from megakd.store.checkpoint import latest_checkpoint
+from megakd.store.checkpoint_models import read_unit_state
 from tests.distributed.harness import (
     CONFIG,
     ELECTRA_KEYS,

@@ -24,8 +24,7 @@ def main(spec_path: str) -> None:
     for run in spec["runs"]:
         cfg = load_config(spec["config"], run["overrides"])
         trainer = build_trainer(cfg)
-        if run.get("resume"):
-            trainer.resume(run["resume"])
+        trainer.open_run(run.get("resume"))
         trainer.train()
     if dist.is_initialized():
         dist.destroy_process_group()

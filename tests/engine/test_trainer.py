@@ -13,14 +13,14 @@ import torch
 
 from megakd.config import ConfigError, load_config
 from megakd.engine.pretrain import build_trainer
+from megakd.store import StoreError
 from tests.helpers import tiny_overrides as tiny_overrides_for
 
 
 def _train(tiny_data, run_dir, resume=None, **extra):
     cfg = load_config("configs/electra-tiny.yaml", tiny_overrides_for(tiny_data, run_dir, **extra))
     trainer = build_trainer(cfg)
-    if resume:
-        trainer.resume(resume)
+    trainer.open_run(resume)
     trainer.train()
     return trainer
 
@@ -56,7 +56,8 @@ def test_metrics_contract_and_run_dir(tiny_data, tmp_path):
     ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert ckpts == ["step_00000004"]  # keep_last=1 pruned step 2
     assert {p.name for p in (run / "checkpoints/step_00000004").iterdir()} >= {
-        "config.yaml", "generator.pt", "discriminator.pt", "tokenizer", "trainer_state_rank00000.pt"}
+        "config.yaml", "generator.safetensors", "generator.optim.pt", "discriminator.safetensors",
+        "discriminator.optim.pt", "tokenizer", "trainer_state_rank00000.pt", "manifest.json"}
 
 
 def _kill_when_logged(path, lines: int) -> threading.Thread:
@@ -95,8 +96,8 @@ def test_checkpoint_from_another_model_is_refused(tiny_data, tmp_path):
     _train(tiny_data, run, **{"train.max_steps": 1})
     cfg = load_config("configs/electra-tiny.yaml",
                       tiny_overrides_for(tiny_data, run, **{"model.discriminator.hidden_size": 64}))
-    with pytest.raises(ConfigError, match="model.discriminator.hidden_size=48"):
-        build_trainer(cfg).resume("auto")
+    with pytest.raises(StoreError, match=r"cannot resume with a different model.discriminator.hidden_size: 48 -> 64"):
+        build_trainer(cfg).open_run("auto")
 
 
 def test_nonfinite_losses_skip_then_stop(tiny_data, tmp_path):

@@ -15,10 +15,11 @@ from megakd.data.default_corpus import CORPUS_DIR
 from megakd.data.tokenizer import Tokenizer, train_tokenizer
 from megakd.finetune.config import FinetuneConfig, ModelInitConfig
 from megakd.finetune.data import EncodedTask, Example
-from megakd.finetune.models import build_classifier, load_classifier, load_pretrained, save_classifier
+from megakd.finetune.models import build_classifier, load_pretrained
 from megakd.finetune.trainer import MAX_BAD_STEPS, train_seed
 from megakd.models.electra import SequenceClassifier
 from megakd.models.encoder import EncoderConfig
+from megakd.store.model_dir import load_classifier, save_classifier
 
 ROOT = Path(__file__).parents[2]
 CONFIG = ROOT / "configs" / "finetune-rt.yaml"
@@ -61,13 +62,13 @@ def test_finetune_from_hf_export_lowers_the_train_loss(finetuned):
 
 
 def test_every_source_gives_the_same_encoder(pretrained_run, tmp_path):
-    from_run = load_pretrained(pretrained_run, tmp_path / "a")
-    from_hf = load_pretrained(pretrained_run / "hf" / "discriminator", tmp_path / "b")
+    from_run = load_pretrained(pretrained_run)
+    from_hf = load_pretrained(pretrained_run / "hf" / "discriminator")
     assert from_run.tokenizer.vocab_hash == from_hf.tokenizer.vocab_hash
     a, b = from_run.encoder.state_dict(), from_hf.encoder.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     init = ModelInitConfig(path=str(pretrained_run), init="random")
-    rand, _ = build_classifier(init, 2, 0.1, 0, tmp_path / "c", from_run)
+    rand, _ = build_classifier(init, 2, 0.1, 0, from_run)
     assert rand.config.hidden_size == from_run.config.hidden_size
     assert not torch.equal(rand.encoder.layers[0].ffn.fc_in.weight, a["layers.0.ffn.fc_in.weight"])
 
@@ -136,7 +137,7 @@ def test_teacher_with_another_tokenizer_is_refused(pretrained_run, tmp_path, cap
                        "labelreg.target=kd", "labelreg.alpha=0.5", f"labelreg.teacher={teacher}"))
     assert code == 2
     errors = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("megakd: error:")]
-    assert len(errors) == 1 and "labelreg.teacher" in errors[0] and "must share the tokenizer" in errors[0]
+    assert len(errors) == 1 and "labelreg.teacher" in errors[0] and "must share a tokenizer" in errors[0]
 
 
 class _NaNObjective:

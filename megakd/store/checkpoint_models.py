@@ -1,8 +1,8 @@
 """Read trained models out of megakd checkpoints, whichever backend wrote them.
 
-A checkpoint `step_NNNNNNNN/` holds `config.yaml`, `tokenizer/` and one state per optimizer unit:
-`<unit>.pt` (single/ddp backends: `torch.save({"model": state_dict, ...})`) or `<unit>/` (the
-DeepSpeed backend: `engine.save_checkpoint(step_dir / unit, tag="ds")` around a task module whose
+A checkpoint `step_NNNNNNNN/` holds `config.yaml`, `tokenizer/`, `manifest.json` and one state per
+optimizer unit: `<unit>.safetensors` (single/ddp backends and pipeline runs: the model weights; the
+optimizer state is beside it in `<unit>.optim.pt`) or `<unit>/` (the DeepSpeed backend: `engine.save_checkpoint(step_dir / unit, tag="ds")` around a task module whose
 `model` attribute is the unit's model, so consolidated keys start with "model."). Units are
 "generator" + "discriminator" (DecoupledOptim), "electra" (original ELECTRA: one ElectraPair) or
 "generator" alone (BERT-MLM).
@@ -17,17 +17,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from torch import Tensor, nn
 
 from megakd.config import Config, ConfigError, load_config
-from megakd.convert.common import ConversionError
-from megakd.engine.checkpoint import DEEPSPEED_TAG, latest_checkpoint
 from megakd.models.electra import Discriminator, ElectraPair, MaskedLM
+from megakd.store.checkpoint import DEEPSPEED_TAG, MANIFEST, list_checkpoints, newest_intact, verify
+from megakd.store.files import StoreError, deepspeed_safe_loading, first_line, load_state, load_weights
 
 log = logging.getLogger(__name__)
 
 DEEPSPEED_PREFIX = "model."
+WEIGHTS_SUFFIX = ".safetensors"  # `<unit>.safetensors`: a unit's model weights (single/ddp/pipeline)
+OPTIM_SUFFIX = ".optim.pt"  # `<unit>.optim.pt`: its optimizer, schedule and scaler state (weights-only)
 
 
 @dataclass
@@ -45,15 +46,17 @@ def resolve_checkpoint(src: str | Path) -> Path:
     """A run directory means its newest checkpoint; a checkpoint directory means itself."""
     src = Path(src)
     if not src.is_dir():
-        raise ConversionError(f"{src}: no such directory (expected a megakd run or checkpoint directory)")
+        raise StoreError(f"{src}: no such directory (expected a megakd run or checkpoint directory)")
     if (src / "checkpoints").is_dir():
-        found = latest_checkpoint(src)
+        found = newest_intact(src)
         if found is None:
-            raise ConversionError(f"{src}/checkpoints: no complete checkpoint (expected step_NNNNNNNN/)")
+            what = "no intact" if list_checkpoints(src) else "no complete"
+            raise StoreError(f"{src}/checkpoints: {what} checkpoint (expected step_NNNNNNNN/ with {MANIFEST})")
         return found
     if not (src / "config.yaml").is_file():
-        raise ConversionError(f"{src}: not a megakd run directory (no checkpoints/) or checkpoint directory "
-                              "(no config.yaml)")
+        raise StoreError(f"{src}: not a megakd run directory (no checkpoints/) or checkpoint directory "
+                         "(no config.yaml)")
+    verify(src)
     return src
 
 
@@ -63,25 +66,18 @@ def unit_names(cfg: Config) -> list[str]:
     return ["generator", "discriminator"] if cfg.electra.decoupled else ["electra"]
 
 
-def _read_torch_unit(path: Path) -> dict[str, Tensor]:
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:
-        raise ConversionError(f"{path}: cannot read ({type(err).__name__}: {str(err).splitlines()[0]})") from None
-    if not isinstance(state, dict) or not isinstance(state.get("model"), Mapping):
-        raise ConversionError(f"{path}: expected a dict with a 'model' state dict")
-    return dict(state["model"])
 
 
 def _read_deepspeed_unit(directory: Path) -> dict[str, Tensor]:
     """fp32 weights of a DeepSpeed checkpoint directory (ZeRO 0-3), consolidated on CPU."""
     tag_dir = directory / DEEPSPEED_TAG
     if not tag_dir.is_dir():
-        raise ConversionError(f"{directory}: no DeepSpeed tag directory '{DEEPSPEED_TAG}/'")
+        raise StoreError(f"{directory}: no DeepSpeed tag directory '{DEEPSPEED_TAG}/'")
     # Without ZeRO the model-states file holds the whole weights; with ZeRO 1-3 the fp32 master
     # weights live in the optimizer shards and must be consolidated (also under bf16/fp16).
     plain = tag_dir / "mp_rank_00_model_states.pt"
-    state = torch.load(plain, map_location="cpu", weights_only=False) if plain.is_file() else {}
+    with deepspeed_safe_loading(tag_dir):
+        state = load_state(plain) if plain.is_file() else {}
     if state and not (state.get("ds_config") or {}).get("zero_optimization", {}).get("stage", 0):
         sd = dict(state["module"])
     else:
@@ -89,28 +85,28 @@ def _read_deepspeed_unit(directory: Path) -> dict[str, Tensor]:
 
         chatter = io.StringIO()  # zero_to_fp32 prints its progress; keep it at debug level
         try:
-            with contextlib.redirect_stdout(chatter):
+            with contextlib.redirect_stdout(chatter), deepspeed_safe_loading(tag_dir):
                 sd = dict(get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=DEEPSPEED_TAG))
         except Exception as err:
-            message = str(err).splitlines()[0] if str(err) else type(err).__name__
-            raise ConversionError(f"{directory}: cannot consolidate the DeepSpeed ZeRO checkpoint ({message})") from None
+            message = first_line(err)
+            raise StoreError(f"{directory}: cannot consolidate the DeepSpeed ZeRO checkpoint ({message})") from None
         finally:
             log.debug("zero_to_fp32: %s", chatter.getvalue())
     if not all(k.startswith(DEEPSPEED_PREFIX) for k in sd):
-        raise ConversionError(f"{directory}: expected DeepSpeed module keys prefixed {DEEPSPEED_PREFIX!r} "
+        raise StoreError(f"{directory}: expected DeepSpeed module keys prefixed {DEEPSPEED_PREFIX!r} "
                               f"(the task's model), got e.g. {next(iter(sd), None)!r}")
     return {k[len(DEEPSPEED_PREFIX):]: v.float() for k, v in sd.items()}
 
 
 def read_unit_state(step_dir: Path, unit: str) -> dict[str, Tensor]:
-    """The model state dict of one unit: `<unit>.pt` or a DeepSpeed directory `<unit>/`."""
-    path, directory = step_dir / f"{unit}.pt", step_dir / unit
+    """The model state dict of one unit: `<unit>.safetensors` or a DeepSpeed directory `<unit>/`."""
+    path, directory = step_dir / f"{unit}{WEIGHTS_SUFFIX}", step_dir / unit
     if path.is_file():
-        return _read_torch_unit(path)
+        return load_weights(path)
     if directory.is_dir():
         return _read_deepspeed_unit(directory)
-    raise ConversionError(f"{step_dir}: no state for unit '{unit}' (expected {unit}.pt or a DeepSpeed "
-                          f"directory {unit}/)")
+    raise StoreError(f"{step_dir}: no state for unit '{unit}' (expected {unit}{WEIGHTS_SUFFIX} or a DeepSpeed "
+                     f"directory {unit}/)")
 
 
 def load_state_checked(model: nn.Module, sd: Mapping[str, Tensor], source: str, config_key: str) -> None:
@@ -131,13 +127,13 @@ def load_state_checked(model: nn.Module, sd: Mapping[str, Tensor], source: str, 
                 sd[key] = sd[present[0]]
     for key, tensor in expected.items():
         if key not in sd:
-            raise ConversionError(f"{source}: no weights for {key!r} (expected by {config_key})")
+            raise StoreError(f"{source}: no weights for {key!r} (expected by {config_key})")
         if tuple(sd[key].shape) != tuple(tensor.shape):
-            raise ConversionError(f"{source}: {key!r} has shape {list(sd[key].shape)} but {config_key} "
+            raise StoreError(f"{source}: {key!r} has shape {list(sd[key].shape)} but {config_key} "
                                   f"expects {list(tensor.shape)}")
     extra = sorted(set(sd) - set(expected))
     if extra:
-        raise ConversionError(f"{source}: unexpected weights {extra[0]!r} ({len(extra)} in all) for the model "
+        raise StoreError(f"{source}: unexpected weights {extra[0]!r} ({len(extra)} in all) for the model "
                               f"{config_key} describes")
     model.load_state_dict(sd, strict=True)
 
@@ -147,16 +143,17 @@ def load_checkpoint(step_dir: str | Path) -> CheckpointModels:
     step_dir = Path(step_dir)
     config_file = step_dir / "config.yaml"
     if not config_file.is_file():
-        raise ConversionError(f"{config_file}: missing (not a megakd checkpoint directory)")
+        raise StoreError(f"{config_file}: missing (not a megakd checkpoint directory)")
     try:
         cfg = load_config(config_file)
     except ConfigError as err:
-        raise ConversionError(str(err)) from None
+        raise StoreError(str(err)) from None
     generator = MaskedLM(cfg.model.generator)
     discriminator = Discriminator(cfg.model.discriminator) if cfg.model.objective == "electra" else None
     for unit in unit_names(cfg):
         sd = read_unit_state(step_dir, unit)
-        source = f"{step_dir / unit}{'.pt' if (step_dir / f'{unit}.pt').is_file() else '/'}"
+        weights = step_dir / f"{unit}{WEIGHTS_SUFFIX}"
+        source = str(weights) if weights.is_file() else f"{step_dir / unit}/"
         if unit == "electra":
             pair = ElectraPair(generator, discriminator, share_embeddings=True)
             load_state_checked(pair, sd, source, f"{config_file} (model.generator / model.discriminator)")

@@ -1,4 +1,4 @@
-"""The megakd model directory: one trained or imported model, loadable without its run or config tree.
+"""Model directories: one trained, imported or fine-tuned model, loadable without its run or config tree.
 
 Format ("megakd-model/1"), written by `save_model_dir` and `megakd convert from-hf`:
 
@@ -10,7 +10,17 @@ Format ("megakd-model/1"), written by `save_model_dir` and `megakd convert from-
 kind: "masked_lm" (`MaskedLM`: ELECTRA generator or BERT-MLM, e.g. a DWT teacher),
 "discriminator" (`Discriminator`) or "encoder" (a bare `Encoder`, e.g. from `BertModel`).
 `hf_kind` remembers the native HF flavour so `megakd convert to-hf` can write it back.
-DWT and fine-tuning call `load_model_dir(path) -> (kind, model)`.
+
+A fine-tuned classifier directory ("megakd-classifier/1", written by `megakd finetune`) is what KD
+teachers, self-KD copies and TGT labelers are loaded from:
+
+    classifier.yaml     format, encoder fields, num_labels, task, provenance
+    model.safetensors   the SequenceClassifier state dict
+    tokenizer/spm.model the megakd SentencePiece tokenizer the model reads
+
+Local HuggingFace BERT/ELECTRA directories are read through the same mapping `convert from-hf`
+uses (`read_hf_dir`). Everything here is read with safetensors or transformers' weights-only
+loading; `megakd.store.load_model` is the one entry point that chooses among them.
 """
 
 from __future__ import annotations
@@ -27,12 +37,12 @@ import yaml
 from safetensors.torch import load_model, save_model
 from torch import Tensor, nn
 
-from megakd.convert.checkpoints import load_state_checked
-from megakd.convert.common import ConversionError, atomic_output_dir
 from megakd.data.tokenizer import Tokenizer
-from megakd.models.electra import Discriminator, MaskedLM
+from megakd.fsutil import atomic_output_dir
+from megakd.models.electra import Discriminator, MaskedLM, SequenceClassifier
 from megakd.models.encoder import Encoder, EncoderConfig
-from megakd.models.hf_mapping import encoder_config_from_hf, from_hf_state_dict
+from megakd.store.checkpoint_models import load_state_checked
+from megakd.store.files import StoreError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -59,9 +69,9 @@ def save_model_dir(model: nn.Module, kind: str, out: str | Path, *, tokenizer_di
                    source: dict[str, Any] | None = None, force: bool = False) -> Path:
     """Write `model` as a megakd model directory (atomically; a non-empty `out` needs `force`)."""
     if kind not in MODEL_KINDS or not isinstance(model, MODEL_KINDS[kind]):
-        raise ConversionError(f"kind {kind!r}: expected one of {sorted(MODEL_KINDS)} matching the model "
+        raise StoreError(f"kind {kind!r}: expected one of {sorted(MODEL_KINDS)} matching the model "
                               f"({type(model).__name__})")
-    with atomic_output_dir(out, force) as tmp:
+    with atomic_output_dir(out, force=force, error=StoreError, hint=" (use --force to replace it)") as tmp:
         info: dict[str, Any] = {"format": MODEL_FORMAT, "kind": kind, "hf_kind": hf_kind,
                                 "encoder": dataclasses.asdict(model.config), "tokenizer": None,
                                 "hf_tokenizer": None, "source": source or {}}
@@ -86,23 +96,26 @@ def read_model_dir_info(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     file = path / MODEL_FILE
     if not file.is_file():
-        raise ConversionError(f"{file}: missing (not a megakd model directory)")
-    info = yaml.safe_load(file.read_text())
+        raise StoreError(f"{file}: missing (not a megakd model directory)")
+    try:
+        info = yaml.safe_load(file.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        raise StoreError(f"{file}: not valid YAML ({first_line(err)})") from None
     if not isinstance(info, dict) or info.get("format") != MODEL_FORMAT:
-        raise ConversionError(f"{file}: format: expected {MODEL_FORMAT!r}")
+        raise StoreError(f"{file}: format: expected {MODEL_FORMAT!r}")
     if info.get("kind") not in MODEL_KINDS:
-        raise ConversionError(f"{file}: kind: expected one of {sorted(MODEL_KINDS)}, got {info.get('kind')!r}")
+        raise StoreError(f"{file}: kind: expected one of {sorted(MODEL_KINDS)}, got {info.get('kind')!r}")
     known = {f.name for f in dataclasses.fields(EncoderConfig)}
     fields = info.get("encoder")
     if not isinstance(fields, dict):
-        raise ConversionError(f"{file}: encoder: expected a mapping of EncoderConfig fields")
+        raise StoreError(f"{file}: encoder: expected a mapping of EncoderConfig fields")
     unknown = sorted(set(fields) - known)
     if unknown:
-        raise ConversionError(f"{file}: encoder.{unknown[0]}: unknown EncoderConfig field")
+        raise StoreError(f"{file}: encoder.{unknown[0]}: unknown EncoderConfig field")
     try:
         info["encoder_config"] = EncoderConfig(**fields).validate()
     except ValueError as err:
-        raise ConversionError(f"{file}: {err}") from None
+        raise StoreError(f"{file}: {err}") from None
     for key in ("tokenizer", "hf_tokenizer"):
         if info.get(key):
             info[key] = path / info[key]
@@ -116,11 +129,11 @@ def load_model_dir(path: str | Path) -> tuple[str, nn.Module]:
     model = MODEL_KINDS[kind](info["encoder_config"])
     weights = Path(path) / WEIGHTS_FILE
     if not weights.is_file():
-        raise ConversionError(f"{weights}: missing")
+        raise StoreError(f"{weights}: missing")
     try:
         load_model(model, str(weights), strict=True)
-    except RuntimeError as err:
-        raise ConversionError(f"{weights}: does not match {Path(path) / MODEL_FILE} "
+    except Exception as err:  # mismatched keys, or not a safetensors file at all
+        raise StoreError(f"{weights}: does not match {Path(path) / MODEL_FILE} "
                               f"({str(err).splitlines()[0]})") from None
     return kind, model.eval()
 
@@ -128,16 +141,16 @@ def load_model_dir(path: str | Path) -> tuple[str, nn.Module]:
 def _hf_architecture(src: Path) -> tuple[str, dict]:
     config_file = src / "config.json"
     if not config_file.is_file():
-        raise ConversionError(f"{config_file}: missing (expected a local HuggingFace model directory)")
+        raise StoreError(f"{config_file}: missing (expected a local HuggingFace model directory)")
     try:
         raw = json.loads(config_file.read_text())
     except json.JSONDecodeError as err:
-        raise ConversionError(f"{config_file}: not valid JSON ({err})") from None
+        raise StoreError(f"{config_file}: not valid JSON ({err})") from None
     architectures = raw.get("architectures") or []
     for arch in architectures:
         if arch in HF_ARCHITECTURES:
             return arch, raw
-    raise ConversionError(f"{config_file}: unsupported architectures {architectures} (model_type "
+    raise StoreError(f"{config_file}: unsupported architectures {architectures} (model_type "
                           f"{raw.get('model_type')!r}); expected one of {', '.join(HF_ARCHITECTURES)}")
 
 
@@ -155,6 +168,8 @@ def _megakd_tokenizer_in(src: Path) -> Path | None:
 
 def import_hf_state_dict(sd: dict[str, Tensor], architecture: str) -> dict[str, Tensor]:
     """HF weights of a supported architecture → the megakd state dict of its kind."""
+    from megakd.models.hf_mapping import from_hf_state_dict
+
     kind, mapping_kind, prefix, drop = HF_ARCHITECTURES[architecture]
     sd = {prefix + k: v for k, v in sd.items()}
     sd = {k: v for k, v in sd.items() if not k.startswith(drop)} if drop else sd
@@ -164,31 +179,88 @@ def import_hf_state_dict(sd: dict[str, Tensor], architecture: str) -> dict[str, 
     return out
 
 
-def from_hf(src: str | Path, out: str | Path, force: bool = False) -> tuple[str, nn.Module]:
-    """`megakd convert from-hf`: a local HF BERT/ELECTRA directory → a megakd model directory at `out`."""
+@dataclasses.dataclass
+class HFModel:
+    """A local HF BERT/ELECTRA directory read as a megakd model (not yet written anywhere)."""
+
+    kind: str
+    model: nn.Module
+    hf_kind: str | None  # the native flavour to export back to (None for a bare encoder)
+    tokenizer_dir: Path | None  # the source itself when it carries a megakd SentencePiece model
+    source: dict[str, Any]
+
+
+def read_hf_dir(src: str | Path) -> HFModel:
+    """A local HF BERT/ELECTRA directory → the megakd model of its kind (eval mode)."""
+    from megakd.models.hf_mapping import encoder_config_from_hf  # imports transformers: only when needed
+
     src = Path(src)
     architecture, raw = _hf_architecture(src)
     kind, mapping_kind, _, _ = HF_ARCHITECTURES[architecture]
     hf_class = getattr(__import__("transformers", fromlist=[architecture]), architecture)
-    hf_config = hf_class.config_class.from_pretrained(src, local_files_only=True)
     try:
+        hf_config = hf_class.config_class.from_pretrained(src, local_files_only=True)
         config = encoder_config_from_hf(hf_config)
-    except ValueError as err:
-        raise ConversionError(f"{src / 'config.json'}: {err}") from None
-    hf_model, loading = hf_class.from_pretrained(src, local_files_only=True, output_loading_info=True,
-                                                 dtype=torch.float32)
+    except (ValueError, OSError) as err:
+        raise StoreError(f"{src / 'config.json'}: {first_line(err)}") from None
+    try:
+        hf_model, loading = hf_class.from_pretrained(src, local_files_only=True, output_loading_info=True,
+                                                     dtype=torch.float32)
+    except Exception as err:  # transformers loads weights-only; a payload or garbage ends here
+        raise StoreError(f"{src}: cannot load the {architecture} weights ({first_line(err)[:200]})") from None
     missing = [k for k in loading["missing_keys"] if not k.endswith((".position_ids", ".token_type_ids"))]
     if missing:
-        raise ConversionError(f"{src}: the weights lack {missing[0]!r} ({len(missing)} missing) for {architecture}")
+        raise StoreError(f"{src}: the weights lack {missing[0]!r} ({len(missing)} missing) for {architecture}")
     try:
         sd = import_hf_state_dict(dict(hf_model.state_dict()), architecture)
     except ValueError as err:
-        raise ConversionError(f"{src}: {err}") from None
+        raise StoreError(f"{src}: {err}") from None
     model = MODEL_KINDS[kind](config)
     load_state_checked(model, sd, str(src), f"{src / 'config.json'}")
-    tokenizer_dir = _megakd_tokenizer_in(src)
     source = {"path": str(src.resolve()), "architecture": architecture, "model_type": raw.get("model_type")}
-    save_model_dir(model, kind, out, tokenizer_dir=tokenizer_dir, hf_tokenizer_dir=None if tokenizer_dir else src,
-                   hf_kind=None if kind == "encoder" else mapping_kind, source=source, force=force)
-    log.info("imported %s (%s) as a megakd %s model in %s", src, architecture, kind, out)
-    return kind, model.eval()
+    return HFModel(kind, model.eval(), None if kind == "encoder" else mapping_kind, _megakd_tokenizer_in(src),
+                   source)
+
+
+# -- fine-tuned classifiers -----------------------------------------------------------------------
+
+CLASSIFIER_FORMAT = "megakd-classifier/1"
+CLASSIFIER_FILE = "classifier.yaml"
+
+
+def save_classifier(model: SequenceClassifier, tokenizer: Tokenizer, out: str | Path,
+                    extra: dict[str, Any] | None = None) -> Path:
+    """Write a fine-tuned classifier directory atomically (replacing an older one)."""
+    with atomic_output_dir(out, force=True, error=StoreError) as tmp:
+        (tmp / "tokenizer").mkdir()
+        shutil.copyfile(tokenizer.path / "spm.model", tmp / "tokenizer" / "spm.model")
+        save_model(model, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        info = {"format": CLASSIFIER_FORMAT, "num_labels": model.num_labels,
+                "encoder": dataclasses.asdict(model.config), **(extra or {})}
+        (tmp / CLASSIFIER_FILE).write_text(yaml.safe_dump(info, sort_keys=False))
+    return Path(out)
+
+
+def load_classifier(path: str | Path) -> tuple[SequenceClassifier, Tokenizer]:
+    """(model in eval mode, tokenizer) from a fine-tuned classifier directory."""
+    path = Path(path)
+    file = path / CLASSIFIER_FILE
+    if not file.is_file():
+        raise StoreError(f"{file}: missing (expected a fine-tuned classifier directory from megakd finetune)")
+    try:
+        info = yaml.safe_load(file.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        raise StoreError(f"{file}: not valid YAML ({first_line(err)})") from None
+    if not isinstance(info, dict) or info.get("format") != CLASSIFIER_FORMAT:
+        raise StoreError(f"{file}: format: expected {CLASSIFIER_FORMAT!r}")
+    try:
+        config = EncoderConfig(**info["encoder"]).validate()
+    except (TypeError, ValueError, KeyError) as err:
+        raise StoreError(f"{file}: encoder: {err}") from None
+    model = SequenceClassifier(config, int(info["num_labels"]))
+    weights = path / WEIGHTS_FILE
+    try:
+        load_model(model, str(weights), strict=True)
+    except Exception as err:
+        raise StoreError(f"{weights}: cannot load as this classifier's safetensors ({first_line(err)[:200]})") from None
+    return model.eval(), Tokenizer.load(path / "tokenizer")

@@ -184,7 +184,7 @@ def _classifier(layers: int, hidden: int, seed: int = 0):
 def test_selfkd_teacher_must_have_the_students_architecture(tiny_data, tmp_path):
     from megakd.config import ConfigError
     from megakd.data.tokenizer import Tokenizer
-    from megakd.finetune.models import save_classifier
+    from megakd.store.model_dir import save_classifier
     from megakd.finetune.trainer import check_same_architecture
 
     tokenizer = Tokenizer.load(tiny_data[0])
@@ -203,7 +203,7 @@ def test_selfkd_teacher_must_have_the_students_architecture(tiny_data, tmp_path)
 def test_annealing_kd_and_selfkd_refusal_through_the_cli(tiny_electra_run, tiny_data, tmp_path):
     from megakd.cli import main
     from megakd.data.tokenizer import Tokenizer
-    from megakd.finetune.models import save_classifier
+    from megakd.store.model_dir import save_classifier
 
     student_path = tiny_electra_run / "hf" / "discriminator"
     teacher = save_classifier(_classifier(1, 24), Tokenizer.load(tiny_data[0]), tmp_path / "teacher")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -18,12 +19,13 @@ from typing import Any
 
 import yaml
 
+from megakd.errors import UserError
 from megakd.kernels import BACKENDS
 from megakd.models.encoder import EncoderConfig
 from megakd.objectives.distill import ALPHA_SCHEDULES
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A config file or override is invalid; the message names the key."""
 
 
@@ -282,14 +284,21 @@ def _coerce(value: Any, tp: Any, key: str, default: Any = None) -> Any:
             return int(value)
         raise ConfigError(f"{key}: expected an integer, got {value!r}")
     if tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "1e-4" as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads "1e-4" as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{key}: expected a number, got {value!r}")
+        if number is None:
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        # No key means anything with inf or nan (clip_norm uses 0 for "off"): a non-finite loss
+        # weight, LR or temperature would only surface as NaN gradients hours into a run.
+        if not math.isfinite(number):
+            raise ConfigError(f"{key}: expected a finite number, got {value!r}")
+        return number
     if tp is str:
         if isinstance(value, str):
             return value

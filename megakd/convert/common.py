@@ -7,9 +7,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from megakd import fsutil
+from megakd.errors import UserError
 
 
-class ConversionError(ValueError):
+class ConversionError(UserError):
     """Bad conversion input; the one-line message names the file or key and what was expected."""
 
 

@@ -26,18 +26,27 @@ from megakd.engine import checkpoint
 from megakd.engine.backends import Backend, Unit
 from megakd.engine.metrics import MetricsWriter, plot_metrics
 from megakd.engine.tasks import TeacherKD
+from megakd.errors import UserError
 from megakd.objectives.electra import corrupt, precision_recall_f1
 
 log = logging.getLogger(__name__)
 
-PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# Every signal a scheduler (SIGTERM, Slurm's SIGUSR1) or a person (Ctrl-C: SIGINT) sends to stop a
+# run ends in a checkpoint at the next step boundary. DataLoader workers ignore them
+# (megakd.data.stream), so a signal to the whole process group reaches only the ranks' handlers.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 @dataclass
 class TrainResult:
     step: int
-    preempted: bool
+    preempted: bool  # stopped on a signal, after writing a checkpoint
     run_dir: Path
+    interrupted: bool = False  # the signal was SIGINT on some rank (the command exits 130, not 0)
+
+
+class TooManyBadSteps(UserError):
+    """`train.max_bad_steps` non-finite steps in a row: the run stops, its last checkpoint intact."""
 
 
 class Trainer:
@@ -58,7 +67,7 @@ class Trainer:
         self.interval: dict[str, torch.Tensor] = defaultdict(
             lambda: torch.zeros((), dtype=torch.float64, device=backend.device))
         self.rng = torch.Generator().manual_seed(cfg.train.seed * 100_003 + backend.data_rank)
-        self._preempt_requested = False
+        self._stop_signal: int | None = None  # the first stop signal received, if any
 
     # -- state -----------------------------------------------------------------------------------
     def rank_state(self) -> dict:
@@ -170,20 +179,22 @@ class Trainer:
             for unit in self.units.values():
                 self.backend.skip_step(unit)
             return self._skipped("non-finite loss")
+        norms = self.backend.step(list(self.units.values()))
+        if norms is None:
+            return self._skipped("non-finite gradient norm")
         self.bad_steps = 0
-        norms = {}
-        for name, unit in self.units.items():
-            norms[name] = self.backend.step(unit)
         self.step += 1
         return norms
 
     def _skipped(self, what: str) -> None:
+        """Count a skipped update; `train.max_bad_steps` of them in a row stop the run unsaved."""
         self.bad_steps += 1
-        log.warning("%s at step %d: step skipped (%d in a row)", what, self.step + 1, self.bad_steps)
+        log.warning("%s at step %d: update skipped (%d in a row)", what, self.step + 1, self.bad_steps)
         if self.bad_steps >= self.cfg.train.max_bad_steps:
-            raise RuntimeError(
-                f"{self.bad_steps} non-finite losses in a row (train.max_bad_steps="
-                f"{self.cfg.train.max_bad_steps}): stopping at step {self.step}"
+            raise TooManyBadSteps(
+                f"train.max_bad_steps={self.cfg.train.max_bad_steps}: {self.bad_steps} steps in a row had a "
+                f"non-finite loss or gradient norm (last: {what}); stopped at step {self.step} without saving, "
+                f"the checkpoints in {self.run_dir / 'checkpoints'} are untouched"
             )
 
     # -- metrics ---------------------------------------------------------------------------------
@@ -217,12 +228,25 @@ class Trainer:
 
     # -- the loop ----------------------------------------------------------------------------------
     def _on_signal(self, signum, _frame) -> None:
-        log.warning("received %s: will save a checkpoint and stop after this step", signal.Signals(signum).name)
-        self._preempt_requested = True
+        if signum == signal.SIGINT and self._stop_signal == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: abort now, without a checkpoint
+        name = signal.Signals(signum).name
+        if self._stop_signal is None:
+            log.warning("received %s: will save a checkpoint and stop after this step%s", name,
+                        " (a second SIGINT aborts at once)" if signum == signal.SIGINT else "")
+            self._stop_signal = signum
+        elif signum == signal.SIGINT:
+            self._stop_signal = signum  # already stopping; the next SIGINT aborts
 
-    def _stop_requested(self) -> bool:
-        flag = torch.tensor(float(self._preempt_requested))
-        return self.backend.all_reduce_sum(flag).item() > 0
+    def _stop_requested(self) -> tuple[bool, bool]:
+        """(stop now, a SIGINT was among the signals), agreed by all ranks at this step boundary.
+
+        A signal may reach one rank only (or one rank first); the all-reduce makes every rank stop
+        after the same step, so the checkpoint holds one consistent step.
+        """
+        flags = torch.tensor([float(self._stop_signal is not None), float(self._stop_signal == signal.SIGINT)])
+        stop, interrupted = (self.backend.all_reduce_sum(flags) > 0).tolist()
+        return stop, interrupted
 
     def train(self) -> TrainResult:
         cfg = self.cfg
@@ -235,13 +259,13 @@ class Trainer:
                 wandb_project=cfg.run.wandb_project, wandb_mode=cfg.run.wandb_mode,
                 config=config_to_dict(cfg), resume_step=self.step,
             )
-        previous = {s: signal.signal(s, self._on_signal) for s in PREEMPT_SIGNALS}
+        previous = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
         bar = None
         if self.backend.is_main and cfg.run.progress_bar:
             from tqdm import tqdm
 
             bar = tqdm(total=cfg.train.max_steps, initial=self.step, unit="step", dynamic_ncols=True)
-        preempted = False
+        preempted = interrupted = False
         last_saved = self.step
         try:
             for unit in self.units.values():
@@ -251,28 +275,28 @@ class Trainer:
             steps_in_interval, t0 = 0, time.perf_counter()
             while self.step < cfg.train.max_steps:
                 norms = self.train_step(batches)
-                if norms is None:
-                    continue
-                for k, v in norms.items():
-                    norms_sum[k] += v
-                steps_in_interval += 1
-                if bar is not None:
-                    bar.update(1)
-                if self.step % cfg.train.log_every == 0 or self.step == cfg.train.max_steps:
-                    rec = self._record(norms_sum, steps_in_interval, time.perf_counter() - t0)
-                    if writer is not None:
-                        writer.write(rec)
+                stop, interrupted = self._stop_requested()
+                if norms is not None:
+                    for k, v in norms.items():
+                        norms_sum[k] += v
+                    steps_in_interval += 1
                     if bar is not None:
-                        bar.set_postfix({k: f"{rec[k]:.3g}" for k in ("gen_loss", "disc_loss", "rtd_f1",
-                                                                         "tokens_per_s") if k in rec})
-                    norms_sum.clear()
-                    steps_in_interval, t0 = 0, time.perf_counter()
-                if self._stop_requested():
+                        bar.update(1)
+                    if self.step % cfg.train.log_every == 0 or self.step == cfg.train.max_steps:
+                        rec = self._record(norms_sum, steps_in_interval, time.perf_counter() - t0)
+                        if writer is not None:
+                            writer.write(rec)
+                        if bar is not None:
+                            bar.set_postfix({k: f"{rec[k]:.3g}" for k in ("gen_loss", "disc_loss", "rtd_f1",
+                                                                             "tokens_per_s") if k in rec})
+                        norms_sum.clear()
+                        steps_in_interval, t0 = 0, time.perf_counter()
+                if stop:
                     self.save()
                     preempted = True
                     log.warning("stopped at step %d on a signal; continue with --resume auto", self.step)
                     break
-                if cfg.train.save_every and self.step % cfg.train.save_every == 0:
+                if norms is not None and cfg.train.save_every and self.step % cfg.train.save_every == 0:
                     self.save()
                     last_saved = self.step
             if not preempted and last_saved != self.step:
@@ -286,7 +310,7 @@ class Trainer:
                 writer.close()
         if self.backend.is_main and cfg.run.plots and not preempted:
             plot_metrics(self.run_dir / "metrics.jsonl", self.run_dir / "plots")
-        return TrainResult(step=self.step, preempted=preempted, run_dir=self.run_dir)
+        return TrainResult(step=self.step, preempted=preempted, run_dir=self.run_dir, interrupted=interrupted)
 
 
 def _check_same_model(path: Path, cfg: Config) -> None:

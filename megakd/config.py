@@ -341,10 +341,7 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
         raise ConfigError(f"{path}: circular 'inherit'")
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
+    data = read_yaml_file(path)
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
     parents = data.pop("inherit", None) or []
@@ -354,6 +351,16 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     for parent in parents:
         merged = _merge(merged, _read_yaml(path.parent / parent, (*seen, path)))
     return _merge(merged, data)
+
+
+def read_yaml_file(path: Path) -> Any:
+    """`yaml.safe_load` of a file, with anything unreadable as a one-line `ConfigError` naming it."""
+    try:
+        return yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a YAML text file (not UTF-8)") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
 
 
 def parse_override(text: str) -> dict:
@@ -392,12 +399,17 @@ def load_config(
 ) -> Any:
     """Load a recipe (or the defaults), apply overrides, build and validate the dataclass tree."""
     data = _read_yaml(Path(path)) if path else {}
+    if path:  # the file alone first, so an error names where the bad value came from
+        try:
+            _build(cls, data)
+        except ConfigError as err:
+            raise ConfigError(f"{err} (in {path})") from None
     for text in overrides:
         data = _merge(data, parse_override(text))
     try:
         cfg = _build(cls, data)
     except ConfigError as err:
-        raise ConfigError(f"{err} (in {path})" if path else str(err)) from None
+        raise ConfigError(f"{err} (on the command line)" if overrides else str(err)) from None
     return cfg.validate()
 
 

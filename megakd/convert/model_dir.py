@@ -18,12 +18,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import pickle
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
+from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 from torch import Tensor, nn
 
@@ -164,6 +166,21 @@ def import_hf_state_dict(sd: dict[str, Tensor], architecture: str) -> dict[str, 
     return out
 
 
+HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                   "pytorch_model.bin.index.json")
+
+
+def _load_hf_weights(hf_class: type, src: Path):
+    """`from_pretrained` on a local directory, with missing or unreadable weights as one-line errors."""
+    if not any((src / name).is_file() for name in HF_WEIGHT_FILES):
+        raise ConversionError(f"{src}: no weights (expected one of {', '.join(HF_WEIGHT_FILES)} beside config.json)")
+    try:
+        return hf_class.from_pretrained(src, local_files_only=True, output_loading_info=True, dtype=torch.float32)
+    except (OSError, RuntimeError, ValueError, pickle.UnpicklingError, SafetensorError) as err:
+        reason = " ".join(str(err).split())[:200]
+        raise ConversionError(f"{src}: cannot read the weights ({type(err).__name__}: {reason})") from None
+
+
 def from_hf(src: str | Path, out: str | Path, force: bool = False) -> tuple[str, nn.Module]:
     """`megakd convert from-hf`: a local HF BERT/ELECTRA directory → a megakd model directory at `out`."""
     src = Path(src)
@@ -175,8 +192,7 @@ def from_hf(src: str | Path, out: str | Path, force: bool = False) -> tuple[str,
         config = encoder_config_from_hf(hf_config)
     except ValueError as err:
         raise ConversionError(f"{src / 'config.json'}: {err}") from None
-    hf_model, loading = hf_class.from_pretrained(src, local_files_only=True, output_loading_info=True,
-                                                 dtype=torch.float32)
+    hf_model, loading = _load_hf_weights(hf_class, src)
     missing = [k for k in loading["missing_keys"] if not k.endswith((".position_ids", ".token_type_ids"))]
     if missing:
         raise ConversionError(f"{src}: the weights lack {missing[0]!r} ({len(missing)} missing) for {architecture}")

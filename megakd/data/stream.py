@@ -21,10 +21,12 @@ Masks are pure functions of (seed, epoch, index) too (:mod:`megakd.data.masking`
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import logging
+import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -290,6 +292,32 @@ class _SlotDataset(IterableDataset):
             yield {"_error": e}
 
 
+# Signals that stop a run (preemption, Ctrl-C). The training process decides what they mean (a
+# checkpoint at the next step boundary); a DataLoader worker that died of one first would take
+# the run down without a checkpoint when the signal goes to the whole process group (Slurm,
+# `timeout`, a terminal's Ctrl-C). So workers ignore them.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+
+@contextlib.contextmanager
+def _stop_signals_blocked() -> Iterator[None]:
+    """Hold the stop signals back while DataLoader workers are forked: a child inherits the mask,
+    so none can die of one before `_ignore_stop_signals` runs. Held signals reach the training
+    process (its handlers) when the block ends."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _ignore_stop_signals(_worker_id: int) -> None:
+    """DataLoader `worker_init_fn`: ignore the stop signals (dropping any already pending), then unblock."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
 class PretrainingLoader:
     """Endless micro-batches for one rank, with ``state_dict``/``load_state_dict`` for exact resume.
 
@@ -384,8 +412,11 @@ class PretrainingLoader:
         # A private generator: DataLoader otherwise draws its base seed from the global RNG on
         # every iter(), which would shift dropout randomness and break bit-exact resume.
         loader = DataLoader(dataset, batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory,
-                            generator=torch.Generator().manual_seed(0))
-        for batch in loader:
+                            generator=torch.Generator().manual_seed(0),
+                            worker_init_fn=_ignore_stop_signals if self.num_workers else None)
+        with _stop_signals_blocked():  # workers start here, with the stop signals held back
+            batches = iter(loader)
+        for batch in batches:
             if "_error" in batch:
                 raise batch["_error"]
             slot = batch.pop("_slot")

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import yaml
 
-from megakd.config import Config, ConfigError, config_to_dict, save_config
+from megakd.config import Config, ConfigError, config_to_dict, read_yaml_file, save_config
+from megakd.data.stream import STOP_SIGNALS
 from megakd.engine import checkpoint
 from megakd.engine.backends import Backend, Unit
 from megakd.engine.metrics import MetricsWriter, plot_metrics
@@ -31,10 +31,6 @@ from megakd.objectives.electra import corrupt, precision_recall_f1
 
 log = logging.getLogger(__name__)
 
-# Every signal a scheduler (SIGTERM, Slurm's SIGUSR1) or a person (Ctrl-C: SIGINT) sends to stop a
-# run ends in a checkpoint at the next step boundary. DataLoader workers ignore them
-# (megakd.data.stream), so a signal to the whole process group reaches only the ranks' handlers.
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 @dataclass
@@ -318,7 +314,9 @@ def _check_same_model(path: Path, cfg: Config) -> None:
     saved_file = path / "config.yaml"
     if not saved_file.is_file():
         raise FileNotFoundError(f"{saved_file} is missing: {path} is not a complete megakd checkpoint")
-    saved = yaml.safe_load(saved_file.read_text())
+    saved = read_yaml_file(saved_file)
+    if not isinstance(saved, dict):
+        raise ConfigError(f"{saved_file}: expected a mapping of config sections, got {type(saved).__name__}")
     current = config_to_dict(cfg)
     for section in ("model", "electra"):
         saved_flat = _flatten(saved.get(section, {}), section)

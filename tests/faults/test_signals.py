@@ -140,7 +140,8 @@ def test_signal_under_torchrun_with_workers(tiny_data, tmp_path, to_one_rank):
                          text), text[-4000:]
     assert sorted(p.name for p in latest_checkpoint(run).glob("trainer_state_rank*.pt")) == [
         "trainer_state_rank00000.pt", "trainer_state_rank00001.pt"]
-    # torchrun itself reports a SIGTERM it received as a failure; the ranks exited 0 (above).
+    # torchrun itself takes a SIGTERM it receives as a failure (its own SignalException traceback
+    # and a non-zero exit, after the ranks finished); launch/*.sh shield it. No megakd frame fails.
     if to_one_rank:
         assert got == 0, text[-4000:]
-    assert "Traceback" not in text.split("torch.distributed.elastic")[0]
+    assert not re.search(r'File "[^"]*/megakd/', text), text[-4000:]

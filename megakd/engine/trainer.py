@@ -32,7 +32,6 @@ from megakd.objectives.electra import corrupt, precision_recall_f1
 log = logging.getLogger(__name__)
 
 
-
 @dataclass
 class TrainResult:
     step: int

@@ -12,6 +12,7 @@ import os
 import sys
 
 from megakd.config import ConfigError, load_config
+from megakd.errors import UserError
 
 log = logging.getLogger("megakd")
 
@@ -41,12 +42,16 @@ def cmd_distill(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace, run) -> int:
-    """Train, then (rank 0, unless preempted) export the newest checkpoint to run.dir/hf."""
+    """Train, then (rank 0, unless stopped early) export the newest checkpoint to run.dir/hf.
+
+    Exit 0 when finished or stopped by SIGTERM/SIGUSR1 (preemption: a scheduler requeues the
+    job); 130 (128 + SIGINT, the shell's code for Ctrl-C) when stopped by SIGINT, so a script or
+    loop around the command stops too. Either way the checkpoint of the last step was written."""
     cfg = load_config(args.config, args.overrides)
     result = run(cfg, resume=args.resume, allow_change=tuple(args.allow_change))
     if result.preempted:
-        log.warning("preempted at step %d; run the same command with --resume auto to continue", result.step)
-        return 0
+        log.warning("stopped at step %d; run the same command with --resume auto to continue", result.step)
+        return EXIT_INTERRUPTED if result.interrupted else 0
     if cfg.run.export_hf and int(os.environ.get("RANK", "0")) == 0:
         from megakd.convert import export_run
 
@@ -336,18 +341,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT
+
+# Operating-system errors that mean bad input (a path that is missing, taken, of the wrong kind
+# or not writable). Others (disk full, I/O errors) are not the user's input and keep their traceback.
+_INPUT_OS_ERRORS = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)
+
+
+def _one_line(err: BaseException) -> str:
+    if isinstance(err, OSError) and err.filename is not None:
+        return f"{err.filename}: {err.strerror.lower() if err.strerror else err}"
+    return " ".join(str(err).split())
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, FileExistsError) as err:
-        # Bad input (ConfigError, ConversionError, ShardError and the data pipeline's checks are
-        # ValueErrors): one line naming the file or key, exit 2. --log-level DEBUG keeps the traceback.
+    except (UserError, *_INPUT_OS_ERRORS) as err:
+        # Bad input: one line naming the file or key, exit 2. Any other exception is a bug and
+        # keeps its traceback; --log-level DEBUG keeps it here too.
         if args.log_level == "DEBUG":
             raise
-        print(f"megakd: error: {err}", file=sys.stderr)
-        return 2
+        print(f"megakd: error: {_one_line(err)}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        # A second Ctrl-C during training (the first one asks for a checkpoint), or one before
+        # training started.
+        print("megakd: interrupted: stopped at once, nothing saved since the last checkpoint", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from megakd.errors import UserError
 from megakd.kernels import BACKENDS
 from megakd.models.encoder import EncoderConfig
 from megakd.objectives.distill import ALPHA_SCHEDULES
@@ -25,7 +27,7 @@ from megakd.objectives.distill import ALPHA_SCHEDULES
 JOINT_CLIPS = ("weighted", "unweighted")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A config file or override is invalid; the message names the key."""
 
 
@@ -290,14 +292,21 @@ def _coerce(value: Any, tp: Any, key: str, default: Any = None) -> Any:
             return int(value)
         raise ConfigError(f"{key}: expected an integer, got {value!r}")
     if tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "1e-4" as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads "1e-4" as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{key}: expected a number, got {value!r}")
+        if number is None:
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        # No key means anything with inf or nan (clip_norm uses 0 for "off"): a non-finite loss
+        # weight, LR or temperature would only surface as NaN gradients hours into a run.
+        if not math.isfinite(number):
+            raise ConfigError(f"{key}: expected a finite number, got {value!r}")
+        return number
     if tp is str:
         if isinstance(value, str):
             return value
@@ -340,10 +349,7 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
         raise ConfigError(f"{path}: circular 'inherit'")
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
+    data = read_yaml_file(path)
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
     parents = data.pop("inherit", None) or []
@@ -353,6 +359,16 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     for parent in parents:
         merged = _merge(merged, _read_yaml(path.parent / parent, (*seen, path)))
     return _merge(merged, data)
+
+
+def read_yaml_file(path: Path) -> Any:
+    """`yaml.safe_load` of a file, with anything unreadable as a one-line `ConfigError` naming it."""
+    try:
+        return yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a YAML text file (not UTF-8)") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
 
 
 def parse_override(text: str) -> dict:
@@ -391,12 +407,17 @@ def load_config(
 ) -> Any:
     """Load a recipe (or the defaults), apply overrides, build and validate the dataclass tree."""
     data = _read_yaml(Path(path)) if path else {}
+    if path:  # the file alone first, so an error names where the bad value came from
+        try:
+            _build(cls, data)
+        except ConfigError as err:
+            raise ConfigError(f"{err} (in {path})") from None
     for text in overrides:
         data = _merge(data, parse_override(text))
     try:
         cfg = _build(cls, data)
     except ConfigError as err:
-        raise ConfigError(f"{err} (in {path})" if path else str(err)) from None
+        raise ConfigError(f"{err} (on the command line)" if overrides else str(err)) from None
     return cfg.validate()
 
 

@@ -2,7 +2,9 @@
 
 Both paths read the same pre-tokenized samples (bundled corpus, seq_len 512) and produce padded,
 masked micro-batches on one CPU core (in-process, torch threads = 1). Prints a table with the
-ratio and how many CPU cores per GPU keep BERT-base fed at an assumed GPU rate.
+ratio and how many CPU cores per GPU keep BERT-base fed at an assumed GPU rate, and the cost of
+megakd's shard verification (sha256 while reading, token-id and length checks): the same loader
+with ``verify=False``, a switch that exists only for this measurement, timed in the same run.
 
     python tools/bench_data.py [--seq-len 512] [--batch 32] [--batches 300] [--gpu-tokens-per-s 200000]
 """
@@ -27,17 +29,22 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 DEFAULT_GPU_TOKENS_PER_S = 200_000
 
 
-def time_batches(make_iter, batches: int, repeats: int) -> tuple[float, float]:
-    """Median seconds per batch over ``repeats`` runs (after one warm-up batch) and tokens/batch."""
-    runs, tokens = [], 0
+def time_paths(makers: list, batches: int, repeats: int) -> list[tuple[float, float]]:
+    """Per path: median seconds per batch over ``repeats`` runs (each after one warm-up batch) and
+    tokens per batch. The paths take turns within each repeat, so load from other processes on a
+    shared machine falls on all of them alike."""
+    runs: list[list[float]] = [[] for _ in makers]
+    tokens = [0] * len(makers)
     for _ in range(repeats):
-        it = make_iter()
-        next(it)
-        start = time.perf_counter()
-        for b in itertools.islice(it, batches):
-            tokens += int(b["attention_mask"].sum())
-        runs.append((time.perf_counter() - start) / batches)
-    return statistics.median(runs), tokens / (batches * repeats)
+        for i, make_iter in enumerate(makers):
+            it = make_iter()
+            next(it)
+            start = time.perf_counter()
+            for b in itertools.islice(it, batches):
+                tokens[i] += int(b["attention_mask"].sum())
+            runs[i].append((time.perf_counter() - start) / batches)
+            it.close()  # stop this path's DataLoader workers before the next path is timed
+    return [(statistics.median(r), t / (batches * repeats)) for r, t in zip(runs, tokens)]
 
 
 def main() -> None:
@@ -65,8 +72,9 @@ def main() -> None:
     tok = Tokenizer.load(tok_dir)
     manifest = read_manifest(shards_dir)
 
-    def ours(workers: int):
-        return lambda: iter(PretrainingLoader(shards_dir, tok, micro_batch_size=args.batch, num_workers=workers))
+    def ours(workers: int, verify: bool = True):
+        return lambda: iter(PretrainingLoader(shards_dir, tok, micro_batch_size=args.batch, num_workers=workers,
+                                              verify=verify))
 
     # The HF path gets the very same samples, as an Arrow dataset on disk (memory-mapped on load).
     hf_dir = Path(args.cache) / f"hf-{shards_dir.parent.name}"
@@ -83,10 +91,12 @@ def main() -> None:
         return forever()
 
     rows = []
-    for name, make, cores in [("megakd PretrainingLoader, in-process", ours(0), 1),
-                              ("HF datasets + DataCollatorForLanguageModeling", hf, 1),
-                              ("megakd PretrainingLoader, 2 workers + main", ours(2), 2)]:
-        sec, tokens = time_batches(make, args.batches, args.repeats)
+    paths = [("megakd PretrainingLoader, in-process", ours(0), 1),
+             ("HF datasets + DataCollatorForLanguageModeling", hf, 1),
+             ("megakd PretrainingLoader, 2 workers + main", ours(2), 2),
+             ("megakd PretrainingLoader, in-process, no verify", ours(0, verify=False), 1)]
+    timings = time_paths([make for _, make, _ in paths], args.batches, args.repeats)
+    for (name, _, cores), (sec, tokens) in zip(paths, timings):
         rows.append((name, cores, args.batch / sec, tokens / sec))
 
     print(f"\nseq_len {args.seq_len}, micro-batch {args.batch}, {manifest['num_samples']} samples "
@@ -97,6 +107,9 @@ def main() -> None:
         print(f"| {name:48} | {cores:5} | {sps:9.0f} | {sps / cores:14.0f} | {tps / cores:13.0f} |")
     ours_core, hf_core = rows[0][2], rows[1][2]
     print(f"\nratio megakd / HF, samples/s per core: {ours_core / hf_core:.2f}x")
+    verified, unverified = rows[0][2], rows[3][2]
+    print(f"shard verification (sha256 + id/length checks): verified / unverified samples/s = "
+          f"{verified / unverified:.3f} ({(1 - verified / unverified) * 100:+.1f} % cost)")
 
     need = args.gpu_tokens_per_s / args.seq_len
     print(f"\nGPU demand (assumed BERT-base on one A100, seq {args.seq_len}): {args.gpu_tokens_per_s:,.0f} tokens/s "

@@ -35,6 +35,8 @@ from sentencepiece import sentencepiece_model_pb2 as spm_pb2
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
 from tokenizers.models import BPE
 
+from megakd.errors import UserError
+
 SPECIAL_TOKENS = {"pad_token": "[PAD]", "cls_token": "[CLS]", "sep_token": "[SEP]", "unk_token": "[UNK]",
                   "mask_token": "[MASK]"}
 _NORMAL, _UNKNOWN, _CONTROL, _BYTE = 1, 2, 3, 6  # sentencepiece ModelProto.SentencePiece.Type
@@ -45,7 +47,7 @@ def _read_proto(spm_model: Path) -> spm_pb2.ModelProto:
     try:
         proto.ParseFromString(spm_model.read_bytes())
     except Exception as err:  # protobuf raises DecodeError with no file name
-        raise ValueError(f"{spm_model}: not a SentencePiece model ({err})") from None
+        raise UserError(f"{spm_model}: not a SentencePiece model ({err})") from None
     return proto
 
 
@@ -61,10 +63,10 @@ def _check_supported(proto: spm_pb2.ModelProto, spm_model: Path) -> None:
     }
     for key, (value, want) in expected.items():
         if value != want:
-            raise ValueError(f"{spm_model}: {key}={value!r}, expected {want!r} (megakd's tokenizer layout)")
+            raise UserError(f"{spm_model}: {key}={value!r}, expected {want!r} (megakd's tokenizer layout)")
     pieces = [p.piece for p in proto.pieces[:5]]
     if pieces != list(SPECIAL_TOKENS.values())[:3] + ["[UNK]", "[MASK]"]:
-        raise ValueError(f"{spm_model}: first pieces {pieces}, expected [PAD] [CLS] [SEP] [UNK] [MASK]")
+        raise UserError(f"{spm_model}: first pieces {pieces}, expected [PAD] [CLS] [SEP] [UNK] [MASK]")
 
 
 def _bpe_merges(proto: spm_pb2.ModelProto) -> list[tuple[str, str]]:

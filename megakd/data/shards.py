@@ -17,6 +17,7 @@ import hashlib
 import io
 import json
 import logging
+import re
 import tarfile
 from collections import deque
 from collections.abc import Iterator
@@ -28,6 +29,7 @@ import numpy as np
 
 from megakd.data.sources import expand_inputs, iter_documents
 from megakd.data.tokenizer import Tokenizer
+from megakd.errors import UserError
 from megakd.fsutil import atomic_output_dir
 
 logger = logging.getLogger(__name__)
@@ -217,11 +219,11 @@ def write_shards(
     """
     out = Path(out_dir)
     if seq_len < 3:
-        raise ValueError(f"seq_len={seq_len}: expected at least 3 ([CLS], one token, [SEP])")
+        raise UserError(f"seq_len={seq_len}: expected at least 3 ([CLS], one token, [SEP])")
     if not 1 <= min_tokens <= seq_len - 2:
-        raise ValueError(f"min_tokens={min_tokens}: expected 1..seq_len-2={seq_len - 2}")
+        raise UserError(f"min_tokens={min_tokens}: expected 1..seq_len-2={seq_len - 2}")
     if samples_per_shard < 1 or num_workers < 1:
-        raise ValueError(f"samples_per_shard={samples_per_shard}, num_workers={num_workers}: expected ≥ 1")
+        raise UserError(f"samples_per_shard={samples_per_shard}, num_workers={num_workers}: expected ≥ 1")
     sources = expand_inputs(inputs)
     dtype = token_dtype(tokenizer.vocab_size).name
     with atomic_output_dir(out) as tmp:
@@ -251,7 +253,7 @@ def write_shards(
                     consume(inflight.popleft().result())
         writer.flush()
         if writer.next_index == 0:
-            raise ValueError(f"inputs {[str(s) for s in sources]}: produced no samples "
+            raise UserError(f"inputs {[str(s) for s in sources]}: produced no samples "
                              f"(every document shorter than min_tokens={min_tokens})")
         manifest = {
             "format": MANIFEST_FORMAT,
@@ -278,28 +280,66 @@ def write_shards(
 
 
 def read_manifest(shards_dir: str | Path) -> dict:
-    """Read and sanity-check ``manifest.json``; errors name the file and the problem."""
+    """Read and validate ``manifest.json``; errors name the file, the entry and the problem.
+
+    Besides the layout (format, keys, sample counts), every shard entry must name a file inside
+    ``shards_dir`` (no absolute path, no ``..``, no symlink leading out) and carry a real sha256:
+    the loader checks each shard against it, so an all-zero or malformed digest is refused here.
+    """
     path = Path(shards_dir) / MANIFEST
     if not path.is_file():
         raise FileNotFoundError(f"shards {shards_dir}: missing {MANIFEST}")
     try:
-        m = json.loads(path.read_text())
+        m = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: invalid JSON ({e.msg} at line {e.lineno})") from None
-    if m.get("format") != MANIFEST_FORMAT or m.get("version") != MANIFEST_VERSION:
-        raise ValueError(f"{path}: expected format {MANIFEST_FORMAT!r} version {MANIFEST_VERSION}, "
-                         f"got {m.get('format')!r} version {m.get('version')!r}")
+        raise UserError(f"{path}: invalid JSON ({e.msg} at line {e.lineno})") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: not a JSON text file (not UTF-8)") from None
+    if not isinstance(m, dict) or m.get("format") != MANIFEST_FORMAT or m.get("version") != MANIFEST_VERSION:
+        got = (m.get("format"), m.get("version")) if isinstance(m, dict) else (None, None)
+        raise UserError(f"{path}: expected format {MANIFEST_FORMAT!r} version {MANIFEST_VERSION}, "
+                        f"got {got[0]!r} version {got[1]!r}")
     for key in ("seq_len", "dtype", "num_samples", "tokenizer", "shards"):
         if key not in m:
-            raise ValueError(f"{path}: missing key {key!r}")
+            raise UserError(f"{path}: missing key {key!r}")
+    if not _is_int(m["seq_len"]) or m["seq_len"] < 3:
+        raise UserError(f"{path}: seq_len={m['seq_len']!r}, expected an integer >= 3")
+    if m["dtype"] not in ("uint16", "uint32"):
+        raise UserError(f"{path}: dtype={m['dtype']!r}, expected 'uint16' or 'uint32'")
+    if not isinstance(m["shards"], list):
+        raise UserError(f"{path}: shards must be a list of entries")
     first = 0
     for s in m["shards"]:
-        if s.get("first_index") != first or not isinstance(s.get("samples"), int) or s["samples"] < 1:
-            raise ValueError(f"{path}: shard entry {s.get('file')!r} has inconsistent first_index/samples")
+        _check_shard_entry(path, s)
+        if s.get("first_index") != first or not _is_int(s.get("samples")) or s["samples"] < 1:
+            raise UserError(f"{path}: shard entry {s.get('file')!r} has inconsistent first_index/samples")
         first += s["samples"]
     if first != m["num_samples"]:
-        raise ValueError(f"{path}: shard sample counts sum to {first}, num_samples says {m['num_samples']}")
+        raise UserError(f"{path}: shard sample counts sum to {first}, num_samples says {m['num_samples']}")
     return m
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_shard_entry(manifest: Path, entry: Any) -> None:
+    """One ``shards`` entry: a file that stays inside the shards dir, a size and a real sha256."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("file"), str) or not entry["file"]:
+        raise UserError(f"{manifest}: shard entry {entry!r} has no 'file' name")
+    name = entry["file"]
+    root = manifest.parent
+    if Path(name).is_absolute() or ".." in Path(name).parts:
+        raise UserError(f"{manifest}: shard file {name!r} must be a relative path inside {root} (no '..')")
+    if not (root / name).resolve().is_relative_to(root.resolve()):
+        raise UserError(f"{manifest}: shard file {name!r} resolves to {(root / name).resolve()}, outside {root} "
+                        f"(a symlink leading out of the shards directory)")
+    if not _is_int(entry.get("bytes")) or entry["bytes"] < 0:
+        raise UserError(f"{manifest}: shard {name!r} has bytes={entry.get('bytes')!r}, expected a size in bytes")
+    digest = entry.get("sha256")
+    if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest) or not digest.strip("0"):
+        raise UserError(f"{manifest}: shard {name!r} has sha256={digest!r}, expected 64 lowercase hex digits "
+                        f"(not all zero)")
 
 
 def verify_shards(shards_dir: str | Path) -> None:
@@ -310,5 +350,5 @@ def verify_shards(shards_dir: str | Path) -> None:
         if not path.is_file():
             raise FileNotFoundError(f"shard {path}: missing (listed in manifest)")
         if path.stat().st_size != s["bytes"] or file_sha256(path) != s["sha256"]:
-            raise ValueError(f"shard {path}: size or sha256 differs from {MANIFEST}")
+            raise UserError(f"shard {path}: size or sha256 differs from {MANIFEST}")
 

@@ -18,8 +18,11 @@ import gzip
 import io
 import json
 import logging
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
+
+from megakd.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +37,7 @@ def _is_hf_dataset_dir(path: Path) -> bool:
 def expand_inputs(inputs: list[str | Path]) -> list[Path]:
     """Resolve files, plain directories and HF dataset directories into an ordered source list."""
     if not inputs:
-        raise ValueError("no input paths given")
+        raise UserError("no input paths given")
     out: list[Path] = []
     for item in inputs:
         path = Path(item)
@@ -42,7 +45,7 @@ def expand_inputs(inputs: list[str | Path]) -> list[Path]:
             raise FileNotFoundError(f"input {path}: no such file or directory")
         if path.is_dir():
             if (path / "dataset_dict.json").is_file():
-                raise ValueError(f"input {path}: is a DatasetDict; pass one split directory (e.g. {path}/train)")
+                raise UserError(f"input {path}: is a DatasetDict; pass one split directory (e.g. {path}/train)")
             if _is_hf_dataset_dir(path):
                 out.append(path)
                 continue
@@ -53,12 +56,12 @@ def expand_inputs(inputs: list[str | Path]) -> list[Path]:
                 logger.warning("input %s: ignoring %d file(s) without a .txt/.txt.gz/.jsonl/.jsonl.gz suffix, "
                                "e.g. %s", path, len(ignored), ignored[0])
             if not supported:
-                raise ValueError(f"input {path}: directory holds no .txt/.txt.gz/.jsonl/.jsonl.gz files")
+                raise UserError(f"input {path}: directory holds no .txt/.txt.gz/.jsonl/.jsonl.gz files")
             out.extend(supported)
         elif path.name.endswith(TEXT_SUFFIXES + JSONL_SUFFIXES):
             out.append(path)
         else:
-            raise ValueError(f"input {path}: expected .txt, .txt.gz, .jsonl, .jsonl.gz or a directory")
+            raise UserError(f"input {path}: expected .txt, .txt.gz, .jsonl, .jsonl.gz or a directory")
     return out
 
 
@@ -96,9 +99,9 @@ def _jsonl_documents(path: Path, text_field: str) -> Iterator[str]:
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
+                raise UserError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
             if not isinstance(obj, dict) or not isinstance(obj.get(text_field), str):
-                raise ValueError(f"{path}:{lineno}: expected an object with a string field {text_field!r}")
+                raise UserError(f"{path}:{lineno}: expected an object with a string field {text_field!r}")
             yield obj[text_field]
 
 
@@ -109,15 +112,25 @@ def _hf_documents(path: Path, text_field: str) -> Iterator[str]:
         raise ImportError(f"input {path}: reading a saved HF dataset needs `pip install datasets`") from e
     ds = datasets.load_from_disk(str(path))
     if text_field not in ds.column_names:
-        raise ValueError(f"input {path}: dataset has no column {text_field!r} (columns: {ds.column_names})")
+        raise UserError(f"input {path}: dataset has no column {text_field!r} (columns: {ds.column_names})")
     for batch in ds.select_columns([text_field]).iter(batch_size=1000):
         yield from batch[text_field]
 
 
 def iter_documents(source: Path, text_field: str = "text") -> Iterator[str]:
-    """Documents of one source from :func:`expand_inputs`, in file order."""
+    """Documents of one source from :func:`expand_inputs`, in file order.
+
+    A file that is not UTF-8 text (or not gzip despite its suffix) is a `UserError` naming it.
+    """
     if source.is_dir():
-        return _hf_documents(source, text_field)
-    if source.name.endswith(JSONL_SUFFIXES):
-        return _jsonl_documents(source, text_field)
-    return _text_documents(source)
+        yield from _hf_documents(source, text_field)
+        return
+    try:
+        if source.name.endswith(JSONL_SUFFIXES):
+            yield from _jsonl_documents(source, text_field)
+        else:
+            yield from _text_documents(source)
+    except UnicodeDecodeError as e:
+        raise UserError(f"input {source}: not UTF-8 text ({e.reason} at byte {e.start} of a line)") from None
+    except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+        raise UserError(f"input {source}: not a readable gzip file ({e})") from None

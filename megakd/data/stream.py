@@ -21,10 +21,12 @@ Masks are pure functions of (seed, epoch, index) too (:mod:`megakd.data.masking`
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import logging
+import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,14 +40,26 @@ from webdataset.tariterators import base_plus_ext, tar_file_iterator
 from megakd.data.masking import collate
 from megakd.data.shards import MANIFEST, read_manifest, sample_key
 from megakd.data.tokenizer import Tokenizer
+from megakd.errors import UserError
 
 logger = logging.getLogger(__name__)
 
 STATE_VERSION = 1
 
 
-class ShardError(ValueError):
-    """A shard that is missing, truncated, corrupt or inconsistent with the manifest."""
+class ShardError(UserError):
+    """A shard that is missing, truncated, corrupt or inconsistent with the manifest.
+
+    With ``skip_bad_shards`` the loader logs, counts and skips such a shard.
+    """
+
+
+class BadSampleError(UserError):
+    """A sample the model cannot take (token id outside the vocabulary, longer than ``seq_len``).
+
+    The shard is intact (its sha256 matched), so it was written this way: with another tokenizer or
+    another ``seq_len``. Skipping would only hide that, so this always stops the run.
+    """
 
 
 def epoch_shard_order(num_shards: int, seed: int, epoch: int) -> np.ndarray:
@@ -90,8 +104,37 @@ def shard_problem(path: Path, entry: dict) -> str | None:
     return None
 
 
-def read_shard(path: Path, entry: dict, dtype: str) -> list[np.ndarray]:
-    """All samples of one shard in stored order, checked against its manifest entry."""
+class _HashingReader:
+    """A file object that feeds every byte it returns into sha256, so the tar parser's single read
+    of a shard also hashes it (no second pass over the file)."""
+
+    def __init__(self, f) -> None:
+        self._f = f
+        self.digest = hashlib.sha256()
+        self.size = 0
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._f.read(n)
+        self.digest.update(data)
+        self.size += len(data)
+        return data
+
+    def drain(self) -> None:
+        """Read (and hash) what the tar parser left: the end-of-archive padding."""
+        while self.read(1 << 16):
+            pass
+
+
+def read_shard(path: Path, entry: dict, dtype: str, *, vocab_size: int | None = None,
+               seq_len: int | None = None, verify: bool = True) -> list[np.ndarray]:
+    """All samples of one shard in stored order, checked against its manifest entry.
+
+    The file is hashed while it is parsed and its sha256 compared with the manifest's at the end
+    (``ShardError``); the whole shard is read before any of its samples is returned, so a shard
+    that fails the check never contributes a sample. Then every sample must have at most
+    ``seq_len`` tokens and ids in ``[0, vocab_size)`` (``BadSampleError``). ``verify=False`` skips
+    the sha256 and range checks; it exists only to measure their cost (``tools/bench_data.py``).
+    """
     if problem := shard_problem(path, entry):
         raise ShardError(problem)
     out: list[np.ndarray] = []
@@ -99,7 +142,8 @@ def read_shard(path: Path, entry: dict, dtype: str) -> list[np.ndarray]:
     first = entry["first_index"]
     try:
         with open(path, "rb") as f:
-            for member in tar_file_iterator(f):
+            reader = _HashingReader(f)
+            for member in tar_file_iterator(reader):
                 expected = sample_key(first + len(out))
                 key, field = base_plus_ext(member["fname"])
                 if key != expected or field != "ids.npy":
@@ -109,13 +153,35 @@ def read_shard(path: Path, entry: dict, dtype: str) -> list[np.ndarray]:
                 if arr.dtype != dtype or arr.ndim != 1:
                     raise ShardError(f"shard {path}: sample {expected} is {arr.dtype}{list(arr.shape)}, expected 1-D {dtype}")
                 out.append(arr)
+            if verify:
+                reader.drain()
     except ShardError:
         raise
     except Exception as e:  # tarfile/numpy raise many types for corrupt bytes
         raise ShardError(f"shard {path}: unreadable after {len(out)} samples ({type(e).__name__}: {e})") from e
     if len(out) != entry["samples"]:
         raise ShardError(f"shard {path}: holds {len(out)} samples, {MANIFEST} says {entry['samples']}")
+    if verify:
+        if reader.size != entry["bytes"] or reader.digest.hexdigest() != entry["sha256"]:
+            raise ShardError(f"shard {path}: sha256 {reader.digest.hexdigest()} differs from {MANIFEST}'s "
+                             f"{entry['sha256']} (corrupted or replaced)")
+        _check_samples(path, out, first, vocab_size, seq_len)
     return out
+
+
+def _check_samples(path: Path, samples: list[np.ndarray], first: int, vocab_size: int | None,
+                   seq_len: int | None) -> None:
+    """Every sample fits the model: at most ``seq_len`` tokens, ids below ``vocab_size``."""
+    if seq_len is not None:
+        lengths = np.fromiter((len(s) for s in samples), dtype=np.int64, count=len(samples))
+        if (too_long := np.flatnonzero(lengths > seq_len)).size:
+            j = int(too_long[0])
+            raise BadSampleError(f"shard {path}: sample {sample_key(first + j)} has {lengths[j]} tokens, "
+                                 f"more than {MANIFEST}'s seq_len={seq_len}")
+    if vocab_size is not None and samples and int(np.concatenate(samples).max()) >= vocab_size:
+        j = next(j for j, s in enumerate(samples) if int(s.max()) >= vocab_size)
+        raise BadSampleError(f"shard {path}: sample {sample_key(first + j)} has token id {int(samples[j].max())} "
+                             f"outside the vocabulary [0, {vocab_size})")
 
 
 @dataclass(frozen=True)
@@ -139,6 +205,9 @@ class _Plan:
     special_ids: tuple[int, ...]
     skip_bad_shards: bool
     known_bad: frozenset[str]
+    vocab_size: int
+    seq_len: int
+    verify: bool
 
     def slot_bounds(self, local_slot: int) -> tuple[int, int]:
         return slot_range(self.rank * self.num_slots_per_rank + local_slot,
@@ -167,7 +236,8 @@ def _slot_samples(plan: _Plan, local_slot: int, cursor: int, bad: list[tuple[str
             samples = None
             if name not in known_bad:
                 try:
-                    samples = read_shard(Path(plan.shards_dir) / name, plan.entries[shard], plan.dtype)
+                    samples = read_shard(Path(plan.shards_dir) / name, plan.entries[shard], plan.dtype,
+                                         vocab_size=plan.vocab_size, seq_len=plan.seq_len, verify=plan.verify)
                 except ShardError as e:
                     if not plan.skip_bad_shards:
                         raise
@@ -216,10 +286,36 @@ class _SlotDataset(IterableDataset):
                     bad.clear()
                     yield batch
                     samples, epochs, indices = [], [], []
-        except ShardError as e:
-            # Hand the message to the main process, which raises it as a one-line error (an
+        except UserError as e:
+            # Hand the error to the main process, which raises it as a one-line error (an
             # exception raised in a DataLoader worker arrives wrapped in a worker traceback).
-            yield {"_error": str(e)}
+            yield {"_error": e}
+
+
+# Signals that stop a run (preemption, Ctrl-C). The training process decides what they mean (a
+# checkpoint at the next step boundary); a DataLoader worker that died of one first would take
+# the run down without a checkpoint when the signal goes to the whole process group (Slurm,
+# `timeout`, a terminal's Ctrl-C). So workers ignore them.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+
+@contextlib.contextmanager
+def _stop_signals_blocked() -> Iterator[None]:
+    """Hold the stop signals back while DataLoader workers are forked: a child inherits the mask,
+    so none can die of one before `_ignore_stop_signals` runs. Held signals reach the training
+    process (its handlers) when the block ends."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _ignore_stop_signals(_worker_id: int) -> None:
+    """DataLoader `worker_init_fn`: ignore the stop signals (dropping any already pending), then unblock."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 class PretrainingLoader:
@@ -228,6 +324,9 @@ class PretrainingLoader:
     Batch keys: ``input_ids``, ``attention_mask``, ``masked_input_ids``, ``mlm_mask``, ``index``,
     ``epoch`` (see :func:`megakd.data.masking.collate`). The state counts only batches this object
     has handed out, so DataLoader prefetching never leaks into a checkpoint.
+
+    Every shard is verified as it is read (:func:`read_shard`: sha256, sample lengths, token ids
+    below ``tokenizer.vocab_size``); ``verify=False`` exists only for ``tools/bench_data.py``.
     """
 
     def __init__(
@@ -244,24 +343,25 @@ class PretrainingLoader:
         check_tokenizer: bool = True,
         skip_bad_shards: bool = False,
         pin_memory: bool = False,
+        verify: bool = True,
     ) -> None:
         self.shards_dir = Path(shards_dir)
         manifest = read_manifest(self.shards_dir)
         if check_tokenizer and manifest["tokenizer"]["vocab_hash"] != tokenizer.vocab_hash:
-            raise ValueError(f"{self.shards_dir / MANIFEST}: shards were written with tokenizer vocab_hash "
+            raise UserError(f"{self.shards_dir / MANIFEST}: shards were written with tokenizer vocab_hash "
                              f"{manifest['tokenizer']['vocab_hash']}, but tokenizer {tokenizer.path} has "
                              f"{tokenizer.vocab_hash}")
         if not 0 <= rank < world_size:
-            raise ValueError(f"rank={rank}, world_size={world_size}: expected 0 <= rank < world_size")
+            raise UserError(f"rank={rank}, world_size={world_size}: expected 0 <= rank < world_size")
         if micro_batch_size < 1 or num_workers < 0 or not 0.0 <= mask_prob <= 1.0:
-            raise ValueError(f"micro_batch_size={micro_batch_size}, num_workers={num_workers}, "
+            raise UserError(f"micro_batch_size={micro_batch_size}, num_workers={num_workers}, "
                              f"mask_prob={mask_prob}: expected ≥ 1, ≥ 0, in [0, 1]")
         self.num_workers = num_workers
         self.pin_memory = pin_memory
         k = max(num_workers, 1)
         total = manifest["num_samples"]
         if total < world_size * k:
-            raise ValueError(f"{self.shards_dir / MANIFEST}: {total} samples cannot fill "
+            raise UserError(f"{self.shards_dir / MANIFEST}: {total} samples cannot fill "
                              f"world_size*num_workers = {world_size * k} slots")
         self.bad_shards: dict[str, str] = {}
         for entry in manifest["shards"]:
@@ -289,6 +389,9 @@ class PretrainingLoader:
             special_ids=tuple(sorted(tokenizer.special_ids)),
             skip_bad_shards=skip_bad_shards,
             known_bad=frozenset(self.bad_shards),
+            vocab_size=tokenizer.vocab_size,
+            seq_len=manifest["seq_len"],
+            verify=verify,
         )
         self.seq_len: int = manifest["seq_len"]
         self.num_samples: int = total
@@ -309,10 +412,13 @@ class PretrainingLoader:
         # A private generator: DataLoader otherwise draws its base seed from the global RNG on
         # every iter(), which would shift dropout randomness and break bit-exact resume.
         loader = DataLoader(dataset, batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory,
-                            generator=torch.Generator().manual_seed(0))
-        for batch in loader:
+                            generator=torch.Generator().manual_seed(0),
+                            worker_init_fn=_ignore_stop_signals if self.num_workers else None)
+        with _stop_signals_blocked():  # workers start here, with the stop signals held back
+            batches = iter(loader)
+        for batch in batches:
             if "_error" in batch:
-                raise ShardError(batch["_error"])
+                raise batch["_error"]
             slot = batch.pop("_slot")
             self._cursors[slot] = batch.pop("_cursor")
             self._next_slot = (slot + 1) % p.num_slots_per_rank
@@ -343,15 +449,15 @@ class PretrainingLoader:
         mine = self.state_dict()
         for key in ("version", "data_fingerprint", "seed", "rank", "world_size", "micro_batch_size", "mask_prob"):
             if state.get(key) != mine[key]:
-                raise ValueError(f"loader state: {key}={state.get(key)!r} does not match this loader's {mine[key]!r}")
+                raise UserError(f"loader state: {key}={state.get(key)!r} does not match this loader's {mine[key]!r}")
         if max(state.get("num_workers", 0), 1) != self.plan.num_slots_per_rank:
-            raise ValueError(f"loader state: num_workers={state.get('num_workers')!r} gives a different slot layout "
+            raise UserError(f"loader state: num_workers={state.get('num_workers')!r} gives a different slot layout "
                              f"than this loader's num_workers={self.num_workers}")
         cursors = state.get("cursors")
         if not isinstance(cursors, list) or len(cursors) != len(self._cursors):
-            raise ValueError(f"loader state: cursors={cursors!r}, expected a list of {len(self._cursors)} ints")
+            raise UserError(f"loader state: cursors={cursors!r}, expected a list of {len(self._cursors)} ints")
         if not 0 <= int(state.get("next_slot", -1)) < len(self._cursors):
-            raise ValueError(f"loader state: next_slot={state.get('next_slot')!r}, expected 0..{len(self._cursors) - 1}")
+            raise UserError(f"loader state: next_slot={state.get('next_slot')!r}, expected 0..{len(self._cursors) - 1}")
         self._cursors = [int(c) for c in cursors]
         self._next_slot = int(state["next_slot"])
         self._batches = int(state["batches"])

@@ -12,12 +12,14 @@ import hashlib
 import io
 import json
 import logging
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import sentencepiece as spm
 
 from megakd.data.sources import expand_inputs, iter_documents
+from megakd.errors import UserError
 from megakd.fsutil import atomic_output_dir
 
 logger = logging.getLogger(__name__)
@@ -61,20 +63,26 @@ class Tokenizer:
         model = self.path / MODEL_FILE
         if not model.is_file():
             raise FileNotFoundError(f"tokenizer {self.path}: missing {MODEL_FILE}")
-        self.sp = spm.SentencePieceProcessor(model_file=str(model))
+        try:
+            self.sp = spm.SentencePieceProcessor(model_file=str(model))
+        except (RuntimeError, OSError) as err:
+            raise UserError(f"tokenizer {model}: not a SentencePiece model ({_first_line(err)})") from None
         self.vocab_size: int = self.sp.get_piece_size()
         ids = {k: self.sp.piece_to_id(p) for k, p in SPECIALS.items()}
         expected = {"pad": 0, "cls": 1, "sep": 2, "unk": 3, "mask": 4}
         if ids != expected or self.sp.id_to_piece(4) != SPECIALS["mask"]:
-            raise ValueError(f"tokenizer {model}: special ids {ids}, expected {expected}")
+            raise UserError(f"tokenizer {model}: special ids {ids}, expected {expected}")
         self.pad_id, self.cls_id, self.sep_id, self.unk_id, self.mask_id = (ids[k] for k in expected)
         self.special_ids: frozenset[int] = frozenset(ids.values())
         self.vocab_hash: str = _vocab_hash(self.sp)
         meta = self.path / META_FILE
         if meta.is_file():
-            stored = json.loads(meta.read_text()).get("vocab_hash")
+            try:
+                stored = json.loads(meta.read_text(encoding="utf-8")).get("vocab_hash")
+            except (ValueError, AttributeError):  # invalid JSON or UTF-8, or not an object
+                raise UserError(f"tokenizer {meta}: expected a JSON object with a vocab_hash") from None
             if stored != self.vocab_hash:
-                raise ValueError(f"tokenizer {meta}: vocab_hash {stored} does not match {model} ({self.vocab_hash})")
+                raise UserError(f"tokenizer {meta}: vocab_hash {stored} does not match {model} ({self.vocab_hash})")
 
     @classmethod
     def load(cls, path: str | Path) -> Tokenizer:
@@ -109,6 +117,25 @@ class Tokenizer:
         return f"Tokenizer({str(self.path)!r}, vocab_size={self.vocab_size}, vocab_hash={self.vocab_hash!r})"
 
 
+def _first_line(err: Exception) -> str:
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+
+
+def _train_spm(sources: list[str], vocab_size: int, **options) -> None:
+    """`SentencePieceTrainer.train`, with its corpus errors (raised as RuntimeError "INTERNAL")
+    turned into one-line errors naming the inputs."""
+    try:
+        spm.SentencePieceTrainer.train(vocab_size=vocab_size, **options)
+    except RuntimeError as err:
+        text = str(err)
+        if "sentences_.empty()" in text:
+            raise UserError(f"inputs {sources}: no text to train a tokenizer on (empty corpus)") from None
+        if too_high := re.search(r"Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)", text):
+            raise UserError(f"--vocab-size {too_high[1]}: too large for inputs {sources}, which support at most "
+                            f"{too_high[2]} pieces (give more text or a smaller vocabulary)") from None
+        raise
+
+
 def train_tokenizer(
     inputs: list[str | Path],
     vocab_size: int,
@@ -126,18 +153,18 @@ def train_tokenizer(
     """
     out = Path(out_dir)
     if vocab_size < 300:
-        raise ValueError(f"vocab_size={vocab_size}: expected at least 300 (256 byte-fallback pieces + specials)")
+        raise UserError(f"vocab_size={vocab_size}: expected at least 300 (256 byte-fallback pieces + specials)")
     sources = [str(p) for p in expand_inputs(inputs)]
     with atomic_output_dir(out) as tmp:
         spm.set_random_generator_seed(seed)
         # model_writer instead of model_prefix: the prefix (a temp path) would be stored in the
         # model and make identical trainings differ byte-wise.
         model = io.BytesIO()
-        spm.SentencePieceTrainer.train(
+        _train_spm(
+            sources, vocab_size,
             sentence_iterator=_training_lines(inputs),
             model_writer=model,
             model_type="bpe",
-            vocab_size=vocab_size,
             character_coverage=0.9999,
             byte_fallback=True,
             split_digits=True,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,23 +125,39 @@ class Backend:
         loss.backward()
 
     # -- the optimizer step --------------------------------------------------------------------
-    def step(self, unit: Unit) -> float:
-        """Clip, step, schedule, zero grads. Returns the gradient norm of the unweighted loss."""
+    def step(self, units: list[Unit]) -> dict[str, float] | None:
+        """Clip and step every unit, or none of them. Returns each unit's gradient norm of the
+        unweighted loss, or None when some norm is non-finite and the whole step was skipped.
+
+        All or nothing, so the units' schedules and the trainer's step counter stay together.
+        Under fp16 the loss scaler owns overflow: a non-finite norm there means the scale was too
+        high; `GradScaler.step` skips that update and `update` lowers the scale, as it always has.
+        """
+        norms = {unit.name: self._clip(unit) for unit in units}
+        fp16_scaling = any(unit.scaler is not None for unit in units)
+        if not fp16_scaling and not all(math.isfinite(n) for n in norms.values()):
+            for unit in units:
+                self.skip_step(unit)
+            return None
+        for unit in units:
+            if unit.scaler is not None:
+                unit.scaler.step(unit.optimizer)
+                unit.scaler.update()
+            else:
+                unit.optimizer.step()
+            unit.scheduler.step()
+            unit.optimizer.zero_grad(set_to_none=True)
+        return {unit.name: norms[unit.name] / unit.loss_scale for unit in units}
+
+    def _clip(self, unit: Unit) -> float:
+        """Unscale (fp16) and clip this unit's gradients; returns the norm before clipping."""
         if unit.scaler is not None:
             unit.scaler.unscale_(unit.optimizer)
         params = [p for g in unit.optimizer.param_groups for p in g["params"]]
-        norm = torch.nn.utils.clip_grad_norm_(params, unit.max_grad_norm)
-        if unit.scaler is not None:
-            unit.scaler.step(unit.optimizer)
-            unit.scaler.update()
-        else:
-            unit.optimizer.step()
-        unit.scheduler.step()
-        unit.optimizer.zero_grad(set_to_none=True)
-        return float(norm) / unit.loss_scale
+        return float(torch.nn.utils.clip_grad_norm_(params, unit.max_grad_norm))
 
     def skip_step(self, unit: Unit) -> None:
-        """Drop this step's gradients (non-finite loss) without touching optimizer or schedule."""
+        """Drop this step's gradients (non-finite loss or norm) without touching optimizer or schedule."""
         unit.optimizer.zero_grad(set_to_none=True)
 
     # -- collectives ---------------------------------------------------------------------------

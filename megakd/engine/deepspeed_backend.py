@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import math
 import os
 import socket
 from pathlib import Path
@@ -110,17 +111,39 @@ class DeepSpeedBackend(DDPBackend):
             engine.step()  # off the boundary this only counts the micro-batch
 
     # -- the optimizer step --------------------------------------------------------------------
-    def step(self, unit: Unit) -> float:
-        engine = unit.wrapped
-        if not engine.is_gradient_accumulation_boundary():
-            raise RuntimeError(f"{unit.name}: optimizer step requested before the last micro-batch")
-        # ZeRO / bf16 / fp16 optimizers report the pre-clipping norm; the plain fp32 path
-        # (ZeRO-0) does not, but there every rank holds the full, already reduced gradients.
-        norm = None if hasattr(engine.optimizer, "_global_grad_norm") else _grad_norm(engine.module)
-        engine.step()
-        if norm is None:
-            norm = float(engine.get_global_grad_norm())
-        return norm / unit.loss_scale
+    def step(self, units: list[Unit]) -> dict[str, float] | None:
+        """`Backend.step` on DeepSpeed engines: every unit's update, or None if a norm is non-finite.
+
+        On the plain fp32 path (ZeRO-0) every rank holds the full, reduced gradients, so the norms
+        are known before any engine steps and a non-finite one skips every unit. The ZeRO, bf16 and
+        fp16 optimizers compute the norm inside `engine.step()` and skip their own non-finite
+        update (no schedule step); a unit whose norm was finite has then stepped, which is the one
+        case where the two units' schedules can part by a step (logged).
+        """
+        for unit in units:
+            if not unit.wrapped.is_gradient_accumulation_boundary():
+                raise RuntimeError(f"{unit.name}: optimizer step requested before the last micro-batch")
+        if not any(hasattr(u.wrapped.optimizer, "_global_grad_norm") for u in units):
+            norms = {u.name: _grad_norm(u.wrapped.module) for u in units}
+            if not all(math.isfinite(n) for n in norms.values()):
+                for unit in units:
+                    self.skip_step(unit)
+                return None
+            for unit in units:
+                unit.wrapped.step()
+        else:
+            norms = {}
+            for unit in units:
+                unit.wrapped.step()
+                norms[unit.name] = float(unit.wrapped.get_global_grad_norm())
+            if self.precision != "fp16" and not all(math.isfinite(n) for n in norms.values()):
+                # (fp16: an overflow is the dynamic loss scaler's business, as in `Backend.step`)
+                applied = [u.name for u in units if u.wrapped.was_step_applied()]
+                if applied:
+                    log.warning("non-finite gradient norm: DeepSpeed skipped that unit's update, but %s "
+                                "stepped (finite norm)", ", ".join(applied))
+                return None
+        return {unit.name: norms[unit.name] / unit.loss_scale for unit in units}
 
     def skip_step(self, unit: Unit) -> None:
         engine = unit.wrapped

@@ -19,26 +19,30 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import yaml
 
-from megakd.config import Config, config_to_dict, save_config
+from megakd.config import Config, config_to_dict, read_yaml_file, save_config
+from megakd.data.stream import STOP_SIGNALS
 from megakd.engine.backends import Backend, Unit
 from megakd.engine.metrics import MetricsWriter, plot_metrics
 from megakd.engine.tasks import TeacherKD
+from megakd.errors import UserError
 from megakd.objectives.electra import corrupt, precision_recall_f1
 from megakd.store import checkpoint, rundir
 from megakd.store.files import StoreError, first_line, human_bytes, is_disk_full, tree_bytes
 
 log = logging.getLogger(__name__)
 
-PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
 
 @dataclass
 class TrainResult:
     step: int
-    preempted: bool
+    preempted: bool  # stopped on a signal, after writing a checkpoint
     run_dir: Path
+    interrupted: bool = False  # the signal was SIGINT on some rank (the command exits 130, not 0)
+
+
+class TooManyBadSteps(UserError):
+    """`train.max_bad_steps` non-finite steps in a row: the run stops, its last checkpoint intact."""
 
 
 class Trainer:
@@ -59,11 +63,11 @@ class Trainer:
         self.interval: dict[str, torch.Tensor] = defaultdict(
             lambda: torch.zeros((), dtype=torch.float64, device=backend.device))
         self.rng = torch.Generator().manual_seed(cfg.train.seed * 100_003 + backend.data_rank)
-        self._preempt_requested = False
         self._lock = rundir.RunDirLock(self.run_dir)
         self._saved_config: dict = {}  # the resumed checkpoint's config, kept in config_history/ if it changed
         self._config_changes: dict = {}
         self._opened = False
+        self._stop_signal: int | None = None  # the first stop signal received, if any
 
     # -- state -----------------------------------------------------------------------------------
     def rank_state(self) -> dict:
@@ -218,10 +222,11 @@ class Trainer:
 
     def _resume_from(self, path: Path, allow_change: tuple[str, ...]) -> None:
         saved_file = path / "config.yaml"
-        try:
-            saved = yaml.safe_load(saved_file.read_text())
-        except (OSError, yaml.YAMLError, UnicodeDecodeError) as err:
-            raise StoreError(f"{saved_file}: unreadable ({first_line(err)})") from None
+        if not saved_file.is_file():
+            raise StoreError(f"{saved_file}: missing ({path} is not a complete megakd checkpoint)")
+        saved = read_yaml_file(saved_file)
+        if not isinstance(saved, dict):
+            raise StoreError(f"{saved_file}: expected a mapping of config sections, got {type(saved).__name__}")
         self._saved_config = saved
         self._config_changes = rundir.check_changes(path, saved, config_to_dict(self.cfg), allow_change)
         fresh = {name: _hyperparameters(unit) for name, unit in self.units.items()}
@@ -292,20 +297,22 @@ class Trainer:
             for unit in self.units.values():
                 self.backend.skip_step(unit)
             return self._skipped("non-finite loss")
+        norms = self.backend.step(list(self.units.values()))
+        if norms is None:
+            return self._skipped("non-finite gradient norm")
         self.bad_steps = 0
-        norms = {}
-        for name, unit in self.units.items():
-            norms[name] = self.backend.step(unit)
         self.step += 1
         return norms
 
     def _skipped(self, what: str) -> None:
+        """Count a skipped update; `train.max_bad_steps` of them in a row stop the run unsaved."""
         self.bad_steps += 1
-        log.warning("%s at step %d: step skipped (%d in a row)", what, self.step + 1, self.bad_steps)
+        log.warning("%s at step %d: update skipped (%d in a row)", what, self.step + 1, self.bad_steps)
         if self.bad_steps >= self.cfg.train.max_bad_steps:
-            raise RuntimeError(
-                f"{self.bad_steps} non-finite losses in a row (train.max_bad_steps="
-                f"{self.cfg.train.max_bad_steps}): stopping at step {self.step}"
+            raise TooManyBadSteps(
+                f"train.max_bad_steps={self.cfg.train.max_bad_steps}: {self.bad_steps} steps in a row had a "
+                f"non-finite loss or gradient norm (last: {what}); stopped at step {self.step} without saving, "
+                f"the checkpoints in {self.run_dir / 'checkpoints'} are untouched"
             )
 
     # -- metrics ---------------------------------------------------------------------------------
@@ -339,12 +346,25 @@ class Trainer:
 
     # -- the loop ----------------------------------------------------------------------------------
     def _on_signal(self, signum, _frame) -> None:
-        log.warning("received %s: will save a checkpoint and stop after this step", signal.Signals(signum).name)
-        self._preempt_requested = True
+        if signum == signal.SIGINT and self._stop_signal == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: abort now, without a checkpoint
+        name = signal.Signals(signum).name
+        if self._stop_signal is None:
+            log.warning("received %s: will save a checkpoint and stop after this step%s", name,
+                        " (a second SIGINT aborts at once)" if signum == signal.SIGINT else "")
+            self._stop_signal = signum
+        elif signum == signal.SIGINT:
+            self._stop_signal = signum  # already stopping; the next SIGINT aborts
 
-    def _stop_requested(self) -> bool:
-        flag = torch.tensor(float(self._preempt_requested))
-        return self.backend.all_reduce_sum(flag).item() > 0
+    def _stop_requested(self) -> tuple[bool, bool]:
+        """(stop now, a SIGINT was among the signals), agreed by all ranks at this step boundary.
+
+        A signal may reach one rank only (or one rank first); the all-reduce makes every rank stop
+        after the same step, so the checkpoint holds one consistent step.
+        """
+        flags = torch.tensor([float(self._stop_signal is not None), float(self._stop_signal == signal.SIGINT)])
+        stop, interrupted = (self.backend.all_reduce_sum(flags) > 0).tolist()
+        return stop, interrupted
 
     def train(self) -> TrainResult:
         """Train to train.max_steps (a new run unless `open_run` resumed one); the run dir is locked until the end."""
@@ -368,13 +388,13 @@ class Trainer:
                 wandb_project=cfg.run.wandb_project, wandb_mode=cfg.run.wandb_mode,
                 config=config_to_dict(cfg), resume_step=self.step,
             )
-        previous = {s: signal.signal(s, self._on_signal) for s in PREEMPT_SIGNALS}
+        previous = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
         bar = None
         if self.backend.is_main and cfg.run.progress_bar:
             from tqdm import tqdm
 
             bar = tqdm(total=cfg.train.max_steps, initial=self.step, unit="step", dynamic_ncols=True)
-        preempted = False
+        preempted = interrupted = False
         last_saved = self.step
         try:
             for unit in self.units.values():
@@ -384,28 +404,28 @@ class Trainer:
             steps_in_interval, t0 = 0, time.perf_counter()
             while self.step < cfg.train.max_steps:
                 norms = self.train_step(batches)
-                if norms is None:
-                    continue
-                for k, v in norms.items():
-                    norms_sum[k] += v
-                steps_in_interval += 1
-                if bar is not None:
-                    bar.update(1)
-                if self.step % cfg.train.log_every == 0 or self.step == cfg.train.max_steps:
-                    rec = self._record(norms_sum, steps_in_interval, time.perf_counter() - t0)
-                    if writer is not None:
-                        writer.write(rec)
+                stop, interrupted = self._stop_requested()
+                if norms is not None:
+                    for k, v in norms.items():
+                        norms_sum[k] += v
+                    steps_in_interval += 1
                     if bar is not None:
-                        bar.set_postfix({k: f"{rec[k]:.3g}" for k in ("gen_loss", "disc_loss", "rtd_f1",
-                                                                         "tokens_per_s") if k in rec})
-                    norms_sum.clear()
-                    steps_in_interval, t0 = 0, time.perf_counter()
-                if self._stop_requested():
+                        bar.update(1)
+                    if self.step % cfg.train.log_every == 0 or self.step == cfg.train.max_steps:
+                        rec = self._record(norms_sum, steps_in_interval, time.perf_counter() - t0)
+                        if writer is not None:
+                            writer.write(rec)
+                        if bar is not None:
+                            bar.set_postfix({k: f"{rec[k]:.3g}" for k in ("gen_loss", "disc_loss", "rtd_f1",
+                                                                             "tokens_per_s") if k in rec})
+                        norms_sum.clear()
+                        steps_in_interval, t0 = 0, time.perf_counter()
+                if stop:
                     self.save()
                     preempted = True
                     log.warning("stopped at step %d on a signal; continue with --resume auto", self.step)
                     break
-                if cfg.train.save_every and self.step % cfg.train.save_every == 0:
+                if norms is not None and cfg.train.save_every and self.step % cfg.train.save_every == 0:
                     self.save()
                     last_saved = self.step
             if not preempted and last_saved != self.step:
@@ -419,7 +439,7 @@ class Trainer:
                 writer.close()
         if self.backend.is_main and cfg.run.plots and not preempted:
             plot_metrics(self.run_dir / "metrics.jsonl", self.run_dir / "plots")
-        return TrainResult(step=self.step, preempted=preempted, run_dir=self.run_dir)
+        return TrainResult(step=self.step, preempted=preempted, run_dir=self.run_dir, interrupted=interrupted)
 
 
 def _numpy_state_to_plain(state: tuple) -> tuple:

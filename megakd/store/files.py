@@ -25,12 +25,14 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from megakd.errors import UserError
+
 log = logging.getLogger(__name__)
 
 ALIASES = "megakd_aliases"  # safetensors metadata: {alias key: stored key} for tied weights
 
 
-class StoreError(ValueError):
+class StoreError(UserError):
     """A stored file is missing, damaged, unsafe or of the wrong kind: one line naming the file."""
 
 

@@ -179,6 +179,10 @@ def import_hf_state_dict(sd: dict[str, Tensor], architecture: str) -> dict[str, 
     return out
 
 
+HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                   "pytorch_model.bin.index.json")
+
+
 @dataclasses.dataclass
 class HFModel:
     """A local HF BERT/ELECTRA directory read as a megakd model (not yet written anywhere)."""
@@ -203,6 +207,8 @@ def read_hf_dir(src: str | Path) -> HFModel:
         config = encoder_config_from_hf(hf_config)
     except (ValueError, OSError) as err:
         raise StoreError(f"{src / 'config.json'}: {first_line(err)}") from None
+    if not any((src / name).is_file() for name in HF_WEIGHT_FILES):
+        raise StoreError(f"{src}: no weights (expected one of {', '.join(HF_WEIGHT_FILES)} beside config.json)")
     try:
         hf_model, loading = hf_class.from_pretrained(src, local_files_only=True, output_loading_info=True,
                                                      dtype=torch.float32)

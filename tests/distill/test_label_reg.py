@@ -184,8 +184,8 @@ def _classifier(layers: int, hidden: int, seed: int = 0):
 def test_selfkd_teacher_must_have_the_students_architecture(tiny_data, tmp_path):
     from megakd.config import ConfigError
     from megakd.data.tokenizer import Tokenizer
-    from megakd.store.model_dir import save_classifier
     from megakd.finetune.trainer import check_same_architecture
+    from megakd.store.model_dir import save_classifier
 
     tokenizer = Tokenizer.load(tiny_data[0])
     student = _classifier(2, 16)

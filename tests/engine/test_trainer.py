@@ -13,6 +13,7 @@ import torch
 
 from megakd.config import ConfigError, load_config
 from megakd.engine.pretrain import build_trainer
+from megakd.engine.trainer import TooManyBadSteps
 from megakd.store import StoreError
 from tests.helpers import tiny_overrides as tiny_overrides_for
 
@@ -108,11 +109,29 @@ def test_nonfinite_losses_skip_then_stop(tiny_data, tmp_path):
     with torch.no_grad():
         disc.head.prediction.bias.fill_(float("nan"))
     before = {k: v.clone() for k, v in trainer.units["generator"].model.state_dict().items()}
-    with pytest.raises(RuntimeError, match="3 non-finite losses in a row"):
+    with pytest.raises(TooManyBadSteps, match=r"train.max_bad_steps=3: 3 steps in a row .*non-finite loss"):
         trainer.train()
     assert trainer.step == 0
     after = trainer.units["generator"].model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)  # skipped steps change nothing
+
+
+def test_nonfinite_grad_norm_with_finite_loss_skips_every_unit(tiny_data, tmp_path):
+    """λ = 1e300 is finite, but the λ-weighted fp32 loss overflows in backward: the loss the trainer
+    checks is finite and only the gradient norm shows it. No unit may step (the generator's
+    gradients are fine, yet its update is skipped too, so the two schedules stay together)."""
+    cfg = load_config("configs/electra-tiny.yaml", tiny_overrides_for(tiny_data, tmp_path / "run", **{
+        "train.max_steps": 10, "train.max_bad_steps": 2, "electra.loss_weight": 1e300}))
+    trainer = build_trainer(cfg)
+    before = {name: {k: v.clone() for k, v in u.model.state_dict().items()} for name, u in trainer.units.items()}
+    lrs = {name: u.lr for name, u in trainer.units.items()}
+    with pytest.raises(TooManyBadSteps, match="non-finite gradient norm"):
+        trainer.train()
+    assert trainer.step == 0 and trainer.bad_steps == 2
+    for name, unit in trainer.units.items():
+        assert all(torch.equal(before[name][k], v) for k, v in unit.model.state_dict().items()), name
+        assert unit.lr == lrs[name] and unit.scheduler.last_epoch == 0, name
+        assert not unit.optimizer.state, name  # Adam never stepped: no moments
 
 
 def test_mlm_objective_trains_generator_only(tiny_data, tmp_path):

@@ -1,0 +1,148 @@
+"""Fault injection on pretraining data: each damaged shard or manifest → exit code, one-line error
+naming the shard (and sample), and no checkpoint written or changed.
+
+Each row copies the tiny shards, damages the copy, and runs `megakd pretrain` in a fresh process
+into a run dir that already holds a checkpoint (`--resume auto`), so "nothing lost" is checked on
+real state: the run dir's checkpoints are byte-identical afterwards. (A row whose damage changes
+the data fingerprint starts a fresh run instead, which must write no checkpoint.)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from megakd.data.shards import MANIFEST, read_manifest
+from megakd.data.stream import epoch_shard_order
+from tests.faults.harness import megakd, snapshot
+from tests.helpers import TINY_VOCAB, tiny_overrides
+
+TAR_HEADER, NPY_HEADER = 512, 128  # bytes before a shard's first token: tar header, .npy header
+SEED = 0
+
+
+def first_shard(shards: Path) -> str:
+    """The shard a one-rank, zero-worker run reads first (so the fault is met in the first step)."""
+    m = read_manifest(shards)
+    return m["shards"][int(epoch_shard_order(len(m["shards"]), SEED, 0)[0])]["file"]
+
+
+def edit_manifest(shards: Path, edit) -> None:
+    m = json.loads((shards / MANIFEST).read_text())
+    edit(m)
+    (shards / MANIFEST).write_text(json.dumps(m))
+
+
+def patch_tokens(shards: Path, name: str, value: bytes, *, reseal: bool) -> None:
+    """Overwrite the first sample's second token; `reseal` updates the manifest's sha256 to match
+    (a shard written this way, e.g. with another tokenizer, rather than damaged afterwards)."""
+    path = shards / name
+    data = bytearray(path.read_bytes())
+    at = TAR_HEADER + NPY_HEADER + 2
+    data[at : at + len(value)] = value
+    path.write_bytes(bytes(data))
+    if reseal:
+        digest = hashlib.sha256(bytes(data)).hexdigest()
+        edit_manifest(shards, lambda m: next(s for s in m["shards"] if s["file"] == name).update(sha256=digest))
+
+
+def reseal_with_id_outside_vocab(shards: Path, name: str) -> None:
+    patch_tokens(shards, name, (TINY_VOCAB + 7).to_bytes(2, "little"), reseal=True)
+
+
+def flip_bit(shards: Path, name: str) -> None:
+    path = shards / name
+    data = bytearray(path.read_bytes())
+    data[TAR_HEADER + NPY_HEADER + 2] ^= 0x01  # a token id changes by one: still a valid id
+    path.write_bytes(bytes(data))
+
+
+def escape_by_symlink(shards: Path, name: str) -> None:
+    outside = shards.parent / "elsewhere.tar"
+    shutil.copy(shards / name, outside)
+    (shards / name).unlink()
+    (shards / name).symlink_to(outside)
+
+
+def set_first_entry(**fields):
+    return lambda shards, name: edit_manifest(shards, lambda m: m["shards"][0].update(fields))
+
+
+# (id, damage(shards_dir, first_shard_name), error-line pattern with SHARD for that name). Every row: exit 2.
+FAULTS = [
+    ("flipped-bit", flip_bit,
+     r"shard \S+/SHARD: sha256 [0-9a-f]{64} differs from manifest.json's [0-9a-f]{64} \(corrupted or replaced\)$"),
+    ("id-outside-vocab", reseal_with_id_outside_vocab,
+     rf"shard \S+/SHARD: sample \d{{12}} has token id {TINY_VOCAB + 7} outside the vocabulary \[0, {TINY_VOCAB}\)$"),
+    ("seq-len-too-small", lambda s, n: edit_manifest(s, lambda m: m.update(seq_len=16)),
+     r"shard \S+/SHARD: sample \d{12} has \d+ tokens, more than manifest.json's seq_len=16$"),
+    ("all-zero-sha256", set_first_entry(sha256="0" * 64),
+     r"manifest.json: shard 'shard-000000.tar' has sha256='0{64}', expected 64 lowercase hex digits \(not all zero\)$"),
+    ("malformed-sha256", set_first_entry(sha256="abc"),
+     r"manifest.json: shard 'shard-000000.tar' has sha256='abc', expected 64 lowercase hex digits"),
+    ("path-dotdot", set_first_entry(file="../shards/shard-000000.tar"),
+     r"manifest.json: shard file '../shards/shard-000000.tar' must be a relative path inside \S+ \(no '..'\)$"),
+    ("path-absolute", set_first_entry(file="/etc/hostname"),
+     r"manifest.json: shard file '/etc/hostname' must be a relative path inside"),
+    ("path-symlink-escape", escape_by_symlink,
+     r"manifest.json: shard file 'SHARD' resolves to \S+/elsewhere.tar, outside \S+ \(a symlink leading out"),
+    ("seq-len-malformed", lambda s, n: edit_manifest(s, lambda m: m.update(seq_len="64")),
+     r"manifest.json: seq_len='64', expected an integer >= 3$"),
+]
+
+
+@pytest.fixture(scope="module")
+def run_with_checkpoint(tiny_data, tmp_path_factory) -> Path:
+    """A 2-step run with its checkpoint: what every row resumes from (and must leave untouched)."""
+    run = tmp_path_factory.mktemp("faults") / "run"
+    out = megakd("pretrain", "-c", "configs/electra-tiny.yaml",
+                 *tiny_overrides(tiny_data, run, **{"train.max_steps": 2, "run.export_hf": "false"}))
+    assert out.code == 0, out.stderr
+    return run
+
+
+@pytest.mark.parametrize(("damage", "pattern"), [f[1:] for f in FAULTS], ids=[f[0] for f in FAULTS])
+def test_damaged_data_stops_with_one_line_and_loses_nothing(tiny_data, run_with_checkpoint, tmp_path,
+                                                            damage, pattern):
+    tokenizer, clean = tiny_data
+    shards = tmp_path / "shards"
+    shutil.copytree(clean, shards)
+    name = first_shard(shards)
+    damage(shards, name)
+    run = tmp_path / "run"
+    # A resealed shard changes the data fingerprint, which a resume refuses first: start fresh.
+    resume = "reseal" not in damage.__name__
+    if resume:
+        shutil.copytree(run_with_checkpoint, run)
+    before = snapshot(run / "checkpoints")
+    out = megakd("pretrain", "-c", "configs/electra-tiny.yaml", *(["--resume", "auto"] if resume else []),
+                 *tiny_overrides((tokenizer, shards), run, **{"train.max_steps": 6, "run.export_hf": "false"}))
+    assert out.code == 2, out.stderr
+    assert "Traceback" not in out.stderr
+    line = out.error_line()
+    assert line.startswith("megakd: error: "), out.stderr
+    assert re.search(pattern.replace("SHARD", re.escape(name)), line), line
+    assert snapshot(run / "checkpoints") == before
+
+
+def test_flipped_bit_with_skip_bad_shards_trains_on_and_counts_it(tiny_data, tmp_path):
+    """`data.skip_bad_shards=true`: the sha256 mismatch is logged and the shard skipped whole. The
+    shard is read completely before any of its samples is used, so none of it was trained on."""
+    tokenizer, clean = tiny_data
+    shards = tmp_path / "shards"
+    shutil.copytree(clean, shards)
+    name = first_shard(shards)
+    flip_bit(shards, name)
+    run = tmp_path / "run"
+    out = megakd("pretrain", "-c", "configs/electra-tiny.yaml",
+                 *tiny_overrides((tokenizer, shards), run, **{"train.max_steps": 2, "run.export_hf": "false",
+                                                              "data.skip_bad_shards": "true"}))
+    assert out.code == 0, out.stderr
+    assert re.search(rf"skipping bad shard \(skip_bad_shards=True\): shard \S+/{re.escape(name)}: sha256 .* differs",
+                     out.stderr), out.stderr
+    assert (run / "checkpoints" / "step_00000002").is_dir()

@@ -88,6 +88,45 @@ class OptimConfig:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
 
 
+BUILTIN_TASKS = ("rt", "rt_score", "corpus_pairs")
+TASK_METRICS = ("accuracy", "f1", "mcc", "spearman")
+
+
+@dataclass
+class TaskConfig:
+    """A built-in task (`name`) or your own GLUE-style TSV / JSONL files (`name: files`)."""
+
+    name: str = "rt"  # rt | rt_score | corpus_pairs | files
+    train: str = ""  # files: .tsv/.tsv.gz (header row) or .jsonl/.jsonl.gz
+    dev: str = ""
+    text_a: str = "sentence"  # column / field names (files only)
+    text_b: str = ""  # "" = single-sentence task
+    label: str = "label"
+    labels: list[str] = field(default_factory=list)  # class names in id order; [] = integer labels 0..K-1
+    num_labels: int = 2  # 1 = regression (MSE, Spearman)
+    metric: str = ""  # the headline metric; "" = spearman for regression, accuracy otherwise
+    max_train_examples: int = 0  # 0 = all; otherwise a fixed subset spread evenly over the split
+    max_dev_examples: int = 0
+
+    def validate(self, key: str) -> TaskConfig:
+        """Check the task section found under config key `key` (`task`, `train.probe.task`)."""
+        _check_choice(f"{key}.name", self.name, (*BUILTIN_TASKS, "files"))
+        if self.name == "files" and not (self.train and self.dev):
+            raise ConfigError(f"{key}.train and {key}.dev: both are required with {key}.name=files")
+        if self.metric:
+            _check_choice(f"{key}.metric", self.metric, TASK_METRICS)
+        if self.num_labels < 1:
+            raise ConfigError(f"{key}.num_labels: expected >= 1 (1 = regression), got {self.num_labels}")
+        if self.labels and len(self.labels) != self.num_labels:
+            raise ConfigError(f"{key}.labels: expected {self.num_labels} names ({key}.num_labels), "
+                              f"got {len(self.labels)}")
+        for name in ("max_train_examples", "max_dev_examples"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{key}.{name}: expected >= 0 (0 = all), got {getattr(self, name)}")
+        return self
+
+
+
 @dataclass
 class TrainConfig:
     max_steps: int = 1000

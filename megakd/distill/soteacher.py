@@ -32,9 +32,9 @@ from numpy.lib.format import open_memmap
 from torch import Tensor
 
 from megakd.config import ConfigError, save_config
+from megakd.data.tasks import EncodedTask
 from megakd.data.tokenizer import Tokenizer
 from megakd.finetune.config import FinetuneConfig, SoTeacherConfig
-from megakd.finetune.data import EncodedTask
 from megakd.finetune.metrics import agreement, calibration_report
 from megakd.finetune.trainer import LabelRegObjective, SeedResult, run_seeds, summarize, teacher_logits_for
 from megakd.models.electra import SequenceClassifier

@@ -32,10 +32,10 @@ from torch import Tensor
 
 from megakd.config import ConfigError, save_config
 from megakd.data.masking import mlm_mask
+from megakd.data.tasks import EncodedTask
 from megakd.data.tokenizer import Tokenizer
 from megakd.distill.pretrained import load_pretrained
 from megakd.finetune.config import FinetuneConfig, TGTConfig
-from megakd.finetune.data import EncodedTask
 from megakd.finetune.models import check_same_tokenizer, freeze, load_classifier
 from megakd.finetune.trainer import run_seeds, summarize
 from megakd.models.electra import MaskedLM, SequenceClassifier

@@ -8,36 +8,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megakd.config import ConfigError, KernelsConfig, _check_choice
+from megakd.config import ConfigError, KernelsConfig, TaskConfig, _check_choice
 from megakd.models.encoder import EncoderConfig
 from megakd.objectives.label_reg import TARGETS
 from megakd.objectives.soteacher import CR_SCHEDULES
-
-BUILTIN_TASKS = ("rt", "rt_score", "corpus_pairs")
-METRICS = ("accuracy", "f1", "mcc", "spearman")
 
 
 @dataclass
 class FinetuneRunConfig:
     dir: str = "runs/finetune"
     progress_bar: bool = True
-
-
-@dataclass
-class TaskConfig:
-    """A built-in task (`name`) or your own GLUE-style TSV / JSONL files (`name: files`)."""
-
-    name: str = "rt"  # rt | rt_score | corpus_pairs | files
-    train: str = ""  # files: .tsv/.tsv.gz (header row) or .jsonl/.jsonl.gz
-    dev: str = ""
-    text_a: str = "sentence"  # column / field names (files only)
-    text_b: str = ""  # "" = single-sentence task
-    label: str = "label"
-    labels: list[str] = field(default_factory=list)  # class names in id order; [] = integer labels 0..K-1
-    num_labels: int = 2  # 1 = regression (MSE, Spearman)
-    metric: str = ""  # the headline metric; "" = spearman for regression, accuracy otherwise
-    max_train_examples: int = 0  # 0 = all; otherwise a fixed subset spread evenly over the split
-    max_dev_examples: int = 0
 
 
 @dataclass
@@ -134,15 +114,7 @@ class FinetuneConfig:
 
     def validate(self) -> FinetuneConfig:
         t, f, lr = self.task, self.finetune, self.labelreg
-        _check_choice("task.name", t.name, (*BUILTIN_TASKS, "files"))
-        if t.name == "files" and not (t.train and t.dev):
-            raise ConfigError("task.train and task.dev: both are required with task.name=files")
-        if t.metric:
-            _check_choice("task.metric", t.metric, METRICS)
-        if t.num_labels < 1:
-            raise ConfigError(f"task.num_labels: expected >= 1 (1 = regression), got {t.num_labels}")
-        if t.labels and len(t.labels) != t.num_labels:
-            raise ConfigError(f"task.labels: expected {t.num_labels} names (task.num_labels), got {len(t.labels)}")
+        t.validate("task")
         for init in (("model", self.model), ("soteacher.student", self.soteacher.student)):
             _check_choice(f"{init[0]}.init", init[1].init, ("pretrained", "random"))
         if self.model.init == "pretrained" and not self.model.path:

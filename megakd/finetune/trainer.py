@@ -28,11 +28,11 @@ from torch import Tensor
 from tqdm import tqdm
 
 from megakd.config import ConfigError, ScheduleConfig, save_config
+from megakd.data.tasks import EncodedTask, load_task
 from megakd.data.tokenizer import Tokenizer
 from megakd.engine.metrics import MetricsWriter
 from megakd.engine.optim import build_scheduler, param_groups
 from megakd.finetune.config import FinetuneConfig, LabelRegConfig, ModelInitConfig
-from megakd.finetune.data import EncodedTask, load_task
 from megakd.finetune.metrics import mean_std, task_metrics
 from megakd.finetune.models import (
     Pretrained,

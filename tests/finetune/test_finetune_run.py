@@ -12,9 +12,9 @@ import torch
 from megakd.cli import main
 from megakd.config import ConfigError, load_config
 from megakd.data.default_corpus import CORPUS_DIR
+from megakd.data.tasks import EncodedTask, Example
 from megakd.data.tokenizer import Tokenizer, train_tokenizer
 from megakd.finetune.config import FinetuneConfig, ModelInitConfig
-from megakd.finetune.data import EncodedTask, Example
 from megakd.finetune.models import build_classifier, load_classifier, load_pretrained, save_classifier
 from megakd.finetune.trainer import MAX_BAD_STEPS, train_seed
 from megakd.models.electra import SequenceClassifier

@@ -1,4 +1,4 @@
-"""Labelled examples for fine-tuning: built-in tasks from the bundled corpus, and GLUE-style files.
+"""Labelled examples for fine-tuning and the pretraining probe: built-in tasks from the bundled corpus, and GLUE-style files.
 
 Every example carries a stable `index` (its position in the task's full example list, before any
 split or truncation), which SoTeacher's consistency store is keyed by.
@@ -32,10 +32,9 @@ from pathlib import Path
 
 import torch
 
-from megakd.config import ConfigError
+from megakd.config import ConfigError, TaskConfig
 from megakd.data.default_corpus import CORPUS_DIR, PRETRAINING_FILES, SENTIMENT_FILE
 from megakd.data.tokenizer import Tokenizer
-from megakd.finetune.config import TaskConfig
 
 DEV_BYTE_THRESHOLD = 26  # of 256: ≈ 10% dev
 # After . ! ? that ends a word, except the titles Austen abbreviates (Mr. Knightley, Mrs. Weston).

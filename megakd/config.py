@@ -137,6 +137,13 @@ class TrainConfig:
     save_every: int = 0  # 0 = only the final checkpoint
     precision: str = "fp32"  # fp32 | bf16 | fp16
     max_bad_steps: int = 10  # stop after this many non-finite losses in a row
+    # Downstream probe (megakd/engine/probe.py): logistic regression on frozen encoder features of
+    # a fixed slice of a task's training split, logged as probe_acc every probe_every steps.
+    probe_every: int = 200  # 0 = off
+    probe_task: TaskConfig = field(default_factory=TaskConfig)  # a classification task; rt by default
+    probe_fit_examples: int = 2000
+    probe_eval_examples: int = 500
+    probe_max_seq_len: int = 128  # capped by the model's max_position_embeddings
 
 
 @dataclass
@@ -200,6 +207,15 @@ class Config:
         ):
             if value < 1:
                 raise ConfigError(f"{key}: expected a positive integer, got {value}")
+        if self.train.probe_every < 0:
+            raise ConfigError(f"train.probe_every: expected >= 0 (0 = off), got {self.train.probe_every}")
+        if self.train.probe_every:
+            self.train.probe_task.validate("train.probe_task")
+            if self.train.probe_task.num_labels < 2:
+                raise ConfigError("train.probe_task.num_labels: the probe needs a classification task (>= 2)")
+            for key in ("probe_fit_examples", "probe_eval_examples", "probe_max_seq_len"):
+                if getattr(self.train, key) < (3 if key == "probe_max_seq_len" else 1):
+                    raise ConfigError(f"train.{key}: expected a positive integer, got {getattr(self.train, key)}")
         if not 0.0 < self.data.mask_prob < 1.0:
             raise ConfigError(f"data.mask_prob: expected a value in (0, 1), got {self.data.mask_prob}")
         if self.electra.loss_weight <= 0:

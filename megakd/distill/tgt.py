@@ -166,5 +166,5 @@ def run_tgt(cfg: FinetuneConfig) -> dict:
         check_same_tokenizer(tokenizer, lab_tokenizer, "tgt.labeler")
         return TGTObjective(TeacherGenerator(mlm, tokenizer, cfg.tgt, seed, cfg.kernels.backend), labeler)
 
-    results, _, _ = run_seeds(cfg, run_dir, cfg.model, make_objective)
-    return summarize(results, run_dir, cfg.metric)
+    results, _, _, lr_record = run_seeds(cfg, run_dir, cfg.model, make_objective)
+    return summarize(results, run_dir, cfg.metric, lr_record=lr_record)

@@ -39,11 +39,25 @@ class ModelInitConfig:
                                                                           intermediate_size=256))
 
 
+def auto_lr(hidden_size: int) -> float:
+    """`finetune.lr: auto`: the AdaMax peak rate for an encoder of this width.
+
+    1e-4 (the dissertation's Table A.2 value for BERT-base, hidden 768) scaled by 768/hidden, as
+    μP-style width scaling of Adam-family rates does; the README gives the RT sweep behind it.
+    """
+    return 1e-4 * 768 / hidden_size
+
+
 @dataclass
 class OptimConfig:
-    """SPEC §1.7 (Table A.2): AdaMax, linear decay after a warm-up fraction, ε 1e-6, β (0.9, 0.98), clip 1.0."""
+    """SPEC §1.7 (Table A.2): AdaMax, linear decay after a warm-up fraction, ε 1e-6, β (0.9, 0.98), clip 1.0.
 
-    lr: float = 1e-4
+    `lr` is a rate, `auto` (`auto_lr` of the encoder's width) or a list of rates chosen on a
+    held-out `lr_select_frac` slice of the training split (megakd/finetune/trainer.py).
+    """
+
+    lr: float | list[float] | str = "auto"
+    lr_select_frac: float = 0.1
     epochs: int = 3
     batch_size: int = 32
     eval_batch_size: int = 64
@@ -130,8 +144,17 @@ class FinetuneConfig:
             raise ConfigError(f"finetune.warmup_frac: expected a value in [0, 1), got {f.warmup_frac}")
         if not 0.0 <= f.dropout < 1.0:
             raise ConfigError(f"finetune.dropout: expected a probability in [0, 1), got {f.dropout}")
-        if f.lr < 0 or f.clip_norm < 0 or f.eps <= 0:
-            raise ConfigError("finetune.lr and finetune.clip_norm must be >= 0 and finetune.eps > 0")
+        if isinstance(f.lr, str) and f.lr != "auto":
+            raise ConfigError(f"finetune.lr: expected a number, a list of numbers or auto, got {f.lr!r}")
+        rates = f.lr if isinstance(f.lr, list) else [] if isinstance(f.lr, str) else [f.lr]
+        if isinstance(f.lr, list) and (not rates or len(set(rates)) != len(rates)):
+            raise ConfigError(f"finetune.lr: expected a non-empty list of distinct rates, got {f.lr}")
+        if any(r <= 0 for r in rates):
+            raise ConfigError(f"finetune.lr: expected rates > 0, got {f.lr}")
+        if not 0.0 < f.lr_select_frac < 1.0:
+            raise ConfigError(f"finetune.lr_select_frac: expected a fraction in (0, 1), got {f.lr_select_frac}")
+        if f.clip_norm < 0 or f.eps <= 0:
+            raise ConfigError("finetune.clip_norm must be >= 0 and finetune.eps > 0")
         _check_choice("labelreg.target", lr.target, TARGETS)
         if not 0.0 <= lr.alpha <= 1.0:
             raise ConfigError(f"labelreg.alpha: expected a value in [0, 1], got {lr.alpha}")

@@ -6,6 +6,7 @@ bad values fail with a one-line error naming the key, as for pretraining recipes
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from megakd.config import ConfigError, KernelsConfig, TaskConfig, _check_choice
@@ -39,13 +40,20 @@ class ModelInitConfig:
                                                                           intermediate_size=256))
 
 
+AUTO_LR_ANCHORS = ((128, 1e-3), (768, 1e-4))  # (hidden size, AdaMax peak rate); README: the sweep
+AUTO_LR_MAX = 3e-3  # the largest rate the RT sweep measured as good
+
+
 def auto_lr(hidden_size: int) -> float:
     """`finetune.lr: auto`: the AdaMax peak rate for an encoder of this width.
 
-    1e-4 (the dissertation's Table A.2 value for BERT-base, hidden 768) scaled by 768/hidden, as
-    μP-style width scaling of Adam-family rates does; the README gives the RT sweep behind it.
+    A power law in the width through two anchors: 1e-4 at hidden 768 (the dissertation's Table A.2
+    value for BERT-base) and 1e-3 at hidden 128 (the best rate of the RT sweep for the tiny demo
+    discriminator and its random-init twin, in the README), capped at 3e-3 for narrower models.
     """
-    return 1e-4 * 768 / hidden_size
+    (h0, lr0), (h1, lr1) = AUTO_LR_ANCHORS
+    exponent = math.log(lr0 / lr1) / math.log(h1 / h0)
+    return min(AUTO_LR_MAX, lr1 * (h1 / hidden_size) ** exponent)
 
 
 @dataclass

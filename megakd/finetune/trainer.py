@@ -122,15 +122,14 @@ class SeedResult:
 
 def train_seed(cfg: FinetuneConfig, seed: int, model: SequenceClassifier, tokenizer: Tokenizer,
                train: EncodedTask, dev: EncodedTask, objective: Objective, out_dir: Path,
-               lr: float | None = None, eval_split: str = "dev") -> SeedResult:
-    """Train `model` with `objective` for `finetune.epochs` epochs at `lr` (default: `finetune.lr`).
+               lr: float, eval_split: str = "dev") -> SeedResult:
+    """Train `model` with `objective` for `finetune.epochs` epochs at peak rate `lr` (see `run_seeds`).
 
     Evaluates on `dev` after every epoch; its metrics are logged as `<eval_split>_<metric>`. For the
     real dev split this writes the dev logits and the model; an LR-selection trial
     (`eval_split="slice"`, `dev` a slice of train) writes only its metrics.
     """
     f = cfg.finetune
-    lr = f.lr if lr is None else lr
     out_dir.mkdir(parents=True, exist_ok=True)
     steps_per_epoch = math.ceil(len(train) / f.batch_size)
     total = steps_per_epoch * f.epochs

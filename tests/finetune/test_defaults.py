@@ -7,6 +7,7 @@ import logging
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import megakd.data.tasks as tasks
@@ -50,8 +51,9 @@ def files_task(directory: Path) -> list[str]:
 
 
 def test_auto_lr_is_the_dissertation_value_at_bert_base_width():
-    assert auto_lr(768) == pytest.approx(1e-4)
-    assert auto_lr(128) == pytest.approx(6e-4) and auto_lr(32) == pytest.approx(2.4e-3)
+    assert auto_lr(768) == pytest.approx(1e-4) and auto_lr(128) == pytest.approx(1e-3)
+    assert auto_lr(256) == pytest.approx(1e-3 * 2 ** -(np.log(10) / np.log(6)))  # the power law between them
+    assert auto_lr(1024) < 1e-4 and auto_lr(32) == 3e-3  # capped for narrow models
     assert load_config(CONFIG, cls=FinetuneConfig).finetune.lr == "auto"
 
 

@@ -155,7 +155,7 @@ def test_non_finite_losses_skip_updates_then_stop(tiny_data, tmp_path):
                                              intermediate_size=16), 2)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(FloatingPointError, match=f"{MAX_BAD_STEPS} non-finite losses in a row"):
-        train_seed(cfg, 0, model, tok, task, task, _NaNObjective(), tmp_path)
+        train_seed(cfg, 0, model, tok, task, task, _NaNObjective(), tmp_path, lr=1e-3)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 

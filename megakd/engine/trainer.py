@@ -24,6 +24,7 @@ from megakd.config import Config, config_to_dict, read_yaml_file, save_config
 from megakd.data.stream import STOP_SIGNALS
 from megakd.engine.backends import Backend, Unit
 from megakd.engine.metrics import MetricsWriter, plot_metrics
+from megakd.engine.probe import Probe
 from megakd.engine.tasks import TeacherKD
 from megakd.errors import UserError
 from megakd.objectives.electra import corrupt, precision_recall_f1
@@ -68,6 +69,33 @@ class Trainer:
         self._config_changes: dict = {}
         self._opened = False
         self._stop_signal: int | None = None  # the first stop signal received, if any
+        self._probe: Probe | None = None  # built at the first probe step (loading and tokenizing the task)
+
+    def run_probe(self) -> dict | None:
+        """probe_acc and probe_seconds on rank 0 (None elsewhere, or where the probe cannot run)."""
+        if self._probe is None:
+            self._probe = self._build_probe()
+        return None if self._probe is False else {"step": self.step, **self._probe(self.probe_encoder())}
+
+    def _build_probe(self) -> Probe | bool:
+        """The downstream probe on rank 0, or False when the encoder is not whole on this rank."""
+        cfg = self.cfg
+        if not self.backend.is_main:
+            return False
+        if cfg.backend.name == "deepspeed" and (cfg.backend.zero_stage == 3 or cfg.backend.pipeline_stages > 1):
+            log.warning("train.probe_every: the probe is off under ZeRO-3 and pipeline parallelism (no rank holds "
+                        "the whole encoder)")
+            return False
+        from megakd.data.tokenizer import Tokenizer
+
+        encoder = self.probe_encoder()
+        return Probe(cfg, Tokenizer.load(self.tokenizer_dir), encoder.config.max_position_embeddings)
+
+    def probe_encoder(self) -> torch.nn.Module:
+        """The encoder a downstream task would fine-tune: the discriminator's, or the BERT-MLM model's."""
+        if "electra" in self.units:
+            return self.units["electra"].model.discriminator.encoder
+        return self.units["discriminator" if "discriminator" in self.units else "generator"].model.encoder
 
     # -- state -----------------------------------------------------------------------------------
     def rank_state(self) -> dict:
@@ -420,6 +448,14 @@ class Trainer:
                                                                              "tokens_per_s") if k in rec})
                         norms_sum.clear()
                         steps_in_interval, t0 = 0, time.perf_counter()
+                    if cfg.train.probe_every and self.step % cfg.train.probe_every == 0:
+                        probe_start = time.perf_counter()
+                        rec = self.run_probe()
+                        if rec is not None:
+                            log.info("step %d: probe_acc %.4f (%.1f s)", self.step, rec["probe_acc"],
+                                     rec["probe_seconds"])
+                            writer.write(rec)
+                        t0 += time.perf_counter() - probe_start  # tokens_per_s measures training only
                 if stop:
                     self.save()
                     preempted = True

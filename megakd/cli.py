@@ -42,6 +42,14 @@ def cmd_distill(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace, run) -> int:
     cfg = load_config(args.config, args.overrides)
+    if args.print_config:
+        import yaml
+
+        from megakd.config import config_to_dict
+        from megakd.engine.pretrain import resolve_config
+
+        emit(yaml.safe_dump(config_to_dict(resolve_config(cfg)), sort_keys=False).rstrip())
+        return 0
     result = run(cfg, resume=args.resume)
     if result.preempted:
         log.warning("preempted at step %d; run the same command with --resume auto to continue", result.step)
@@ -187,8 +195,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from megakd.bench.memory import parameter_counts
     from megakd.bench.planner import GPUS, hardware_from_bench, model_flops, plan
     from megakd.bench.report import format_plan
+    from megakd.engine.pretrain import resolve_config
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = resolve_config(load_config(args.config, [*args.overrides, *args.set_overrides]))
     hw = hardware_from_bench(args.bench) if args.bench else GPUS[args.gpu]
     plans = plan(cfg, hw, args.gpus, args.gpu_mem, zero=args.zero, pp=args.pp, micro_batches=args.micro_batch,
                  efficiency=args.efficiency, overlap=args.overlap, reserve_gib=args.reserve_gb)
@@ -208,6 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("pretrain", help="ELECTRA (DecoupledOptim or original) or BERT-MLM pretraining")
     p.add_argument("-c", "--config", required=True, help="YAML recipe, e.g. configs/electra-tiny.yaml")
     p.add_argument("--resume", help="'auto' (newest checkpoint in run.dir, if any) or a checkpoint directory")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.max_steps=100")
     p.set_defaults(func=cmd_pretrain)
 
@@ -221,6 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "student's MLM loss")
     p.add_argument("-c", "--config", required=True, help="YAML recipe, e.g. configs/dwt-weak.yaml")
     p.add_argument("--resume", help="'auto' (newest checkpoint in run.dir, if any) or a checkpoint directory")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. distill.teacher=runs/teacher")
     p.set_defaults(func=cmd_distill)
 
@@ -301,14 +312,23 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--reserve-gb", type=float, default=2.0, help="memory kept free (CUDA context, fragmentation)")
     pl.add_argument("--top", type=int, default=10)
     pl.add_argument("--json", help="also write every evaluated layout here")
-    pl.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                    help="config override (repeatable), e.g. --set train.precision=fp16")
+    pl.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. train.precision=fp16")
+    pl.add_argument("--set", dest="set_overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="the same as a positional key=value (kept for older scripts)")
     pl.set_defaults(func=cmd_plan)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # argparse hands a positional list only the first run of positionals (`plan CONFIG --gpus 8
+    # k=v` would leave k=v over): later key=value words are overrides too.
+    stray = [e for e in extra if e.startswith("-") or "=" not in e or not hasattr(args, "overrides")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     setup_logging(args.log_level)
     try:
         return args.func(args)

@@ -44,7 +44,9 @@ class RunConfig:
 class DataConfig:
     tokenizer: str = ""  # directory from `megakd data tokenizer`; empty = built from the bundled corpus
     shards: str = ""  # directory from `megakd data shards`; empty = built from the bundled corpus
-    vocab_size: int = 8000  # only used when building the bundled-corpus default
+    # Size of the bundled-corpus tokenizer (unused with data.tokenizer); "auto" = the models'
+    # explicit vocab_size if one is given, else BUNDLED_VOCAB_SIZE.
+    vocab_size: int | str = "auto"
     seq_len: int = 128  # only used when building the bundled-corpus default (shards carry their own)
     cache_dir: str = ""  # where the bundled-corpus default is built once; "" = $MEGAKD_CACHE or ~/.cache/megakd
     mask_prob: float = 0.15
@@ -52,11 +54,22 @@ class DataConfig:
     skip_bad_shards: bool = False
 
 
+BUNDLED_VOCAB_SIZE = 8000
+
+
+def _auto_vocab_encoder() -> EncoderConfig:
+    return EncoderConfig(vocab_size="auto")
+
+
 @dataclass
 class ModelConfig:
     objective: str = "electra"  # electra (generator + discriminator) | mlm (BERT-MLM: the generator alone)
-    generator: EncoderConfig = field(default_factory=EncoderConfig)
-    discriminator: EncoderConfig = field(default_factory=EncoderConfig)
+    # vocab_size "auto" (the default) = the tokenizer's size, filled in by `resolve_vocab_sizes`.
+    generator: EncoderConfig = field(default_factory=_auto_vocab_encoder)
+    discriminator: EncoderConfig = field(default_factory=_auto_vocab_encoder)
+
+    def built_models(self) -> tuple[str, ...]:
+        return ("generator",) if self.objective == "mlm" else ("generator", "discriminator")
 
 
 @dataclass
@@ -149,6 +162,8 @@ class Config:
         _check_choice("kernels.backend", self.kernels.backend, BACKENDS)
         self._validate_distill()
         _check_choice("run.wandb_mode", self.run.wandb_mode, ("offline", "online"))
+        if self.data.vocab_size != "auto" and (isinstance(self.data.vocab_size, str) or self.data.vocab_size < 1):
+            raise ConfigError(f"data.vocab_size: expected a positive integer or auto, got {self.data.vocab_size!r}")
         if self.backend.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"backend.zero_stage: expected 0, 1, 2 or 3, got {self.backend.zero_stage}")
         for key, value in (
@@ -170,7 +185,7 @@ class Config:
             if opt.lr < 0 or opt.clip_norm < 0 or opt.eps <= 0:
                 raise ConfigError(f"optim.{name}: lr and clip_norm must be >= 0 and eps > 0")
             try:
-                getattr(self.model, name).validate()
+                getattr(self.model, name).validate(allow_auto_vocab=True)
             except ValueError as err:
                 # EncoderConfig names its fields "model.<field>"; qualify them with the model.
                 raise ConfigError(str(err).replace("model.", f"model.{name}.", 1)) from None
@@ -231,6 +246,30 @@ class Config:
                 f"train.micro_batch_size={t.micro_batch_size} x world_size={world_size}"
             )
         return t.micro_batch_size, t.global_batch_size // per_step
+
+
+def bundled_vocab_size(cfg: Config) -> int:
+    """Size of the bundled-corpus tokenizer: data.vocab_size, or under "auto" the one the models ask for."""
+    if cfg.data.vocab_size != "auto":
+        return cfg.data.vocab_size
+    explicit = {getattr(cfg.model, name).vocab_size for name in cfg.model.built_models()} - {"auto"}
+    if len(explicit) > 1:
+        raise ConfigError(f"model.generator.vocab_size and model.discriminator.vocab_size differ "
+                          f"({sorted(explicit)}): one tokenizer serves both models")
+    return explicit.pop() if explicit else BUNDLED_VOCAB_SIZE
+
+
+def resolve_vocab_sizes(cfg: Config, tokenizer_size: int, tokenizer_name: str) -> None:
+    """Put the tokenizer's size into every `vocab_size: auto`; refuse an explicit size that differs."""
+    for name in cfg.model.built_models():
+        model = getattr(cfg.model, name)
+        if model.vocab_size == "auto":
+            model.vocab_size = tokenizer_size
+        elif model.vocab_size != tokenizer_size:
+            raise ConfigError(f"model.{name}.vocab_size={model.vocab_size} but the tokenizer at {tokenizer_name} "
+                              f"has {tokenizer_size} pieces (leave it at auto to take the tokenizer's size)")
+    if cfg.model.objective == "mlm" and cfg.model.discriminator.vocab_size == "auto":
+        cfg.model.discriminator.vocab_size = tokenizer_size  # unused by MLM; keeps the saved config numeric
 
 
 def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
@@ -383,12 +422,17 @@ def load_config(
 ) -> Any:
     """Load a recipe (or the defaults), apply overrides, build and validate the dataclass tree."""
     data = _read_yaml(Path(path)) if path else {}
+    try:
+        _build(cls, data)
+    except ConfigError as err:
+        raise ConfigError(f"{err} (in {path})") from None
     for text in overrides:
         data = _merge(data, parse_override(text))
     try:
         cfg = _build(cls, data)
     except ConfigError as err:
-        raise ConfigError(f"{err} (in {path})" if path else str(err)) from None
+        # The file built cleanly, so the offending key came from an override.
+        raise ConfigError(f"{err} (on the command line)") from None
     return cfg.validate()
 
 

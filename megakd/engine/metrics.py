@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -27,9 +28,10 @@ class MetricsWriter:
         if wandb:
             import wandb as wandb_lib
 
-            os.environ.setdefault("WANDB_MODE", wandb_mode)
+            # WANDB_MODE in the environment (e.g. set by a cluster profile) wins over run.wandb_mode.
             self.wandb = wandb_lib.init(project=wandb_project, dir=str(run_dir), config=config,
-                                        resume="allow", name=run_dir.name)
+                                        id=wandb_run_id(run_dir), resume="allow", name=run_dir.name,
+                                        mode=os.environ.get("WANDB_MODE", wandb_mode))
 
     def _truncate_after(self, step: int) -> None:
         """On resume, drop lines logged after the checkpoint so the file has no duplicated steps."""
@@ -55,6 +57,21 @@ class MetricsWriter:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+WANDB_ID_FILE = "wandb_run_id"
+
+
+def wandb_run_id(run_dir: Path) -> str:
+    """The run dir's wandb id, created on its first run: a requeued job continues the same wandb run."""
+    path = run_dir / WANDB_ID_FILE
+    if path.is_file():
+        return path.read_text().strip()
+    run_id = secrets.token_hex(8)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(run_id + "\n")
+    tmp.replace(path)
+    return run_id
 
 
 def read_metrics(path: Path) -> list[dict]:

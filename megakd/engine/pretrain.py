@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from megakd.config import Config, ConfigError
+from megakd.config import Config, ConfigError, bundled_vocab_size, resolve_vocab_sizes
 from megakd.data.shards import read_manifest
 from megakd.data.stream import PretrainingLoader
 from megakd.data.tokenizer import Tokenizer
@@ -47,19 +47,26 @@ def resolve_data(cfg: Config) -> tuple[Path, Path]:
     from megakd.data.default_corpus import prepare_default_data
 
     cache = Path(d.cache_dir or os.environ.get("MEGAKD_CACHE", "~/.cache/megakd")).expanduser()
-    return prepare_default_data(cache, vocab_size=d.vocab_size, seq_len=d.seq_len)
+    return prepare_default_data(cache, vocab_size=bundled_vocab_size(cfg), seq_len=d.seq_len)
+
+
+def expected_vocab_size(cfg: Config) -> tuple[int, str]:
+    """(size, where from) of the tokenizer this config trains with, without building any data."""
+    if cfg.data.tokenizer:
+        tokenizer = Tokenizer.load(cfg.data.tokenizer)
+        return tokenizer.vocab_size, str(tokenizer.path)
+    return bundled_vocab_size(cfg), "the bundled corpus"
+
+
+def resolve_config(cfg: Config) -> Config:
+    """The config as the run will use it: every `vocab_size: auto` replaced by the tokenizer's size."""
+    resolve_vocab_sizes(cfg, *expected_vocab_size(cfg))
+    return cfg
 
 
 def check_vocab(cfg: Config, tokenizer: Tokenizer) -> None:
-    for name in ("generator", "discriminator"):
-        if cfg.model.objective == "mlm" and name == "discriminator":
-            continue
-        size = getattr(cfg.model, name).vocab_size
-        if size != tokenizer.vocab_size:
-            raise ConfigError(
-                f"model.{name}.vocab_size={size} but the tokenizer at {tokenizer.path} has "
-                f"{tokenizer.vocab_size} pieces"
-            )
+    """Fill `vocab_size: auto` from the tokenizer in use; refuse an explicit size that differs."""
+    resolve_vocab_sizes(cfg, tokenizer.vocab_size, str(tokenizer.path))
 
 
 def build_units(cfg: Config, generator: MaskedLM, discriminator: Discriminator | None,

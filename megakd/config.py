@@ -119,6 +119,7 @@ class BackendConfig:
     zero_stage: int = 0
     pipeline_stages: int = 1
     dist_backend: str = "auto"  # auto (nccl on CUDA, gloo otherwise) | gloo | nccl
+    deepspeed_config: str = ""  # JSON merged into megakd's DeepSpeed config ("auto" = megakd's value)
 
 
 @dataclass
@@ -196,6 +197,8 @@ class Config:
                     "model.generator.embedding_size: shared embeddings (electra.decoupled=false) need the "
                     "generator and discriminator to have the same embedding size"
                 )
+        if self.backend.deepspeed_config and self.backend.name != "deepspeed":
+            raise ConfigError(f"backend.deepspeed_config needs backend.name=deepspeed, got {self.backend.name!r}")
         if self.backend.pipeline_stages > 1:
             self._validate_pipeline()
         return self
@@ -205,6 +208,8 @@ class Config:
         p = f"backend.pipeline_stages={self.backend.pipeline_stages}"
         if self.backend.name != "deepspeed":
             raise ConfigError(f"{p} needs backend.name=deepspeed, got {self.backend.name!r}")
+        if self.backend.deepspeed_config:
+            raise ConfigError(f"{p}: backend.deepspeed_config is not supported with the pipeline engine yet")
         if self.backend.zero_stage != 0:
             raise ConfigError(f"{p} needs backend.zero_stage=0 (DeepSpeed's pipeline engine allows <= 1, and "
                               f"per-model clipping runs on unpartitioned gradients), got {self.backend.zero_stage}")

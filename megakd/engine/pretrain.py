@@ -136,6 +136,14 @@ def build_loader(cfg: Config, tokenizer: Tokenizer, shards_dir: Path, micro_batc
 
 def build_trainer(cfg: Config, backend: Backend | None = None) -> Trainer:
     backend = backend or build_backend(cfg)
+    try:
+        return _build_trainer(cfg, backend)
+    except BaseException:
+        backend.close()  # a config error found while building must not leave a process group behind
+        raise
+
+
+def _build_trainer(cfg: Config, backend: Backend) -> Trainer:
     micro_batch, accumulation = cfg.batch_layout(backend.data_world_size)
     tokenizer_dir, shards_dir = resolve_data(cfg)
     tokenizer = Tokenizer.load(tokenizer_dir)

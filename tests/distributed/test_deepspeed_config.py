@@ -11,7 +11,13 @@ from megakd.cli import main
 from megakd.config import ConfigError, load_config
 from megakd.engine.deepspeed_backend import merge_user_config
 from megakd.engine.pretrain import build_trainer
-from tests.distributed.harness import CONFIG, assert_metrics_close, assert_same_weights, read_metrics, torchrun
+from tests.distributed.harness import (
+    CONFIG,
+    assert_metrics_close,
+    assert_same_weights,
+    read_metrics,
+    torchrun,
+)
 from tests.helpers import tiny_overrides
 
 DERIVED = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "train_batch_size": 8,
@@ -52,7 +58,7 @@ def test_the_engine_runs_with_the_merged_config(tiny_data, tmp_path):
         "train.max_steps": 1, "run.export_hf": "false"}))
     trainer = build_trainer(cfg)
     try:
-        for name, unit in trainer.units.items():
+        for unit in trainer.units.values():
             engine = unit.wrapped
             assert engine.zero_optimization_stage() == 2 and engine.train_micro_batch_size_per_gpu() == 4
             assert engine.zero_reduce_bucket_size() == 12345

@@ -103,12 +103,25 @@ def cmd_data_tokenizer(args: argparse.Namespace) -> int:
 
 
 def cmd_data_shards(args: argparse.Namespace) -> int:
-    from megakd.data.shards import write_shards
+    import functools
+    from pathlib import Path
+
+    from megakd.data.shards import in_valid_split, write_shards
     from megakd.data.tokenizer import Tokenizer
 
-    manifest = write_shards(args.input, Tokenizer.load(args.tokenizer), args.seq_len, args.out,
-                            samples_per_shard=args.samples_per_shard, num_workers=args.workers)
+    tokenizer = Tokenizer.load(args.tokenizer)
+    options = {"samples_per_shard": args.samples_per_shard, "num_workers": args.workers}
+    fraction = args.valid_fraction
+    if fraction and not 0.0 < fraction < 1.0:
+        raise ConfigError(f"--valid-fraction: expected a fraction in (0, 1), got {fraction}")
+    in_valid = functools.partial(in_valid_split, fraction=fraction)
+    keep_train = (lambda text: not in_valid(text)) if fraction else None
+    manifest = write_shards(args.input, tokenizer, args.seq_len, args.out, keep=keep_train, **options)
     log.info("%d samples in %d shards in %s", manifest["num_samples"], len(manifest["shards"]), args.out)
+    if fraction:
+        valid = Path(args.out) / "valid"
+        manifest = write_shards(args.input, tokenizer, args.seq_len, valid, keep=in_valid, **options)
+        log.info("held out %d samples in %d shards in %s", manifest["num_samples"], len(manifest["shards"]), valid)
     return 0
 
 
@@ -266,6 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", required=True)
     s.add_argument("--samples-per-shard", type=int, default=10_000)
     s.add_argument("--workers", type=int, default=1)
+    s.add_argument("--valid-fraction", type=float, default=0.0,
+                   help="hold out this fraction of documents (by a hash of their text) as OUT/valid/, "
+                        "which pretraining finds by itself for train.eval_every")
     s.set_defaults(func=cmd_data_shards)
 
     conv = sub.add_parser("convert", help="HuggingFace export/import")

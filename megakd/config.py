@@ -52,6 +52,9 @@ class DataConfig:
     mask_prob: float = 0.15
     num_workers: int = 0
     skip_bad_shards: bool = False
+    # Held-out shards for train.eval_every; "auto" = <data.shards>/valid when it exists
+    # (`megakd data shards --valid-fraction`), "" = none.
+    valid_shards: str = "auto"
 
 
 BUNDLED_VOCAB_SIZE = 8000
@@ -111,6 +114,8 @@ class TrainConfig:
     save_every: int = 0  # 0 = only the final checkpoint
     precision: str = "fp32"  # fp32 | bf16 | fp16
     max_bad_steps: int = 10  # stop after this many non-finite losses in a row
+    eval_every: int = 0  # score the validation shards every N steps (0 = never)
+    eval_samples: int = 512  # how many validation samples (whole micro-batches) each evaluation scores
 
 
 @dataclass
@@ -197,6 +202,11 @@ class Config:
                     "model.generator.embedding_size: shared embeddings (electra.decoupled=false) need the "
                     "generator and discriminator to have the same embedding size"
                 )
+        if self.train.eval_every < 0 or self.train.eval_samples < 1:
+            raise ConfigError(f"train.eval_every={self.train.eval_every}, train.eval_samples={self.train.eval_samples}: "
+                              f"expected >= 0 and >= 1")
+        if self.train.eval_every and self.backend.pipeline_stages > 1:
+            raise ConfigError("train.eval_every: validation is not supported with backend.pipeline_stages > 1 yet")
         if self.backend.deepspeed_config and self.backend.name != "deepspeed":
             raise ConfigError(f"backend.deepspeed_config needs backend.name=deepspeed, got {self.backend.name!r}")
         if self.backend.pipeline_stages > 1:

@@ -91,8 +91,9 @@ def plot_metrics(metrics_path: Path, out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     panels = {
-        "loss.png": ("loss", ["gen_loss", "disc_loss"]),
-        "rtd.png": ("score", ["rtd_f1", "rtd_precision", "rtd_recall", "gen_acc", "disc_acc"]),
+        "loss.png": ("loss", ["gen_loss", "disc_loss", "val_gen_loss", "val_disc_loss"]),
+        "rtd.png": ("score", ["rtd_f1", "rtd_precision", "rtd_recall", "gen_acc", "disc_acc", "val_rtd_f1",
+                              "val_rtd_auc", "val_gen_acc", "val_teacher_agreement"]),
     }
     for name, (ylabel, keys) in panels.items():
         keys = [k for k in keys if any(k in r for r in records)]

@@ -16,6 +16,7 @@ from megakd.engine.backends import Backend, DDPBackend, Unit
 from megakd.engine.optim import build_optimizer, build_scheduler
 from megakd.engine.tasks import DiscriminatorTask, GeneratorTask, JointElectraTask, TeacherKD
 from megakd.engine.trainer import Trainer, TrainResult
+from megakd.engine.validation import VALID_SEED, Validator
 from megakd.models.admin import admin_initialize
 from megakd.models.electra import Discriminator, ElectraPair, MaskedLM
 
@@ -162,10 +163,32 @@ def _build_trainer(cfg: Config, backend: Backend) -> Trainer:
     units = build_units(cfg, generator, discriminator, kd)
     backend.prepare(units, accumulation)
     loader = build_loader(cfg, tokenizer, shards_dir, micro_batch, backend.data_rank, backend.data_world_size)
+    validator = build_validator(cfg, tokenizer, shards_dir, micro_batch, backend, units, kd)
     # Dropout must differ per rank but be reproducible: reseed after the shared model init.
     torch.manual_seed(cfg.train.seed * 1_000_003 + backend.rank)
     return Trainer(cfg, backend, units, loader, tokenizer_dir=tokenizer_dir,
-                   kd=kd)
+                   kd=kd, validator=validator)
+
+
+def valid_shards_dir(cfg: Config, shards_dir: Path) -> Path | None:
+    """data.valid_shards, or under "auto" the `valid/` set written beside the training shards."""
+    if cfg.data.valid_shards == "auto":
+        beside = shards_dir / "valid"
+        return beside if (beside / "manifest.json").is_file() else None
+    return Path(cfg.data.valid_shards) if cfg.data.valid_shards else None
+
+
+def build_validator(cfg: Config, tokenizer: Tokenizer, shards_dir: Path, micro_batch: int, backend: Backend,
+                    units: list[Unit], kd: TeacherKD | None) -> Validator | None:
+    if not cfg.train.eval_every:
+        return None
+    valid_dir = valid_shards_dir(cfg, shards_dir)
+    if valid_dir is None:
+        raise ConfigError(f"train.eval_every={cfg.train.eval_every} needs validation shards: set data.valid_shards=DIR "
+                          f"or write them with `megakd data shards --valid-fraction F` (none at {shards_dir / 'valid'})")
+    loader = PretrainingLoader(valid_dir, tokenizer, micro_batch_size=micro_batch, seed=VALID_SEED,
+                               mask_prob=cfg.data.mask_prob)
+    return Validator(loader, cfg.train.eval_samples, backend, {u.name: u for u in units}, kd, cfg.kernels.backend)
 
 
 def run_pretraining(cfg: Config, resume: str | None = None) -> TrainResult:

@@ -26,6 +26,7 @@ from megakd.engine import checkpoint
 from megakd.engine.backends import Backend, Unit
 from megakd.engine.metrics import MetricsWriter, plot_metrics
 from megakd.engine.tasks import TeacherKD
+from megakd.engine.validation import Validator
 from megakd.objectives.electra import corrupt, precision_recall_f1
 
 log = logging.getLogger(__name__)
@@ -42,8 +43,9 @@ class TrainResult:
 
 class Trainer:
     def __init__(self, cfg: Config, backend: Backend, units: list[Unit], loader, *, tokenizer_dir: Path,
-                 kd: TeacherKD | None = None):
+                 kd: TeacherKD | None = None, validator: Validator | None = None):
         self.cfg = cfg
+        self.validator = validator  # scores held-out shards every train.eval_every steps
         self.kd = kd  # DWT: told the step before each optimizer step, for α_s(t)
         self.tokenizer_dir = Path(tokenizer_dir)
         self.backend = backend
@@ -258,15 +260,20 @@ class Trainer:
                 steps_in_interval += 1
                 if bar is not None:
                     bar.update(1)
+                rec = {}
                 if self.step % cfg.train.log_every == 0 or self.step == cfg.train.max_steps:
                     rec = self._record(norms_sum, steps_in_interval, time.perf_counter() - t0)
-                    if writer is not None:
-                        writer.write(rec)
                     if bar is not None:
                         bar.set_postfix({k: f"{rec[k]:.3g}" for k in ("gen_loss", "disc_loss", "rtd_f1",
                                                                          "tokens_per_s") if k in rec})
                     norms_sum.clear()
                     steps_in_interval, t0 = 0, time.perf_counter()
+                if self.validator is not None and self.step % cfg.train.eval_every == 0:
+                    started = time.perf_counter()
+                    rec = {**rec, "step": self.step, **self.validator.evaluate()}
+                    t0 += time.perf_counter() - started  # tokens_per_s counts training time only
+                if rec and writer is not None:
+                    writer.write(rec)
                 if self._stop_requested():
                     self.save()
                     preempted = True

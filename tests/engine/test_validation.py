@@ -142,3 +142,34 @@ def test_eval_every_without_validation_shards_is_one_line(tiny_data, tmp_path):
         "train.eval_every": 5}))
     with pytest.raises(ConfigError, match="train.eval_every=5 needs validation shards"):
         build_trainer(cfg)
+
+
+def test_mlm_student_with_a_teacher_logs_teacher_agreement(tiny_data, tiny_electra_run, tmp_path):
+    """BERT-MLM under DWT: val_gen_* and val_teacher_agreement against dense float64 argmaxes."""
+    from megakd.distill.pretrained import load_pretrained
+
+    run = tmp_path / "student"
+    cfg = load_config("configs/dwt-tiny.yaml", tiny_overrides(tiny_data, run, **{
+        "train.max_steps": 2, "run.export_hf": "false", "data.valid_shards": str(tiny_data[1]),
+        "train.eval_every": 2, "train.eval_samples": 8, "distill.teacher": str(tiny_electra_run),
+        "model.generator.dropout": 0.0}))
+    build_trainer(cfg).train()
+    row = _metrics(run)[-1]
+    assert set(row) >= {"val_gen_loss", "val_gen_acc", "val_teacher_agreement"} and "val_rtd_f1" not in row
+    student = load_checkpoint(latest_checkpoint(run)).generator.eval().double()
+    teacher = load_pretrained(tiny_electra_run, "masked_lm", "distill.teacher").model.eval().double()
+    loader = PretrainingLoader(tiny_data[1], Tokenizer.load(tiny_data[0]), micro_batch_size=4, seed=VALID_SEED)
+    ce = agree = correct = masked = 0.0
+    with torch.no_grad():
+        for _, batch in zip(range(2), loader):
+            mask, ids = batch["mlm_mask"], batch["masked_input_ids"]
+            s_logits = student.logits(ids, batch["attention_mask"])[mask]
+            t_logits = teacher.logits(ids, batch["attention_mask"])[mask]
+            targets = batch["input_ids"][mask]
+            ce += float(F.cross_entropy(s_logits, targets, reduction="sum"))
+            correct += float((s_logits.argmax(-1) == targets).sum())
+            agree += float((s_logits.argmax(-1) == t_logits.argmax(-1)).sum())
+            masked += targets.numel()
+    assert math.isclose(row["val_gen_loss"], ce / masked, rel_tol=1e-5)
+    assert row["val_gen_acc"] == pytest.approx(correct / masked, abs=1e-12)
+    assert row["val_teacher_agreement"] == pytest.approx(agree / masked, abs=1e-12)

@@ -116,9 +116,45 @@ class Trainer:
         if not path.is_dir():
             raise FileNotFoundError(f"--resume {spec}: no checkpoint directory at {path}")
         _check_same_model(path, self.cfg)
-        self.backend.load_units(list(self.units.values()), path)
-        self.load_rank_state(checkpoint.load_rank_state(path, self.backend.rank))
+        saved_world = len(list(path.glob("trainer_state_rank*.pt")))
+        if saved_world == self.backend.world_size:
+            self.backend.load_units(list(self.units.values()), path)
+            self.load_rank_state(checkpoint.load_rank_state(path, self.backend.rank))
+        else:
+            self._elastic_resume(path, saved_world)
         log.info("resumed from %s at step %d", path, self.step)
+
+    def _elastic_resume(self, path: Path, saved_world: int) -> None:
+        """Resume a checkpoint written by another number of processes.
+
+        The data position is global (megakd.data.stream), so every rank continues the same global
+        sample order; rank 0 takes over the metric sums of all saved ranks, and a rank that did not
+        exist before starts fresh, deterministic RNG streams (dropout and sampling cannot continue
+        bit-exactly across a layout change; everything else does).
+        """
+        b = self.backend
+        if b.name == "deepspeed" or saved_world < 1:
+            raise ConfigError(f"checkpoint {path} was written by {saved_world} processes, this run has "
+                              f"{b.world_size}: resuming with another world size needs the single or ddp backend "
+                              f"(DeepSpeed's ZeRO state is partitioned per process)")
+        b.load_units(list(self.units.values()), path)
+        states = [checkpoint.load_rank_state(path, r) for r in range(saved_world)]
+        mine = states[b.rank] if b.rank < saved_world else {**states[0], "rng": None}
+        interval: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
+        if b.rank == 0:
+            for state in states:
+                for key, value in state["interval"].items():
+                    interval[key] += value
+        rng = mine["rng"]
+        if rng is None:
+            seed = self.cfg.train.seed * 1_000_003 + b.rank + 104_729 * mine["step"]
+            torch.manual_seed(seed)
+            self.rng.manual_seed(seed)
+            rng = {"torch": torch.get_rng_state(), "cuda": None, "sampling": self.rng.get_state(),
+                   "python": random.getstate(), "numpy": np.random.get_state()}
+        self.load_rank_state({**mine, "interval": dict(interval), "rng": rng})
+        log.warning("elastic resume: %d -> %d processes at step %d, global sample position %d",
+                    saved_world, b.world_size, self.step, self.loader.position)
 
     # -- one optimizer step ------------------------------------------------------------------------
     def _micro_batch(self, batch: dict, last: bool) -> list[torch.Tensor]:

@@ -103,6 +103,11 @@ def test_zero2_cpu_offload_matches_the_run_without_offload(tiny_data, tmp_path):
     assert_metrics_close(read_metrics(tmp_path / "offload"), read_metrics(tmp_path / "plain"))
     for unit in ("generator", "discriminator"):
         assert_same_weights(tmp_path / "offload", tmp_path / "plain", unit)
-    # and the offloaded run really stepped DeepSpeed's CPU Adam (its state is what the checkpoint holds)
-    ds_files = list((tmp_path / "offload" / "checkpoints").rglob("*optim_states.pt"))
-    assert ds_files and torch.load(ds_files[0], weights_only=False)["optimizer_state_dict"] is not None
+    # and the offloaded run really stepped DeepSpeed's CPU Adam (its groups carry `bias_correction`;
+    # torch's AdamW groups do not), for both models
+    for run, cpu_adam in (("offload", True), ("plain", False)):
+        files = sorted((tmp_path / run / "checkpoints").rglob("*optim_states.pt"))
+        assert len(files) == 4  # 2 models x 2 ranks
+        for file in files:
+            groups = torch.load(file, weights_only=False)["optimizer_state_dict"]["base_optimizer_state"]["param_groups"]
+            assert ("bias_correction" in groups[0]) == cpu_adam, file

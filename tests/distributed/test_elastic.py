@@ -30,8 +30,20 @@ COMMON = {"model.objective": "mlm", "model.generator.dropout": 0.0, "train.max_s
           "run.keep_last": 0, "kernels.backend": "torch"}
 
 
+def _overrides(tiny_data, run, **extra) -> list[str]:
+    # validation every 2 steps on held-out shards, so DDP's evaluation is covered too
+    return tiny_overrides(tiny_data, run, **{**COMMON, "data.valid_shards": str(tiny_data[1]),
+                                             "train.eval_every": 2, "train.eval_samples": 8, **extra})
+
+
+def _assert_validation_close(got: list[dict], want: list[dict]) -> None:
+    got, want = ([r for r in rows if "val_gen_loss" in r] for rows in (got, want))
+    assert [r["step"] for r in got] == [r["step"] for r in want] and got
+    assert_metrics_close(got, want, ("val_gen_loss", "val_gen_acc"))
+
+
 def _single(tiny_data, run, resume=None, **extra):
-    cfg = load_config(CONFIG, tiny_overrides(tiny_data, run, **{**COMMON, **extra}))
+    cfg = load_config(CONFIG, _overrides(tiny_data, run, **extra))
     trainer = build_trainer(cfg)
     if resume:
         trainer.resume(str(resume))
@@ -41,14 +53,16 @@ def _single(tiny_data, run, resume=None, **extra):
 def test_two_to_one_and_one_to_two_processes_follow_the_uninterrupted_run(tiny_data, tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     _single(tiny_data, one)
-    torchrun(2, [{"overrides": tiny_overrides(tiny_data, two, **{**COMMON, "backend.name": "ddp"})},
-                 {"overrides": tiny_overrides(tiny_data, tmp_path / "one_to_two", **{**COMMON, "backend.name": "ddp"}),
+    torchrun(2, [{"overrides": _overrides(tiny_data, two, **{"backend.name": "ddp"})},
+                 {"overrides": _overrides(tiny_data, tmp_path / "one_to_two", **{"backend.name": "ddp"}),
                   "resume": str(one / "checkpoints" / "step_00000002")}], tmp_path / "spec.json")
     _single(tiny_data, tmp_path / "two_to_one", resume=two / "checkpoints" / "step_00000002")
     _single(tiny_data, tmp_path / "workers", resume=one / "checkpoints" / "step_00000002", **{"data.num_workers": 2})
     full = read_metrics(one)
     assert_metrics_close(read_metrics(two), full, KEYS)  # the global order makes 2 ranks = 1 rank
+    _assert_validation_close(read_metrics(two), full)  # every rank evaluates the same batches
     for name in ("one_to_two", "two_to_one", "workers"):
         assert_metrics_close(read_metrics(tmp_path / name), full[2:], KEYS)
+        _assert_validation_close(read_metrics(tmp_path / name), full[2:])
         assert_same_weights(tmp_path / name, one, "generator")
 

@@ -1,7 +1,8 @@
 """Held-out validation during pretraining: fixed samples, fixed masks, fixed sampling seed.
 
 Every `train.eval_every` steps the models are scored on the first `train.eval_samples` samples
-of the validation shards in one fixed order (the loader's epoch-0 order for `VALID_SEED`). Masks
+of the validation shards in one fixed order (the loader's epoch-0 order for `VALID_SEED`), read
+once at the first evaluation and kept in memory (a few MB at seq 512). Masks
 are a pure function of (seed, sample index) and the generator's replacements are drawn from a
 generator reseeded with `VALID_SEED` before each evaluation, so two evaluations of the same
 weights give the same numbers, and runs with different `train.seed` see the same samples and
@@ -29,8 +30,8 @@ class Validator:
     def __init__(self, loader: PretrainingLoader, num_samples: int, backend: Backend, units: dict[str, Unit],
                  kd: TeacherKD | None = None, kernel_backend: str = "auto"):
         self.loader = loader
-        self.start = loader.state_dict()
         self.num_batches = max(1, min(num_samples, loader.num_samples) // loader.plan.micro_batch_size)
+        self.batches: list[dict[str, torch.Tensor]] | None = None  # read once, then kept (they never change)
         self.backend = backend
         self.units = units
         self.kd = kd
@@ -40,7 +41,8 @@ class Validator:
     def evaluate(self) -> dict[str, float]:
         """val_gen_loss/acc, and for ELECTRA val_disc_loss, val_rtd_f1, val_rtd_auc; DWT adds val_teacher_agreement."""
         b = self.backend
-        self.loader.load_state_dict(self.start)
+        if self.batches is None:
+            self.batches = [batch for _, batch in zip(range(self.num_batches), self.loader)]
         rng = torch.Generator().manual_seed(VALID_SEED)
         teacher_rng = torch.Generator().manual_seed(VALID_SEED)
         sums: dict[str, float] = {}
@@ -48,9 +50,8 @@ class Validator:
         for unit in self.units.values():
             unit.task.eval()
         try:
-            batches = iter(self.loader)
-            for _ in range(self.num_batches):
-                batch = {k: v.to(b.device) for k, v in next(batches).items()}
+            for cpu_batch in self.batches:
+                batch = {k: v.to(b.device) for k, v in cpu_batch.items()}
                 if "electra" in self.units:
                     out = b.forward(self.units["electra"], batch, rng)
                     gen_out = disc_out = out

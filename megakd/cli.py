@@ -50,6 +50,14 @@ def _train(args: argparse.Namespace, run) -> int:
     job); 130 (128 + SIGINT, the shell's code for Ctrl-C) when stopped by SIGINT, so a script or
     loop around the command stops too. Either way the checkpoint of the last step was written."""
     cfg = load_config(args.config, args.overrides)
+    if args.print_config:
+        import yaml
+
+        from megakd.config import config_to_dict
+        from megakd.engine.pretrain import resolve_config
+
+        emit(yaml.safe_dump(config_to_dict(resolve_config(cfg)), sort_keys=False).rstrip())
+        return 0
     result = run(cfg, resume=args.resume, allow_change=tuple(args.allow_change))
     if result.preempted:
         log.warning("stopped at step %d; run the same command with --resume auto to continue", result.step)
@@ -116,12 +124,25 @@ def cmd_data_tokenizer(args: argparse.Namespace) -> int:
 
 
 def cmd_data_shards(args: argparse.Namespace) -> int:
-    from megakd.data.shards import write_shards
+    import functools
+    from pathlib import Path
+
+    from megakd.data.shards import in_valid_split, write_shards
     from megakd.data.tokenizer import Tokenizer
 
-    manifest = write_shards(args.input, Tokenizer.load(args.tokenizer), args.seq_len, args.out,
-                            samples_per_shard=args.samples_per_shard, num_workers=args.workers)
+    tokenizer = Tokenizer.load(args.tokenizer)
+    options = {"samples_per_shard": args.samples_per_shard, "num_workers": args.workers}
+    fraction = args.valid_fraction
+    if fraction and not 0.0 < fraction < 1.0:
+        raise ConfigError(f"--valid-fraction: expected a fraction in (0, 1), got {fraction}")
+    in_valid = functools.partial(in_valid_split, fraction=fraction)
+    keep_train = (lambda text: not in_valid(text)) if fraction else None
+    manifest = write_shards(args.input, tokenizer, args.seq_len, args.out, keep=keep_train, **options)
     log.info("%d samples in %d shards in %s", manifest["num_samples"], len(manifest["shards"]), args.out)
+    if fraction:
+        valid = Path(args.out) / "valid"
+        manifest = write_shards(args.input, tokenizer, args.seq_len, valid, keep=in_valid, **options)
+        log.info("held out %d samples in %d shards in %s", manifest["num_samples"], len(manifest["shards"]), valid)
     return 0
 
 
@@ -208,8 +229,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from megakd.bench.memory import parameter_counts
     from megakd.bench.planner import GPUS, hardware_from_bench, model_flops, plan
     from megakd.bench.report import format_plan
+    from megakd.engine.pretrain import resolve_config
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = resolve_config(load_config(args.config, [*args.overrides, *args.set_overrides]))
     hw = hardware_from_bench(args.bench) if args.bench else GPUS[args.gpu]
     plans = plan(cfg, hw, args.gpus, args.gpu_mem, zero=args.zero, pp=args.pp, micro_batches=args.micro_batch,
                  efficiency=args.efficiency, overlap=args.overlap, reserve_gib=args.reserve_gb)
@@ -233,6 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-change", action="append", default=[], metavar="KEY",
                    help="at resume, let this state-bearing config key differ from the checkpoint's and take effect "
                         "(repeatable), e.g. --allow-change optim.discriminator.lr")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.max_steps=100")
     p.set_defaults(func=cmd_pretrain)
 
@@ -249,6 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-change", action="append", default=[], metavar="KEY",
                    help="at resume, let this state-bearing config key differ from the checkpoint's and take effect "
                         "(repeatable), e.g. --allow-change optim.discriminator.lr")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. distill.teacher=runs/teacher")
     p.set_defaults(func=cmd_distill)
 
@@ -292,6 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", required=True)
     s.add_argument("--samples-per-shard", type=int, default=10_000)
     s.add_argument("--workers", type=int, default=1)
+    s.add_argument("--valid-fraction", type=float, default=0.0,
+                   help="hold out this fraction of documents (by a hash of their text) as OUT/valid/, "
+                        "which pretraining finds by itself for train.eval_every")
     s.set_defaults(func=cmd_data_shards)
 
     conv = sub.add_parser("convert", help="HuggingFace export/import")
@@ -338,8 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--reserve-gb", type=float, default=2.0, help="memory kept free (CUDA context, fragmentation)")
     pl.add_argument("--top", type=int, default=10)
     pl.add_argument("--json", help="also write every evaluated layout here")
-    pl.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                    help="config override (repeatable), e.g. --set train.precision=fp16")
+    pl.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. train.precision=fp16")
+    pl.add_argument("--set", dest="set_overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="the same as a positional key=value (kept for older scripts)")
     pl.set_defaults(func=cmd_plan)
     return parser
 

@@ -20,7 +20,7 @@ import logging
 import re
 import tarfile
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -93,11 +93,24 @@ def _pack_batch(docs: list[str], seq_len: int, min_tokens: int, dtype: str, tok:
     return {"flat": flat, "lengths": lengths, "stats": stats}
 
 
-def _doc_batches(sources: list[Path], text_field: str, counts: dict[str, int]) -> Iterator[list[str]]:
+def in_valid_split(text: str, fraction: float) -> bool:
+    """Whether a document belongs to the held-out split: a stable function of its text alone.
+
+    sha256 of the UTF-8 text read as a number in [0, 1): the same document lands on the same side
+    for any input order, file layout or number of workers.
+    """
+    digest = hashlib.sha256(text.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+def _doc_batches(sources: list[Path], text_field: str, counts: dict[str, int],
+                 keep: Callable[[str], bool] | None = None) -> Iterator[list[str]]:
     batch: list[str] = []
     chars = 0
     for src in sources:
         for doc in iter_documents(src, text_field):
+            if keep is not None and not keep(doc):
+                continue
             counts[str(src)] = counts.get(str(src), 0) + 1
             batch.append(doc)
             chars += len(doc)
@@ -209,6 +222,7 @@ def write_shards(
     num_workers: int = 1,
     text_field: str = "text",
     min_tokens: int = 8,
+    keep: Callable[[str], bool] | None = None,
 ) -> dict:
     """Tokenize and pack ``inputs`` into WebDataset shards in ``out_dir``; returns the manifest.
 
@@ -216,6 +230,8 @@ def write_shards(
     order, so the output does not depend on the number of workers. The whole directory is built
     under a temporary sibling name and renamed at the end: a killed run leaves no half-written
     shards under ``out_dir``. An existing non-empty ``out_dir`` is an error, never overwritten.
+    ``keep`` (a predicate on a document's text) writes only the documents it accepts: the
+    train/validation split of :func:`in_valid_split`.
     """
     out = Path(out_dir)
     if seq_len < 3:
@@ -236,7 +252,7 @@ def write_shards(
                 stats[k] += v
             writer.add(result["flat"], result["lengths"])
 
-        batches = _doc_batches(sources, text_field, doc_counts)
+        batches = _doc_batches(sources, text_field, doc_counts, keep)
         if num_workers == 1:
             for docs in batches:
                 consume(_pack_batch(docs, seq_len, min_tokens, dtype, tokenizer))

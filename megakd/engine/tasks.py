@@ -86,7 +86,7 @@ class GeneratorTask(nn.Module):
             stats["kd_loss_sum"] = soft.detach().float() * n
             stats["alpha_soft_sum"] = torch.tensor(float(alpha_soft))
             stats["kd_batches"] = torch.tensor(1.0)
-        return {"loss": loss, "samples": samples, "stats": stats}
+        return {"loss": loss, "samples": samples, "argmax": argmax, "stats": stats}
 
 
 class DiscriminatorTask(nn.Module):
@@ -109,7 +109,7 @@ class DiscriminatorTask(nn.Module):
         stats = {f"rtd_{k}": v for k, v in counts.items()}
         stats["disc_loss_sum"] = loss.detach().float() * counts["tokens"]
         stats["replaced"] = counts["tp"] + counts["fn"]
-        return {"loss": loss, "stats": stats}
+        return {"loss": loss, "logits": logits, "stats": stats}
 
 
 class JointElectraTask(nn.Module):
@@ -142,4 +142,5 @@ class JointElectraTask(nn.Module):
         return {
             "loss": loss,
             "stats": {**gen["stats"], **disc["stats"]},
+            "argmax": gen["argmax"], "corrupted": corrupted, "logits": disc["logits"],
         }

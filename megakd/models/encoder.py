@@ -23,7 +23,7 @@ ADMIN_PROFILES = ("reference", "bert")
 
 @dataclass
 class EncoderConfig:
-    vocab_size: int = 30522
+    vocab_size: int | str = 30522  # pretraining configs also take "auto": the tokenizer's size, set before building
     hidden_size: int = 256
     num_layers: int = 12
     num_heads: int = 4
@@ -49,10 +49,24 @@ class EncoderConfig:
         """Width of the embedding tables (and of the tied MLM output matrix)."""
         return self.hidden_size if self.embedding_size is None else self.embedding_size
 
-    def validate(self) -> EncoderConfig:
-        """Raise ValueError naming the first bad field; return self so calls can be chained."""
+    def validate(self, *, allow_auto_vocab: bool = False) -> EncoderConfig:
+        """Raise ValueError naming the first bad field; return self so calls can be chained.
+
+        `allow_auto_vocab` accepts vocab_size "auto" in a config that is not built yet (the
+        pretraining command replaces it with the tokenizer's size); a model needs the number.
+        """
+        if self.vocab_size == "auto" and allow_auto_vocab:
+            return self._validate_fields(check_vocab=False)
+        if isinstance(self.vocab_size, str):
+            raise ValueError(f"model.vocab_size: expected a positive integer"
+                             f"{' or auto' if allow_auto_vocab else ''}, got {self.vocab_size!r}")
+        return self._validate_fields(check_vocab=True)
+
+    def _validate_fields(self, *, check_vocab: bool) -> EncoderConfig:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size",
                      "max_position_embeddings", "type_vocab_size"):
+            if name == "vocab_size" and not check_vocab:
+                continue
             if getattr(self, name) < 1:
                 raise ValueError(f"model.{name}: expected a positive integer, got {getattr(self, name)}")
         if self.embedding_size is not None and self.embedding_size < 1:
@@ -76,7 +90,7 @@ class EncoderConfig:
         for name in ("dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"model.{name}: expected a probability in [0, 1), got {getattr(self, name)}")
-        if not 0 <= self.pad_token_id < self.vocab_size:
+        if self.pad_token_id < 0 or (check_vocab and self.pad_token_id >= self.vocab_size):
             raise ValueError(f"model.pad_token_id: expected an id in [0, vocab_size={self.vocab_size}), "
                              f"got {self.pad_token_id}")
         return self

@@ -28,11 +28,13 @@ Masks are pure functions of (seed, epoch, index) too (:mod:`megakd.data.masking`
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import io
 import json
 import logging
+import multiprocessing
 import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -331,6 +333,20 @@ def _ignore_stop_signals(_worker_id: int) -> None:
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+@atexit.register
+def _kill_leftover_workers() -> None:
+    """At exit, SIGKILL daemonic children (DataLoader workers) that are still alive.
+
+    multiprocessing's own exit handler stops them with SIGTERM, which our workers ignore, and then
+    waits forever. That happens whenever a loader iterator is still open at exit (a caller keeps a
+    reference to it). atexit runs handlers last-registered-first, and this module registers after
+    multiprocessing, so this runs before that wait.
+    """
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            child.kill()
 
 
 class PretrainingLoader:

@@ -5,7 +5,14 @@ over every position, CE with -100 labels), multinomial sampling at masked positi
 `ElectraForPreTraining` discriminator, and the same two AdamW optimizers (DecoupledOptim
 settings) as megakd. Both sides see the same batch (real corpus text, 15% masked) and the same
 model sizes; megakd runs its own GeneratorTask / DiscriminatorTask (sparse MLM head, fused
-losses) and optimizer steps. Timings alternate between the two sides to share machine noise.
+losses) and optimizer steps. Timings alternate between the two sides (and a dense fp32 matmul
+that measures the machine's peak at the same thread count) to share machine noise.
+
+The roofline columns: model FLOPs per token (`megakd.bench.flops`, the work the step must do:
+sparse generator head, so the HF side's dense head counts as waste), the FLOP/s each side
+achieves with that count, and MFU against the matmul peak. A short `torch.profiler` pass splits
+megakd's step into data (collate + masking of the same batch, done by loader workers in training),
+generator, sampling, discriminator and optimizer time.
 
     python tools/bench_electra_step.py                 # both shapes
     python tools/bench_electra_step.py --shape small --steps 10
@@ -18,11 +25,16 @@ import os
 import statistics
 import time
 
+import numpy as np
 import torch
 from transformers import ElectraConfig, ElectraForMaskedLM, ElectraForPreTraining
 
-from megakd.config import OptimizerConfig
+from megakd.bench.flops import step_flops
+from megakd.bench.roofline import format_phases, matmul_seconds, phase_seconds, roofline
+from megakd.config import Config, OptimizerConfig
+from megakd.data.masking import collate
 from megakd.engine.optim import build_optimizer
+from megakd.engine.profiling import phase
 from megakd.engine.tasks import DiscriminatorTask, GeneratorTask
 from megakd.models.electra import Discriminator, MaskedLM
 from megakd.models.encoder import EncoderConfig
@@ -34,7 +46,7 @@ SHAPES = {
     "small": ((12, 64, 1, 256), (12, 256, 4, 1024), 128, 30_522, 128, 32),
     "vocab128k": ((4, 256, 4, 1024), (4, 256, 4, 1024), 256, 128_000, 128, 16),
 }
-TARGETS = {"small": 1.3, "vocab128k": 2.0}
+TARGETS = {"small": 2.0, "vocab128k": 3.5}
 LOSS_WEIGHT = 50.0
 
 
@@ -45,18 +57,18 @@ def encoder_config(dims, embedding, vocab, seq) -> EncoderConfig:
                          dropout=0.1, attention_dropout=0.1)
 
 
-def make_batch(vocab: int, seq: int, batch: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(5, vocab, (batch, seq), generator=g)
+def make_samples(vocab: int, seq: int, batch: int, seed: int = 0) -> list[np.ndarray]:
+    """`batch` full-length samples [CLS] ... [SEP] of random non-special ids."""
+    ids = np.random.default_rng(seed).integers(5, vocab, (batch, seq))
     ids[:, 0], ids[:, -1] = 1, 2
-    scores = torch.rand(batch, seq, generator=g)
-    scores[:, 0] = scores[:, -1] = 2.0  # never mask [CLS]/[SEP]
-    k = round(0.15 * (seq - 2))
-    mask = torch.zeros(batch, seq, dtype=torch.bool)
-    mask.scatter_(1, scores.argsort(dim=1)[:, :k], True)
-    masked = ids.masked_fill(mask, 4)
-    return {"input_ids": ids, "masked_input_ids": masked, "mlm_mask": mask,
-            "attention_mask": torch.ones(batch, seq, dtype=torch.bool)}
+    return list(ids)
+
+
+def make_batch(samples: list[np.ndarray], seed: int = 0) -> dict[str, torch.Tensor]:
+    """The loader's own collation and 15% masking ([PAD]=0, [CLS]=1, [SEP]=2, [MASK]=4 never masked)."""
+    n = len(samples)
+    return collate(samples, [0] * n, list(range(seed * n, (seed + 1) * n)), pad_id=0, mask_id=4,
+                   special_ids=(0, 1, 2, 3, 4), seed=0, mask_prob=0.15)
 
 
 class MegakdStep:
@@ -68,14 +80,17 @@ class MegakdStep:
         self.rng = torch.Generator().manual_seed(0)
 
     def __call__(self, batch) -> None:
-        g = self.gen(batch, self.rng)
-        g["loss"].backward()
-        corrupted = corrupt(batch["input_ids"], batch["mlm_mask"], g["samples"])
-        d = self.disc(corrupted, batch["input_ids"], batch["attention_mask"])
-        (LOSS_WEIGHT * d["loss"]).backward()
-        for opt in (self.opt_g, self.opt_d):
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        with phase("generator"):
+            g = self.gen(batch, self.rng)
+            g["loss"].backward()
+        with phase("discriminator"):
+            corrupted = corrupt(batch["input_ids"], batch["mlm_mask"], g["samples"])
+            d = self.disc(corrupted, batch["input_ids"], batch["attention_mask"])
+            (LOSS_WEIGHT * d["loss"]).backward()
+        with phase("optimizer"):
+            for opt in (self.opt_g, self.opt_d):
+                opt.step()
+                opt.zero_grad(set_to_none=True)
 
 
 class HFStep:
@@ -115,26 +130,50 @@ def check_same_model(gen_cfg: EncoderConfig, hf_step: HFStep) -> None:
     assert not unexpected and all("tied" in k for k in missing), (missing, unexpected)
 
 
-def bench(shape: str, steps: int, warmup: int) -> dict:
+def model_flops(gen_cfg: EncoderConfig, disc_cfg: EncoderConfig, batch: dict[str, torch.Tensor]) -> float:
+    """Model FLOPs of one step on `batch` (the count `megakd plan` uses)."""
+    cfg = Config()
+    cfg.model.generator, cfg.model.discriminator = gen_cfg, disc_cfg
+    sequences, seq = batch["input_ids"].shape
+    return step_flops(cfg, sequences, seq, masked=int(batch["mlm_mask"].sum())).model
+
+
+def bench(shape: str, steps: int, warmup: int, matmul_n: int) -> dict:
     gen_dims, disc_dims, emb, vocab, seq, batch = SHAPES[shape]
     gen_cfg, disc_cfg = (encoder_config(d, emb, vocab, seq) for d in (gen_dims, disc_dims))
     opt = OptimizerConfig(lr=1e-4)
     torch.manual_seed(0)
     sides = {"megakd": MegakdStep(gen_cfg, disc_cfg, opt), "hf": HFStep(gen_cfg, disc_cfg, opt)}
     check_same_model(gen_cfg, sides["hf"])
-    data = [make_batch(vocab, seq, batch, seed=i) for i in range(4)]
-    times: dict[str, list[float]] = {name: [] for name in sides}
+    samples = [make_samples(vocab, seq, batch, seed=i) for i in range(4)]
+    data = [make_batch(s, seed=i) for i, s in enumerate(samples)]
+    times: dict[str, list[float]] = {name: [] for name in [*sides, "matmul"]}
     for i in range(warmup + steps):
         for name, step in sides.items():
             t0 = time.perf_counter()
             step(data[i % len(data)])
             if i >= warmup:
                 times[name].append(time.perf_counter() - t0)
+        if i >= warmup:
+            times["matmul"].append(matmul_seconds(torch.float32, torch.device("cpu"), matmul_n, iters=1))
     tokens = batch * seq
-    result = {"shape": shape, "tokens_per_step": tokens}
-    for name, ts in times.items():
-        result[f"{name}_tokens_per_s"] = tokens / statistics.median(ts)
+    flops = model_flops(gen_cfg, disc_cfg, data[0])
+    peak = 2 * matmul_n**3 / statistics.median(times["matmul"])
+    result = {"shape": shape, "tokens_per_step": tokens, "flops_per_token": flops / tokens, "peak_flops": peak}
+    for name in sides:
+        step_s = statistics.median(times[name])
+        result[f"{name}_tokens_per_s"] = tokens / step_s
+        result[name] = roofline(flops, tokens, step_s, peak)
     result["ratio"] = result["megakd_tokens_per_s"] / result["hf_tokens_per_s"]
+    megakd = sides["megakd"]
+
+    def profiled_step() -> None:
+        with phase("data"):
+            batch_ = make_batch(samples[0])
+        megakd(batch_)
+
+    result["phases"] = phase_seconds(profiled_step, 2, torch.device("cpu"))
+    result["megakd_step_s"] = tokens / result["megakd_tokens_per_s"]
     return result
 
 
@@ -143,15 +182,22 @@ def main() -> None:
     parser.add_argument("--shape", choices=[*SHAPES, "all"], default="all")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--matmul-n", type=int, default=2048, help="size of the square matmul that measures the peak")
     args = parser.parse_args()
     shapes = list(SHAPES) if args.shape == "all" else [args.shape]
-    rows = [bench(s, args.steps, args.warmup) for s in shapes]
+    rows = [bench(s, args.steps, args.warmup, args.matmul_n) for s in shapes]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores; median of "
-          f"{args.steps} steps after {args.warmup} warm-up, sides alternating")
-    print(f"{'shape':<10} {'tokens/step':>11} {'megakd tok/s':>13} {'HF tok/s':>10} {'ratio':>7} {'target':>7}")
+          f"{args.steps} steps after {args.warmup} warm-up, sides alternating with an fp32 "
+          f"{args.matmul_n}x{args.matmul_n} matmul (the peak)")
+    print(f"{'shape':<10} {'tokens/step':>11} {'megakd tok/s':>13} {'HF tok/s':>10} {'ratio':>7} {'target':>7} "
+          f"{'MFLOP/tok':>10} {'peak GFLOP/s':>13} {'megakd GFLOP/s':>15} {'MFU':>6} {'HF MFU':>7}")
     for r in rows:
         print(f"{r['shape']:<10} {r['tokens_per_step']:>11} {r['megakd_tokens_per_s']:>13.0f} "
-              f"{r['hf_tokens_per_s']:>10.0f} {r['ratio']:>6.2f}x {TARGETS[r['shape']]:>6.1f}x")
+              f"{r['hf_tokens_per_s']:>10.0f} {r['ratio']:>6.2f}x {TARGETS[r['shape']]:>6.1f}x "
+              f"{r['flops_per_token'] / 1e6:>10.1f} {r['peak_flops'] / 1e9:>13.1f} "
+              f"{r['megakd']['achieved_flops'] / 1e9:>15.1f} {r['megakd']['mfu']:>6.1%} {r['hf']['mfu']:>7.1%}")
+    for r in rows:
+        print(f"{r['shape']} megakd step split (profiled): {format_phases(r['phases'], r['megakd_step_s'])}")
 
 
 if __name__ == "__main__":

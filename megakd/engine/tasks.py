@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from megakd.engine.profiling import phase
 from megakd.models.electra import Discriminator, ElectraPair, MaskedLM
 from megakd.objectives.distill import alpha_schedule, kd_loss
 from megakd.objectives.electra import corrupt, mlm_loss, rtd_counts, rtd_labels, rtd_loss, sample_replacements
@@ -66,9 +67,10 @@ class GeneratorTask(nn.Module):
         targets = batch["input_ids"][mlm_mask]
         head = self.model.head
         loss = mlm_loss(masked_hidden, head.decoder_weight, head.bias, targets, self.kernel_backend)
-        samples, argmax = sample_replacements(
-            masked_hidden, head.decoder_weight, head.bias, rng, self.temperature, self.kernel_backend
-        )
+        with phase("sampling"):
+            samples, argmax = sample_replacements(
+                masked_hidden, head.decoder_weight, head.bias, rng, self.temperature, self.kernel_backend
+            )
         n = targets.numel()
         stats = {
             "gen_loss_sum": loss.detach().float() * n,

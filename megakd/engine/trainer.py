@@ -25,6 +25,7 @@ from megakd.config import Config, ConfigError, config_to_dict, save_config
 from megakd.engine import checkpoint
 from megakd.engine.backends import Backend, Unit
 from megakd.engine.metrics import MetricsWriter, plot_metrics
+from megakd.engine.profiling import phase
 from megakd.engine.tasks import TeacherKD
 from megakd.objectives.electra import corrupt, precision_recall_f1
 
@@ -129,15 +130,15 @@ class Trainer:
             self._accumulate(out["stats"])
             return [out["loss"].detach()]
         gen = self.units["generator"]
-        with b.no_sync(gen, last):
+        with phase("generator"), b.no_sync(gen, last):
             g = b.forward(gen, batch, self.rng)
             b.backward(gen, g["loss"])
         self._accumulate(g["stats"])
         if "discriminator" not in self.units:
             return [g["loss"].detach()]
         disc = self.units["discriminator"]
-        corrupted = corrupt(batch["input_ids"], batch["mlm_mask"], g["samples"])
-        with b.no_sync(disc, last):
+        with phase("discriminator"), b.no_sync(disc, last):
+            corrupted = corrupt(batch["input_ids"], batch["mlm_mask"], g["samples"])
             d = b.forward(disc, corrupted, batch["input_ids"], batch["attention_mask"])
             b.backward(disc, d["loss"])
         self._accumulate(d["stats"])
@@ -161,9 +162,10 @@ class Trainer:
             return norms
         losses = []
         for i in range(self.accumulation_steps):
-            batch = next(batches)
-            self.interval["tokens"] += float(batch["attention_mask"].sum())
-            batch = {k: v.to(self.backend.device) for k, v in batch.items()}
+            with phase("data"):
+                batch = next(batches)
+                self.interval["tokens"] += float(batch["attention_mask"].sum())
+                batch = {k: v.to(self.backend.device) for k, v in batch.items()}
             losses += self._micro_batch(batch, last=i == self.accumulation_steps - 1)
         finite = torch.isfinite(torch.stack([x.float() for x in losses])).all().double()
         if self.backend.all_reduce_sum(finite).item() < self.backend.world_size:
@@ -172,8 +174,9 @@ class Trainer:
             return self._skipped("non-finite loss")
         self.bad_steps = 0
         norms = {}
-        for name, unit in self.units.items():
-            norms[name] = self.backend.step(unit)
+        with phase("optimizer"):
+            for name, unit in self.units.items():
+                norms[name] = self.backend.step(unit)
         self.step += 1
         return norms
 

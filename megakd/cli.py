@@ -99,7 +99,8 @@ def cmd_data_shards(args: argparse.Namespace) -> int:
     from megakd.data.tokenizer import Tokenizer
 
     manifest = write_shards(args.input, Tokenizer.load(args.tokenizer), args.seq_len, args.out,
-                            samples_per_shard=args.samples_per_shard, num_workers=args.workers)
+                            samples_per_shard=args.samples_per_shard, num_workers=args.workers,
+                            min_tokens=args.min_tokens, pack=args.pack)
     log.info("%d samples in %d shards in %s", manifest["num_samples"], len(manifest["shards"]), args.out)
     return 0
 
@@ -255,6 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", required=True)
     s.add_argument("--samples-per-shard", type=int, default=10_000)
     s.add_argument("--workers", type=int, default=1)
+    s.add_argument("--min-tokens", type=int, default=8, help="drop document pieces with fewer tokens")
+    s.add_argument("--pack", action="store_true",
+                   help="pack several short documents into one sample (per-document positions and attention)")
     s.set_defaults(func=cmd_data_shards)
 
     conv = sub.add_parser("convert", help="HuggingFace export/import")

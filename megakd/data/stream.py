@@ -137,6 +137,7 @@ class _Plan:
     pad_id: int
     mask_id: int
     special_ids: tuple[int, ...]
+    segment_start_id: int | None  # [CLS] for packed shards (see megakd.data.shards), else None
     skip_bad_shards: bool
     known_bad: frozenset[str]
 
@@ -211,7 +212,8 @@ class _SlotDataset(IterableDataset):
                 indices.append(index)
                 if len(samples) == p.micro_batch_size:
                     batch = collate(samples, epochs, indices, pad_id=p.pad_id, mask_id=p.mask_id,
-                                    special_ids=p.special_ids, seed=p.seed, mask_prob=p.mask_prob)
+                                    special_ids=p.special_ids, seed=p.seed, mask_prob=p.mask_prob,
+                                    segment_start_id=p.segment_start_id)
                     batch["_slot"], batch["_cursor"], batch["_bad"] = slot, cursor, tuple(bad)
                     bad.clear()
                     yield batch
@@ -226,7 +228,7 @@ class PretrainingLoader:
     """Endless micro-batches for one rank, with ``state_dict``/``load_state_dict`` for exact resume.
 
     Batch keys: ``input_ids``, ``attention_mask``, ``masked_input_ids``, ``mlm_mask``, ``index``,
-    ``epoch`` (see :func:`megakd.data.masking.collate`). The state counts only batches this object
+    ``epoch``, and ``segment_ids`` for packed shards (see :func:`megakd.data.masking.collate`). The state counts only batches this object
     has handed out, so DataLoader prefetching never leaks into a checkpoint.
     """
 
@@ -287,10 +289,12 @@ class PretrainingLoader:
             pad_id=tokenizer.pad_id,
             mask_id=tokenizer.mask_id,
             special_ids=tuple(sorted(tokenizer.special_ids)),
+            segment_start_id=tokenizer.cls_id if manifest.get("packed") else None,
             skip_bad_shards=skip_bad_shards,
             known_bad=frozenset(self.bad_shards),
         )
         self.seq_len: int = manifest["seq_len"]
+        self.packed: bool = bool(manifest.get("packed", False))
         self.num_samples: int = total
         self._fingerprint = hashlib.sha256(
             json.dumps([manifest["shards"], manifest["tokenizer"]], sort_keys=True).encode()).hexdigest()[:16]

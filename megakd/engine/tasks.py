@@ -62,7 +62,8 @@ class GeneratorTask(nn.Module):
 
     def forward(self, batch: dict[str, torch.Tensor], rng: torch.Generator | None = None) -> dict:
         mlm_mask = batch["mlm_mask"]
-        hidden = self.model(batch["masked_input_ids"], batch["attention_mask"])
+        segment_ids = batch.get("segment_ids")  # packed samples only
+        hidden = self.model(batch["masked_input_ids"], batch["attention_mask"], segment_ids=segment_ids)
         masked_hidden = self.model.masked_hidden(hidden, mlm_mask)
         targets = batch["input_ids"][mlm_mask]
         head = self.model.head
@@ -80,7 +81,8 @@ class GeneratorTask(nn.Module):
         if self.kd is not None:
             teacher = self.kd.teacher
             with torch.no_grad():
-                t_hidden = teacher.masked_hidden(teacher(batch["masked_input_ids"], batch["attention_mask"]), mlm_mask)
+                t_hidden = teacher.masked_hidden(
+                    teacher(batch["masked_input_ids"], batch["attention_mask"], segment_ids=segment_ids), mlm_mask)
             soft = kd_loss(masked_hidden, head.decoder_weight, head.bias, t_hidden, teacher.head.decoder_weight,
                            teacher.head.bias, self.kd.temperature, self.kernel_backend)
             alpha_soft = self.kd.alpha_soft()
@@ -92,15 +94,16 @@ class GeneratorTask(nn.Module):
 
 
 class DiscriminatorTask(nn.Module):
-    """RTD over all non-padding tokens of the corrupted sequence."""
+    """RTD over all non-padding tokens of the corrupted sequence (`segment_ids` for packed samples)."""
 
     def __init__(self, model: Discriminator, kernel_backend: str = "auto"):
         super().__init__()
         self.model = model
         self.kernel_backend = kernel_backend
 
-    def forward(self, corrupted: torch.Tensor, original: torch.Tensor, attention_mask: torch.Tensor) -> dict:
-        hidden = self.model(corrupted, attention_mask)
+    def forward(self, corrupted: torch.Tensor, original: torch.Tensor, attention_mask: torch.Tensor,
+                segment_ids: torch.Tensor | None = None) -> dict:
+        hidden = self.model(corrupted, attention_mask, segment_ids=segment_ids)
         transformed = self.model.head.transform(hidden)
         proj = self.model.head.prediction
         loss = rtd_loss(transformed, proj.weight, proj.bias, corrupted, original, attention_mask, self.kernel_backend)
@@ -132,7 +135,7 @@ class JointElectraTask(nn.Module):
         generator_task, discriminator_task = self._tasks
         gen = generator_task(batch, rng)
         corrupted = corrupt(batch["input_ids"], batch["mlm_mask"], gen["samples"])
-        disc = discriminator_task(corrupted, batch["input_ids"], batch["attention_mask"])
+        disc = discriminator_task(corrupted, batch["input_ids"], batch["attention_mask"], batch.get("segment_ids"))
         return {
             "loss": gen["loss"] + self.loss_weight * disc["loss"],
             "stats": {**gen["stats"], **disc["stats"]},

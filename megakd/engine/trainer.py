@@ -139,7 +139,7 @@ class Trainer:
         disc = self.units["discriminator"]
         with phase("discriminator"), b.no_sync(disc, last):
             corrupted = corrupt(batch["input_ids"], batch["mlm_mask"], g["samples"])
-            d = b.forward(disc, corrupted, batch["input_ids"], batch["attention_mask"])
+            d = b.forward(disc, corrupted, batch["input_ids"], batch["attention_mask"], batch.get("segment_ids"))
             b.backward(disc, d["loss"])
         self._accumulate(d["stats"])
         return [g["loss"].detach(), d["loss"].detach()]

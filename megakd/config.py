@@ -98,6 +98,7 @@ class TrainConfig:
     save_every: int = 0  # 0 = only the final checkpoint
     precision: str = "fp32"  # fp32 | bf16 | fp16
     max_bad_steps: int = 10  # stop after this many non-finite losses in a row
+    compile: bool = False  # torch.compile each encoder (generator, discriminator) in place
 
 
 @dataclass

@@ -16,6 +16,7 @@ generator, sampling, discriminator and optimizer time.
 
     python tools/bench_electra_step.py                 # both shapes
     python tools/bench_electra_step.py --shape small --steps 10
+    python tools/bench_electra_step.py --shape tiny --compile   # adds megakd with train.compile=true
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from megakd.bench.roofline import format_phases, matmul_seconds, phase_seconds, 
 from megakd.config import Config, OptimizerConfig
 from megakd.data.masking import collate
 from megakd.engine.optim import build_optimizer
+from megakd.engine.pretrain import compile_encoders
 from megakd.engine.profiling import phase
 from megakd.engine.tasks import DiscriminatorTask, GeneratorTask
 from megakd.models.electra import Discriminator, MaskedLM
@@ -43,10 +45,11 @@ from megakd.objectives.electra import corrupt
 
 # name: (generator (layers, hidden, heads, ffn), discriminator (layers, hidden, heads, ffn), embedding, vocab, seq, batch)
 SHAPES = {
+    "tiny": ((2, 64, 2, 256), (3, 128, 4, 512), 64, 8_000, 128, 32),  # configs/electra-tiny.yaml
     "small": ((12, 64, 1, 256), (12, 256, 4, 1024), 128, 30_522, 128, 32),
     "vocab128k": ((4, 256, 4, 1024), (4, 256, 4, 1024), 256, 128_000, 128, 16),
 }
-TARGETS = {"small": 2.0, "vocab128k": 3.5}
+TARGETS = {"tiny": 1.0, "small": 2.0, "vocab128k": 3.5}
 LOSS_WEIGHT = 50.0
 
 
@@ -72,9 +75,11 @@ def make_batch(samples: list[np.ndarray], seed: int = 0) -> dict[str, torch.Tens
 
 
 class MegakdStep:
-    def __init__(self, gen_cfg: EncoderConfig, disc_cfg: EncoderConfig, opt: OptimizerConfig):
+    def __init__(self, gen_cfg: EncoderConfig, disc_cfg: EncoderConfig, opt: OptimizerConfig, compile_: bool = False):
         self.gen = GeneratorTask(MaskedLM(gen_cfg), kernel_backend="torch")
         self.disc = DiscriminatorTask(Discriminator(disc_cfg), kernel_backend="torch")
+        if compile_:
+            compile_encoders([self.gen.model, self.disc.model])
         self.opt_g = build_optimizer(self.gen.named_parameters(), opt)
         self.opt_d = build_optimizer(self.disc.named_parameters(), opt)
         self.rng = torch.Generator().manual_seed(0)
@@ -138,12 +143,14 @@ def model_flops(gen_cfg: EncoderConfig, disc_cfg: EncoderConfig, batch: dict[str
     return step_flops(cfg, sequences, seq, masked=int(batch["mlm_mask"].sum())).model
 
 
-def bench(shape: str, steps: int, warmup: int, matmul_n: int) -> dict:
+def bench(shape: str, steps: int, warmup: int, matmul_n: int, compile_: bool) -> dict:
     gen_dims, disc_dims, emb, vocab, seq, batch = SHAPES[shape]
     gen_cfg, disc_cfg = (encoder_config(d, emb, vocab, seq) for d in (gen_dims, disc_dims))
     opt = OptimizerConfig(lr=1e-4)
     torch.manual_seed(0)
     sides = {"megakd": MegakdStep(gen_cfg, disc_cfg, opt), "hf": HFStep(gen_cfg, disc_cfg, opt)}
+    if compile_:
+        sides["megakd_compiled"] = MegakdStep(gen_cfg, disc_cfg, opt, compile_=True)
     check_same_model(gen_cfg, sides["hf"])
     samples = [make_samples(vocab, seq, batch, seed=i) for i in range(4)]
     data = [make_batch(s, seed=i) for i, s in enumerate(samples)]
@@ -165,6 +172,8 @@ def bench(shape: str, steps: int, warmup: int, matmul_n: int) -> dict:
         result[f"{name}_tokens_per_s"] = tokens / step_s
         result[name] = roofline(flops, tokens, step_s, peak)
     result["ratio"] = result["megakd_tokens_per_s"] / result["hf_tokens_per_s"]
+    if compile_:
+        result["compile_ratio"] = result["megakd_compiled_tokens_per_s"] / result["megakd_tokens_per_s"]
     megakd = sides["megakd"]
 
     def profiled_step() -> None:
@@ -182,10 +191,11 @@ def main() -> None:
     parser.add_argument("--shape", choices=[*SHAPES, "all"], default="all")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--compile", action="store_true", help="also time megakd with compiled encoders")
     parser.add_argument("--matmul-n", type=int, default=2048, help="size of the square matmul that measures the peak")
     args = parser.parse_args()
     shapes = list(SHAPES) if args.shape == "all" else [args.shape]
-    rows = [bench(s, args.steps, args.warmup, args.matmul_n) for s in shapes]
+    rows = [bench(s, args.steps, args.warmup, args.matmul_n, args.compile) for s in shapes]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores; median of "
           f"{args.steps} steps after {args.warmup} warm-up, sides alternating with an fp32 "
           f"{args.matmul_n}x{args.matmul_n} matmul (the peak)")
@@ -196,6 +206,10 @@ def main() -> None:
               f"{r['hf_tokens_per_s']:>10.0f} {r['ratio']:>6.2f}x {TARGETS[r['shape']]:>6.1f}x "
               f"{r['flops_per_token'] / 1e6:>10.1f} {r['peak_flops'] / 1e9:>13.1f} "
               f"{r['megakd']['achieved_flops'] / 1e9:>15.1f} {r['megakd']['mfu']:>6.1%} {r['hf']['mfu']:>7.1%}")
+    for r in rows:
+        if "compile_ratio" in r:
+            print(f"{r['shape']} megakd with train.compile=true: {r['megakd_compiled_tokens_per_s']:.0f} tokens/s = "
+                  f"{r['compile_ratio']:.2f}x eager, MFU {r['megakd_compiled']['mfu']:.1%} (target 1.2x)")
     for r in rows:
         print(f"{r['shape']} megakd step split (profiled): {format_phases(r['phases'], r['megakd_step_s'])}")
 

@@ -117,6 +117,18 @@ def admin_profile(cfg: Config, models: list[MaskedLM | Discriminator | None], sh
         log.info("Admin init of the %s: omega from %.3g to %.3g", type(model).__name__, omegas[0], omegas[-1])
 
 
+def compile_encoders(models: list[MaskedLM | Discriminator | None]) -> None:
+    """`torch.compile` each model's encoder in place (`nn.Module.compile`).
+
+    In place, the parameter names do not change, so checkpoints, resume and the HF export are the
+    same with and without compilation. The heads and fused losses stay eager: they are chunked
+    custom-autograd kernels that already avoid the [tokens x vocab] logits.
+    """
+    for model in models:
+        if model is not None:
+            model.encoder.compile()
+
+
 def build_loader(cfg: Config, tokenizer: Tokenizer, shards_dir: Path, micro_batch_size: int, rank: int,
                  world_size: int) -> PretrainingLoader:
     """The pretraining data stream as `cfg.data` describes it (training and `megakd bench` alike)."""
@@ -134,11 +146,17 @@ def build_trainer(cfg: Config, backend: Backend | None = None) -> Trainer:
     tokenizer = Tokenizer.load(tokenizer_dir)
     check_vocab(cfg, tokenizer)
     manifest = read_manifest(shards_dir)
+    if manifest.get("packed") and cfg.backend.pipeline_stages > 1:
+        raise ConfigError(f"data.shards={shards_dir}: packed shards are not supported with "
+                          f"backend.pipeline_stages={cfg.backend.pipeline_stages} (the pipeline stages "
+                          f"carry no segment ids); write the shards without --pack")
     if cfg.run.dir and backend.is_main:
         log.info("data: %s (%d samples, seq_len %d), tokenizer %s", shards_dir, manifest["num_samples"],
                  manifest["seq_len"], tokenizer_dir)
     generator, discriminator = build_models(cfg)
     admin_profile(cfg, [generator, discriminator], shards_dir, tokenizer)
+    if cfg.train.compile:
+        compile_encoders([generator, discriminator])
     kd = None
     if cfg.distill.teacher:
         from megakd.distill.dwt import attach_teacher

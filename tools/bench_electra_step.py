@@ -1,9 +1,10 @@
-"""Tokens/s of one ELECTRA training step: megakd against the HuggingFace reference, on CPU.
+"""Tokens/s and MFU of one ELECTRA training step: megakd against the HuggingFace reference, CPU or CUDA.
 
 The HF side is written the way an HF user would: `ElectraForMaskedLM` generator (dense logits
 over every position, CE with -100 labels), multinomial sampling at masked positions,
 `ElectraForPreTraining` discriminator, and the same two AdamW optimizers (DecoupledOptim
-settings) as megakd. Both sides see the same batch (real corpus text, 15% masked) and the same
+settings) as megakd. Both sides see the same batch (random token ids through the loader's own
+collation and 15% masking) and the same
 model sizes; megakd runs its own GeneratorTask / DiscriminatorTask (sparse MLM head, fused
 losses) and optimizer steps. Timings alternate between the two sides (and a dense fp32 matmul
 that measures the machine's peak at the same thread count) to share machine noise.
@@ -17,6 +18,7 @@ generator, sampling, discriminator and optimizer time.
     python tools/bench_electra_step.py                 # both shapes
     python tools/bench_electra_step.py --shape small --steps 10
     python tools/bench_electra_step.py --shape tiny --compile   # adds megakd with train.compile=true
+    python tools/bench_electra_step.py --device cuda            # the same table on a GPU
 """
 
 from __future__ import annotations
@@ -75,14 +77,16 @@ def make_batch(samples: list[np.ndarray], seed: int = 0) -> dict[str, torch.Tens
 
 
 class MegakdStep:
-    def __init__(self, gen_cfg: EncoderConfig, disc_cfg: EncoderConfig, opt: OptimizerConfig, compile_: bool = False):
-        self.gen = GeneratorTask(MaskedLM(gen_cfg), kernel_backend="torch")
-        self.disc = DiscriminatorTask(Discriminator(disc_cfg), kernel_backend="torch")
+    def __init__(self, gen_cfg: EncoderConfig, disc_cfg: EncoderConfig, opt: OptimizerConfig, device: torch.device,
+                 compile_: bool = False):
+        # "auto" kernels: Triton on CUDA, the chunked torch path on CPU (what training uses).
+        self.gen = GeneratorTask(MaskedLM(gen_cfg), kernel_backend="auto").to(device)
+        self.disc = DiscriminatorTask(Discriminator(disc_cfg), kernel_backend="auto").to(device)
         if compile_:
             compile_encoders([self.gen.model, self.disc.model])
         self.opt_g = build_optimizer(self.gen.named_parameters(), opt)
         self.opt_d = build_optimizer(self.disc.named_parameters(), opt)
-        self.rng = torch.Generator().manual_seed(0)
+        self.rng = torch.Generator(device).manual_seed(0)
 
     def __call__(self, batch) -> None:
         with phase("generator"):
@@ -99,15 +103,15 @@ class MegakdStep:
 
 
 class HFStep:
-    def __init__(self, gen_cfg: EncoderConfig, disc_cfg: EncoderConfig, opt: OptimizerConfig):
+    def __init__(self, gen_cfg: EncoderConfig, disc_cfg: EncoderConfig, opt: OptimizerConfig, device: torch.device):
         def hf(cfg: EncoderConfig) -> ElectraConfig:
             return ElectraConfig(vocab_size=cfg.vocab_size, embedding_size=cfg.embed_dim, hidden_size=cfg.hidden_size,
                                  num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
                                  intermediate_size=cfg.intermediate_size, max_position_embeddings=cfg.max_position_embeddings,
                                  hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
 
-        self.gen = ElectraForMaskedLM(hf(gen_cfg))
-        self.disc = ElectraForPreTraining(hf(disc_cfg))
+        self.gen = ElectraForMaskedLM(hf(gen_cfg)).to(device)
+        self.disc = ElectraForPreTraining(hf(disc_cfg)).to(device)
         self.opt_g = build_optimizer(self.gen.named_parameters(), opt)
         self.opt_d = build_optimizer(self.disc.named_parameters(), opt)
 
@@ -130,7 +134,7 @@ class HFStep:
 def check_same_model(gen_cfg: EncoderConfig, hf_step: HFStep) -> None:
     """The two sides must be the same architecture: HF's weights load strictly into megakd's model."""
     megakd_gen = MaskedLM(gen_cfg)
-    sd = from_hf_state_dict(hf_step.gen.state_dict(), "electra_generator")
+    sd = {k: v.cpu() for k, v in from_hf_state_dict(hf_step.gen.state_dict(), "electra_generator").items()}
     missing, unexpected = megakd_gen.load_state_dict(sd, strict=False)
     assert not unexpected and all("tied" in k for k in missing), (missing, unexpected)
 
@@ -143,26 +147,33 @@ def model_flops(gen_cfg: EncoderConfig, disc_cfg: EncoderConfig, batch: dict[str
     return step_flops(cfg, sequences, seq, masked=int(batch["mlm_mask"].sum())).model
 
 
-def bench(shape: str, steps: int, warmup: int, matmul_n: int, compile_: bool) -> dict:
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bench(shape: str, steps: int, warmup: int, matmul_n: int, compile_: bool, device: torch.device) -> dict:
     gen_dims, disc_dims, emb, vocab, seq, batch = SHAPES[shape]
     gen_cfg, disc_cfg = (encoder_config(d, emb, vocab, seq) for d in (gen_dims, disc_dims))
     opt = OptimizerConfig(lr=1e-4)
     torch.manual_seed(0)
-    sides = {"megakd": MegakdStep(gen_cfg, disc_cfg, opt), "hf": HFStep(gen_cfg, disc_cfg, opt)}
+    sides = {"megakd": MegakdStep(gen_cfg, disc_cfg, opt, device), "hf": HFStep(gen_cfg, disc_cfg, opt, device)}
     if compile_:
-        sides["megakd_compiled"] = MegakdStep(gen_cfg, disc_cfg, opt, compile_=True)
+        sides["megakd_compiled"] = MegakdStep(gen_cfg, disc_cfg, opt, device, compile_=True)
     check_same_model(gen_cfg, sides["hf"])
     samples = [make_samples(vocab, seq, batch, seed=i) for i in range(4)]
-    data = [make_batch(s, seed=i) for i, s in enumerate(samples)]
+    data = [{k: v.to(device) for k, v in make_batch(s, seed=i).items()} for i, s in enumerate(samples)]
     times: dict[str, list[float]] = {name: [] for name in [*sides, "matmul"]}
     for i in range(warmup + steps):
         for name, step in sides.items():
+            _sync(device)
             t0 = time.perf_counter()
             step(data[i % len(data)])
+            _sync(device)
             if i >= warmup:
                 times[name].append(time.perf_counter() - t0)
         if i >= warmup:
-            times["matmul"].append(matmul_seconds(torch.float32, torch.device("cpu"), matmul_n, iters=1))
+            times["matmul"].append(matmul_seconds(torch.float32, device, matmul_n, iters=1))
     tokens = batch * seq
     flops = model_flops(gen_cfg, disc_cfg, data[0])
     peak = 2 * matmul_n**3 / statistics.median(times["matmul"])
@@ -178,10 +189,10 @@ def bench(shape: str, steps: int, warmup: int, matmul_n: int, compile_: bool) ->
 
     def profiled_step() -> None:
         with phase("data"):
-            batch_ = make_batch(samples[0])
+            batch_ = {k: v.to(device) for k, v in make_batch(samples[0]).items()}
         megakd(batch_)
 
-    result["phases"] = phase_seconds(profiled_step, 2, torch.device("cpu"))
+    result["phases"] = phase_seconds(profiled_step, 2, device)
     result["megakd_step_s"] = tokens / result["megakd_tokens_per_s"]
     return result
 
@@ -192,11 +203,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--compile", action="store_true", help="also time megakd with compiled encoders")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cpu or cuda (fp32 both sides; on CUDA the megakd side uses the Triton kernels)")
     parser.add_argument("--matmul-n", type=int, default=2048, help="size of the square matmul that measures the peak")
     args = parser.parse_args()
     shapes = list(SHAPES) if args.shape == "all" else [args.shape]
-    rows = [bench(s, args.steps, args.warmup, args.matmul_n, args.compile) for s in shapes]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores; median of "
+    device = torch.device(args.device)
+    rows = [bench(s, args.steps, args.warmup, args.matmul_n, args.compile, device) for s in shapes]
+    where = (torch.cuda.get_device_name(device) if device.type == "cuda"
+             else f"{torch.get_num_threads()} threads, {os.cpu_count()} cores")
+    print(f"torch {torch.__version__}, {where}; median of "
           f"{args.steps} steps after {args.warmup} warm-up, sides alternating with an fp32 "
           f"{args.matmul_n}x{args.matmul_n} matmul (the peak)")
     print(f"{'shape':<10} {'tokens/step':>11} {'megakd tok/s':>13} {'HF tok/s':>10} {'ratio':>7} {'target':>7} "

@@ -122,9 +122,10 @@ def compile_encoders(models: list[MaskedLM | Discriminator | None]) -> None:
 
     In place, the parameter names do not change, so checkpoints, resume and the HF export are the
     same with and without compilation. The layers hold nearly all of the FLOPs and share one
-    compiled graph. The embeddings stay eager: inductor's CPU code for the embedding's backward
-    scatters with atomic adds, which made the word-embedding gradient differ in the last bits from
-    run to run and broke bit-exact resume. The heads and fused losses stay eager too: they are
+    compiled graph. The embeddings stay eager: with the whole encoder compiled, a resumed run's word
+    embeddings differed in the last bits from the uninterrupted run's (inductor's CPU embedding
+    backward scatters with atomic adds, whose order is not fixed); with the layers alone resume is
+    bit-exact (tests/engine/test_compile.py). The heads and fused losses stay eager too: they are
     chunked custom-autograd kernels that already avoid the [tokens x vocab] logits.
     """
     for model in models:

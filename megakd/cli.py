@@ -131,7 +131,8 @@ def cmd_data_shards(args: argparse.Namespace) -> int:
     from megakd.data.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.load(args.tokenizer)
-    options = {"samples_per_shard": args.samples_per_shard, "num_workers": args.workers}
+    options = {"samples_per_shard": args.samples_per_shard, "num_workers": args.workers,
+               "min_tokens": args.min_tokens, "pack": args.pack}
     fraction = args.valid_fraction
     if fraction and not 0.0 < fraction < 1.0:
         raise ConfigError(f"--valid-fraction: expected a fraction in (0, 1), got {fraction}")
@@ -319,6 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--valid-fraction", type=float, default=0.0,
                    help="hold out this fraction of documents (by a hash of their text) as OUT/valid/, "
                         "which pretraining finds by itself for train.eval_every")
+    s.add_argument("--min-tokens", type=int, default=8, help="drop document pieces with fewer tokens")
+    s.add_argument("--pack", action="store_true",
+                   help="pack several short documents into one sample (per-document positions and attention)")
     s.set_defaults(func=cmd_data_shards)
 
     conv = sub.add_parser("convert", help="HuggingFace export/import")

@@ -171,6 +171,7 @@ class TrainConfig:
     probe_max_seq_len: int = 128  # capped by the model's max_position_embeddings
     eval_every: int = 0  # score the validation shards every N steps (0 = never)
     eval_samples: int = 512  # how many validation samples (whole micro-batches) each evaluation scores
+    compile: bool = False  # torch.compile each encoder (generator, discriminator) in place
 
 
 @dataclass

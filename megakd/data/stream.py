@@ -208,6 +208,7 @@ class _Plan:
     pad_id: int
     mask_id: int
     special_ids: tuple[int, ...]
+    segment_start_id: int | None  # [CLS] for packed shards (see megakd.data.shards), else None
     skip_bad_shards: bool
     known_bad: frozenset[str]
     vocab_size: int
@@ -294,7 +295,8 @@ class _RankDataset(IterableDataset):
                 if found:
                     epochs, indices, samples = (list(column) for column in zip(*found))
                     batch = collate(samples, epochs, indices, pad_id=p.pad_id, mask_id=p.mask_id,
-                                    special_ids=p.special_ids, seed=p.seed, mask_prob=p.mask_prob)
+                                    special_ids=p.special_ids, seed=p.seed, mask_prob=p.mask_prob,
+                                    segment_start_id=p.segment_start_id)
                 else:
                     if len(reader.known_bad) == len(p.files):
                         raise ShardError(f"shards {p.shards_dir}: every shard is bad; nothing left to read")
@@ -353,7 +355,7 @@ class PretrainingLoader:
     """Endless micro-batches for one rank, with ``state_dict``/``load_state_dict`` for exact resume.
 
     Batch keys: ``input_ids``, ``attention_mask``, ``masked_input_ids``, ``mlm_mask``, ``index``,
-    ``epoch`` (see :func:`megakd.data.masking.collate`). The state counts only batches this object
+    ``epoch``, and ``segment_ids`` for packed shards (see :func:`megakd.data.masking.collate`). The state counts only batches this object
     has handed out, so DataLoader prefetching never leaks into a checkpoint.
 
     Every shard is verified as it is read (:func:`read_shard`: sha256, sample lengths, token ids
@@ -414,6 +416,7 @@ class PretrainingLoader:
             pad_id=tokenizer.pad_id,
             mask_id=tokenizer.mask_id,
             special_ids=tuple(sorted(tokenizer.special_ids)),
+            segment_start_id=tokenizer.cls_id if manifest.get("packed") else None,
             skip_bad_shards=skip_bad_shards,
             known_bad=frozenset(self.bad_shards),
             vocab_size=tokenizer.vocab_size,
@@ -421,6 +424,7 @@ class PretrainingLoader:
             verify=verify,
         )
         self.seq_len: int = manifest["seq_len"]
+        self.packed: bool = bool(manifest.get("packed", False))
         self.num_samples: int = total
         self._fingerprint = hashlib.sha256(
             json.dumps([manifest["shards"], manifest["tokenizer"]], sort_keys=True).encode()).hexdigest()[:16]

@@ -147,6 +147,23 @@ def admin_profile(cfg: Config, models: list[MaskedLM | Discriminator | None], sh
         log.info("Admin init of the %s: omega from %.3g to %.3g", type(model).__name__, omegas[0], omegas[-1])
 
 
+def compile_encoders(models: list[MaskedLM | Discriminator | None]) -> None:
+    """`torch.compile` every encoder layer in place (`nn.Module.compile`).
+
+    In place, the parameter names do not change, so checkpoints, resume and the HF export are the
+    same with and without compilation. The layers hold nearly all of the FLOPs and share one
+    compiled graph. The embeddings stay eager: with the whole encoder compiled, a resumed run's word
+    embeddings differed in the last bits from the uninterrupted run's (inductor's CPU embedding
+    backward scatters with atomic adds, whose order is not fixed); with the layers alone resume is
+    bit-exact (tests/engine/test_compile.py). The heads and fused losses stay eager too: they are
+    chunked custom-autograd kernels that already avoid the [tokens x vocab] logits.
+    """
+    for model in models:
+        if model is not None:
+            for layer in model.encoder.layers:
+                layer.compile()
+
+
 def build_loader(cfg: Config, tokenizer: Tokenizer, shards_dir: Path, micro_batch_size: int, rank: int,
                  world_size: int) -> PretrainingLoader:
     """The pretraining data stream as `cfg.data` describes it (training and `megakd bench` alike)."""
@@ -172,11 +189,17 @@ def _build_trainer(cfg: Config, backend: Backend) -> Trainer:
     tokenizer = Tokenizer.load(tokenizer_dir)
     check_vocab(cfg, tokenizer)
     manifest = read_manifest(shards_dir)
+    if manifest.get("packed") and cfg.backend.pipeline_stages > 1:
+        raise ConfigError(f"data.shards={shards_dir}: packed shards are not supported with "
+                          f"backend.pipeline_stages={cfg.backend.pipeline_stages} (the pipeline stages "
+                          f"carry no segment ids); write the shards without --pack")
     if cfg.run.dir and backend.is_main:
         log.info("data: %s (%d samples, seq_len %d), tokenizer %s", shards_dir, manifest["num_samples"],
                  manifest["seq_len"], tokenizer_dir)
     generator, discriminator = build_models(cfg)
     admin_profile(cfg, [generator, discriminator], shards_dir, tokenizer)
+    if cfg.train.compile:
+        compile_encoders([generator, discriminator])
     kd = attach_teacher(cfg, tokenizer, generator, backend.device) if cfg.distill.teacher else None
     units = build_units(cfg, generator, discriminator, kd)
     backend.prepare(units, accumulation)

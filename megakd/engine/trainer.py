@@ -25,6 +25,7 @@ from megakd.data.stream import STOP_SIGNALS
 from megakd.engine.backends import Backend, Unit
 from megakd.engine.metrics import MetricsWriter, plot_metrics
 from megakd.engine.probe import Probe
+from megakd.engine.profiling import phase
 from megakd.engine.tasks import TeacherKD
 from megakd.engine.validation import Validator
 from megakd.errors import UserError
@@ -322,16 +323,16 @@ class Trainer:
             self._accumulate(out["stats"])
             return [out["loss"].detach()]
         gen = self.units["generator"]
-        with b.no_sync(gen, last):
+        with phase("generator"), b.no_sync(gen, last):
             g = b.forward(gen, batch, self.rng)
             b.backward(gen, g["loss"])
         self._accumulate(g["stats"])
         if "discriminator" not in self.units:
             return [g["loss"].detach()]
         disc = self.units["discriminator"]
-        corrupted = corrupt(batch["input_ids"], batch["mlm_mask"], g["samples"])
-        with b.no_sync(disc, last):
-            d = b.forward(disc, corrupted, batch["input_ids"], batch["attention_mask"])
+        with phase("discriminator"), b.no_sync(disc, last):
+            corrupted = corrupt(batch["input_ids"], batch["mlm_mask"], g["samples"])
+            d = b.forward(disc, corrupted, batch["input_ids"], batch["attention_mask"], batch.get("segment_ids"))
             b.backward(disc, d["loss"])
         self._accumulate(d["stats"])
         return [g["loss"].detach(), d["loss"].detach()]
@@ -354,16 +355,18 @@ class Trainer:
             return norms
         losses = []
         for i in range(self.accumulation_steps):
-            batch = next(batches)
-            self.interval["tokens"] += float(batch["attention_mask"].sum())
-            batch = {k: v.to(self.backend.device) for k, v in batch.items()}
+            with phase("data"):
+                batch = next(batches)
+                self.interval["tokens"] += float(batch["attention_mask"].sum())
+                batch = {k: v.to(self.backend.device) for k, v in batch.items()}
             losses += self._micro_batch(batch, last=i == self.accumulation_steps - 1)
         finite = torch.isfinite(torch.stack([x.float() for x in losses])).all().double()
         if self.backend.all_reduce_sum(finite).item() < self.backend.world_size:
             for unit in self.units.values():
                 self.backend.skip_step(unit)
             return self._skipped("non-finite loss")
-        norms = self.backend.step(list(self.units.values()))
+        with phase("optimizer"):
+            norms = self.backend.step(list(self.units.values()))
         if norms is None:
             return self._skipped("non-finite gradient norm")
         self.bad_steps = 0

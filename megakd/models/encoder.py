@@ -2,8 +2,10 @@
 
 The layout and the initialisation follow HuggingFace BERT/ELECTRA exactly so that absolute-position
 models map 1:1 onto `ElectraModel`/`BertModel` (see `hf_mapping.py`). Two options go beyond HF:
-T5 relative position buckets (one bias table shared by all layers) and Admin initialisation
-(Liu et al. 2020), whose residual scales ω are set by a profiling pass in `admin_initialize`.
+T5 relative position buckets (one bias table shared by all layers), Admin initialisation
+(Liu et al. 2020), whose residual scales ω are set by a profiling pass in `admin_initialize`, and
+packed samples: with `segment_ids` (several documents per row, 0 = padding) every document gets
+its own positions from 0 and attends only to itself, so it computes exactly what it would alone.
 """
 
 from __future__ import annotations
@@ -146,8 +148,10 @@ class Embeddings(nn.Module):
         # ELECTRA-small style: narrow embeddings projected up to the hidden width.
         self.embeddings_project = nn.Linear(dim, config.hidden_size) if dim != config.hidden_size else None
 
-    def forward(self, word_vectors: Tensor, token_type_ids: Tensor | None = None) -> Tensor:
-        """`word_vectors` [B, L, E] is the word-embedding lookup, or TGT's perturbed replacement of it."""
+    def forward(self, word_vectors: Tensor, token_type_ids: Tensor | None = None,
+                position_ids: Tensor | None = None) -> Tensor:
+        """`word_vectors` [B, L, E] is the word-embedding lookup, or TGT's perturbed replacement of it;
+        `position_ids` [B, L] default to 0..L-1 in every row."""
         seq_len = word_vectors.shape[1]
         if token_type_ids is None:
             token_type_ids = torch.zeros(word_vectors.shape[:2], dtype=torch.long, device=word_vectors.device)
@@ -156,12 +160,28 @@ class Embeddings(nn.Module):
             if seq_len > self.position_embeddings.num_embeddings:
                 raise ValueError(f"input length {seq_len} exceeds model.max_position_embeddings="
                                  f"{self.position_embeddings.num_embeddings}")
-            positions = torch.arange(seq_len, device=word_vectors.device)
+            positions = torch.arange(seq_len, device=word_vectors.device) if position_ids is None else position_ids
             x = x + self.position_embeddings(positions)
         x = self.dropout(self.layer_norm(x))
         if self.embeddings_project is not None:
             x = self.embeddings_project(x)
         return x
+
+
+def segment_positions(segment_ids: Tensor) -> Tensor:
+    """Position of every token inside its run of equal segment ids: 0, 1, ... restarting per document."""
+    index = torch.arange(segment_ids.shape[1], device=segment_ids.device).expand_as(segment_ids)
+    starts = torch.ones_like(segment_ids, dtype=torch.bool)
+    starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    return index - torch.where(starts, index, 0).cummax(dim=1).values
+
+
+def segment_mask(segment_ids: Tensor) -> Tensor:
+    """Block-diagonal key mask [B, 1, L, L]: a query sees the keys of its own segment only.
+
+    Padding (segment 0) forms one more block, so no row is fully masked (no NaN from SDPA) and no
+    real token ever sees padding."""
+    return (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
 
 
 def relative_position_bucket(relative_position: Tensor, num_buckets: int, max_distance: int) -> Tensor:
@@ -214,7 +234,7 @@ class SelfAttention(nn.Module):
         self.output = nn.Linear(hidden, hidden)
 
     def forward(self, x: Tensor, key_mask: Tensor | None, position_bias: Tensor | None) -> Tensor:
-        """`key_mask` [B, 1, 1, L] is True for real tokens; `position_bias` [1, heads, L, L] or None."""
+        """`key_mask` [B, 1, 1 or L, L] is True where a query may attend; `position_bias` [1, heads, L, L] or None."""
         batch, seq_len, hidden = x.shape
 
         def heads(t: Tensor) -> Tensor:
@@ -308,13 +328,23 @@ class Encoder(nn.Module):
         attention_mask: Tensor | None = None,
         token_type_ids: Tensor | None = None,
         inputs_embeds: Tensor | None = None,
+        segment_ids: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """Embedding output plus the key mask and relative bias every layer takes (computed once)."""
+        """Embedding output plus the key mask and relative bias every layer takes (computed once).
+
+        With `segment_ids` (packed samples) the mask is block-diagonal and absolute positions restart
+        per segment; T5 relative offsets need no change, since inside a segment they are the same
+        wherever the segment sits in the row.
+        """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Encoder.forward: expected exactly one of input_ids or inputs_embeds")
         word_vectors = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
-        x = self.embeddings(word_vectors, token_type_ids)
-        key_mask = None if attention_mask is None else attention_mask.bool()[:, None, None, :]
+        if segment_ids is None:
+            x = self.embeddings(word_vectors, token_type_ids)
+            key_mask = None if attention_mask is None else attention_mask.bool()[:, None, None, :]
+        else:
+            x = self.embeddings(word_vectors, token_type_ids, segment_positions(segment_ids))
+            key_mask = segment_mask(segment_ids)
         position_bias = None if self.relative_bias is None else self.relative_bias(x.shape[1])
         return x, key_mask, position_bias
 
@@ -324,8 +354,10 @@ class Encoder(nn.Module):
         attention_mask: Tensor | None = None,
         token_type_ids: Tensor | None = None,
         inputs_embeds: Tensor | None = None,
+        segment_ids: Tensor | None = None,
     ) -> Tensor:
-        x, key_mask, position_bias = self.prepare(input_ids, attention_mask, token_type_ids, inputs_embeds)
+        x, key_mask, position_bias = self.prepare(input_ids, attention_mask, token_type_ids, inputs_embeds,
+                                                  segment_ids)
         recompute = self.config.activation_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.layers:
             if recompute:

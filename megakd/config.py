@@ -44,6 +44,7 @@ class RunConfig:
 class DataConfig:
     tokenizer: str = ""  # directory from `megakd data tokenizer`; empty = built from the bundled corpus
     shards: str = ""  # directory from `megakd data shards`; empty = built from the bundled corpus
+    corpus: str = "classic"  # bundled corpus when tokenizer/shards are unset: classic (Austen + KJV) | mixed (+ modern text + RT train)
     vocab_size: int = 8000  # only used when building the bundled-corpus default
     seq_len: int = 128  # only used when building the bundled-corpus default (shards carry their own)
     cache_dir: str = ""  # where the bundled-corpus default is built once; "" = $MEGAKD_CACHE or ~/.cache/megakd
@@ -161,6 +162,7 @@ class Config:
         ):
             if value < 1:
                 raise ConfigError(f"{key}: expected a positive integer, got {value}")
+        _check_choice("data.corpus", self.data.corpus, ("classic", "mixed"))
         if not 0.0 < self.data.mask_prob < 1.0:
             raise ConfigError(f"data.mask_prob: expected a value in (0, 1), got {self.data.mask_prob}")
         if self.electra.loss_weight <= 0:

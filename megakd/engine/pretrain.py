@@ -47,7 +47,7 @@ def resolve_data(cfg: Config) -> tuple[Path, Path]:
     from megakd.data.default_corpus import prepare_default_data
 
     cache = Path(d.cache_dir or os.environ.get("MEGAKD_CACHE", "~/.cache/megakd")).expanduser()
-    return prepare_default_data(cache, vocab_size=d.vocab_size, seq_len=d.seq_len)
+    return prepare_default_data(cache, vocab_size=d.vocab_size, seq_len=d.seq_len, corpus=d.corpus)
 
 
 def check_vocab(cfg: Config, tokenizer: Tokenizer) -> None:

@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
+from importlib.metadata import PackageNotFoundError, version
 
 from megakd.config import ConfigError, load_config
 
@@ -202,6 +204,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megakd", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"megakd {_version()}")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -307,8 +310,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _version() -> str:
+    try:
+        return version("megakd")
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        return "unknown (not installed)"
+
+
+_OVERRIDE = re.compile(r"^[A-Za-z_][\w.]*=")  # key=value, as megakd.config.parse_override reads it
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parse with `key=value` overrides accepted anywhere on the line.
+
+    argparse stops filling a `nargs="*"` positional at the first option, so in
+    `pretrain -c X a=1 --resume auto b=2` the `b=2` would be "unrecognized". Leftover overrides are
+    appended, in order, to the command's override list; anything else left over is an error.
+    """
+    args, extra = parser.parse_known_args(argv)
+    overrides = [a for a in extra if _OVERRIDE.match(a)]
+    unknown = [a for a in extra if not _OVERRIDE.match(a)]
+    target = "rest" if hasattr(args, "rest") else "overrides"
+    if overrides and not hasattr(args, target):
+        unknown = extra
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if overrides:
+        setattr(args, target, [*getattr(args, target), *overrides])
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
     setup_logging(args.log_level)
     try:
         return args.func(args)

@@ -89,6 +89,45 @@ class OptimConfig:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
 
 
+BUILTIN_TASKS = ("rt", "rt_score", "corpus_pairs")
+TASK_METRICS = ("accuracy", "f1", "mcc", "spearman")
+
+
+@dataclass
+class TaskConfig:
+    """A built-in task (`name`) or your own GLUE-style TSV / JSONL files (`name: files`)."""
+
+    name: str = "rt"  # rt | rt_score | corpus_pairs | files
+    train: str = ""  # files: .tsv/.tsv.gz (header row) or .jsonl/.jsonl.gz
+    dev: str = ""
+    text_a: str = "sentence"  # column / field names (files only)
+    text_b: str = ""  # "" = single-sentence task
+    label: str = "label"
+    labels: list[str] = field(default_factory=list)  # class names in id order; [] = integer labels 0..K-1
+    num_labels: int = 2  # 1 = regression (MSE, Spearman)
+    metric: str = ""  # the headline metric; "" = spearman for regression, accuracy otherwise
+    max_train_examples: int = 0  # 0 = all; otherwise a fixed subset spread evenly over the split
+    max_dev_examples: int = 0
+
+    def validate(self, key: str) -> TaskConfig:
+        """Check the task section found under config key `key` (`task`, `train.probe.task`)."""
+        _check_choice(f"{key}.name", self.name, (*BUILTIN_TASKS, "files"))
+        if self.name == "files" and not (self.train and self.dev):
+            raise ConfigError(f"{key}.train and {key}.dev: both are required with {key}.name=files")
+        if self.metric:
+            _check_choice(f"{key}.metric", self.metric, TASK_METRICS)
+        if self.num_labels < 1:
+            raise ConfigError(f"{key}.num_labels: expected >= 1 (1 = regression), got {self.num_labels}")
+        if self.labels and len(self.labels) != self.num_labels:
+            raise ConfigError(f"{key}.labels: expected {self.num_labels} names ({key}.num_labels), "
+                              f"got {len(self.labels)}")
+        for name in ("max_train_examples", "max_dev_examples"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{key}.{name}: expected >= 0 (0 = all), got {getattr(self, name)}")
+        return self
+
+
+
 @dataclass
 class TrainConfig:
     max_steps: int = 1000
@@ -99,6 +138,13 @@ class TrainConfig:
     save_every: int = 0  # 0 = only the final checkpoint
     precision: str = "fp32"  # fp32 | bf16 | fp16
     max_bad_steps: int = 10  # stop after this many non-finite losses in a row
+    # Downstream probe (megakd/engine/probe.py): logistic regression on frozen encoder features of
+    # a fixed slice of a task's training split, logged as probe_acc every probe_every steps.
+    probe_every: int = 200  # 0 = off
+    probe_task: TaskConfig = field(default_factory=TaskConfig)  # a classification task; rt by default
+    probe_fit_examples: int = 2000
+    probe_eval_examples: int = 500
+    probe_max_seq_len: int = 128  # capped by the model's max_position_embeddings
 
 
 @dataclass
@@ -163,6 +209,15 @@ class Config:
             if value < 1:
                 raise ConfigError(f"{key}: expected a positive integer, got {value}")
         _check_choice("data.corpus", self.data.corpus, ("classic", "mixed"))
+        if self.train.probe_every < 0:
+            raise ConfigError(f"train.probe_every: expected >= 0 (0 = off), got {self.train.probe_every}")
+        if self.train.probe_every:
+            self.train.probe_task.validate("train.probe_task")
+            if self.train.probe_task.num_labels < 2:
+                raise ConfigError("train.probe_task.num_labels: the probe needs a classification task (>= 2)")
+            for key in ("probe_fit_examples", "probe_eval_examples", "probe_max_seq_len"):
+                if getattr(self.train, key) < (3 if key == "probe_max_seq_len" else 1):
+                    raise ConfigError(f"train.{key}: expected a positive integer, got {getattr(self.train, key)}")
         if not 0.0 < self.data.mask_prob < 1.0:
             raise ConfigError(f"data.mask_prob: expected a value in (0, 1), got {self.data.mask_prob}")
         if self.electra.loss_weight <= 0:

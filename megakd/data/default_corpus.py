@@ -58,7 +58,7 @@ def write_rt_train_documents(path: Path, *, repeats: int = RT_TRAIN_REPEATS) -> 
     Uses the task's own split rule, so no dev sentence can reach pretraining. Each repeat is a
     different seeded shuffle, so the packed samples differ between repeats.
     """
-    from megakd.finetune.data import in_dev  # the split rule lives with the task; imports this module
+    from megakd.data.tasks import in_dev  # the split rule lives with the task, which imports this module
 
     with gzip.open(SENTIMENT_FILE, "rt", encoding="utf-8") as f:
         rows = csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE)

@@ -62,7 +62,7 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def plot_metrics(metrics_path: Path, out_dir: Path) -> list[Path]:
-    """loss.png (generator and discriminator losses) and rtd.png (RTD F1 and accuracies)."""
+    """loss.png (generator and discriminator losses), rtd.png (RTD F1 and accuracies), probe.png (probe_acc)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -76,6 +76,7 @@ def plot_metrics(metrics_path: Path, out_dir: Path) -> list[Path]:
     panels = {
         "loss.png": ("loss", ["gen_loss", "disc_loss"]),
         "rtd.png": ("score", ["rtd_f1", "rtd_precision", "rtd_recall", "gen_acc", "disc_acc"]),
+        "probe.png": ("downstream probe accuracy", ["probe_acc"]),
     }
     for name, (ylabel, keys) in panels.items():
         keys = [k for k in keys if any(k in r for r in records)]

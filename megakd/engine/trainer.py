@@ -25,6 +25,7 @@ from megakd.config import Config, ConfigError, config_to_dict, save_config
 from megakd.engine import checkpoint
 from megakd.engine.backends import Backend, Unit
 from megakd.engine.metrics import MetricsWriter, plot_metrics
+from megakd.engine.probe import Probe
 from megakd.engine.tasks import TeacherKD
 from megakd.objectives.electra import corrupt, precision_recall_f1
 
@@ -59,6 +60,33 @@ class Trainer:
             lambda: torch.zeros((), dtype=torch.float64, device=backend.device))
         self.rng = torch.Generator().manual_seed(cfg.train.seed * 100_003 + backend.data_rank)
         self._preempt_requested = False
+        self._probe: Probe | None = None  # built at the first probe step (loading and tokenizing the task)
+
+    def run_probe(self) -> dict | None:
+        """probe_acc and probe_seconds on rank 0 (None elsewhere, or where the probe cannot run)."""
+        if self._probe is None:
+            self._probe = self._build_probe()
+        return None if self._probe is False else {"step": self.step, **self._probe(self.probe_encoder())}
+
+    def _build_probe(self) -> Probe | bool:
+        """The downstream probe on rank 0, or False when the encoder is not whole on this rank."""
+        cfg = self.cfg
+        if not self.backend.is_main:
+            return False
+        if cfg.backend.name == "deepspeed" and (cfg.backend.zero_stage == 3 or cfg.backend.pipeline_stages > 1):
+            log.warning("train.probe_every: the probe is off under ZeRO-3 and pipeline parallelism (no rank holds "
+                        "the whole encoder)")
+            return False
+        from megakd.data.tokenizer import Tokenizer
+
+        encoder = self.probe_encoder()
+        return Probe(cfg, Tokenizer.load(self.tokenizer_dir), encoder.config.max_position_embeddings)
+
+    def probe_encoder(self) -> torch.nn.Module:
+        """The encoder a downstream task would fine-tune: the discriminator's, or the BERT-MLM model's."""
+        if "electra" in self.units:
+            return self.units["electra"].model.discriminator.encoder
+        return self.units["discriminator" if "discriminator" in self.units else "generator"].model.encoder
 
     # -- state -----------------------------------------------------------------------------------
     def rank_state(self) -> dict:
@@ -267,6 +295,13 @@ class Trainer:
                                                                          "tokens_per_s") if k in rec})
                     norms_sum.clear()
                     steps_in_interval, t0 = 0, time.perf_counter()
+                if cfg.train.probe_every and self.step % cfg.train.probe_every == 0:
+                    probe_start = time.perf_counter()
+                    rec = self.run_probe()
+                    if rec is not None:
+                        log.info("step %d: probe_acc %.4f (%.1f s)", self.step, rec["probe_acc"], rec["probe_seconds"])
+                        writer.write(rec)
+                    t0 += time.perf_counter() - probe_start  # tokens_per_s measures training only
                 if self._stop_requested():
                     self.save()
                     preempted = True

@@ -5,11 +5,11 @@ import json
 import pytest
 
 import megakd.data.default_corpus as dc
+from megakd.config import TaskConfig
 from megakd.data.shards import read_manifest
 from megakd.data.stream import PretrainingLoader
+from megakd.data.tasks import load_task
 from megakd.data.tokenizer import Tokenizer
-from megakd.finetune.config import TaskConfig
-from megakd.finetune.data import load_task
 
 
 def test_builds_once_and_reuses(tmp_path):

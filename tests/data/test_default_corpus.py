@@ -68,3 +68,13 @@ def test_rt_training_text_holds_every_train_sentence_and_no_dev_sentence(tmp_pat
     per_repeat = len(docs) // 2
     assert docs[:per_repeat] != docs[per_repeat:]  # each repeat is its own shuffle
     assert max(len(d) for d in docs) == dc.RT_TRAIN_SENTENCES_PER_DOCUMENT
+
+
+@pytest.mark.slow
+def test_mixed_corpus_builds_with_every_source(tmp_path):
+    tok_dir, shards_dir = dc.prepare_default_data(tmp_path, vocab_size=1000, seq_len=64, corpus="mixed")
+    m = read_manifest(shards_dir)
+    rt_documents = 4 * -(-9071 // dc.RT_TRAIN_SENTENCES_PER_DOCUMENT)
+    assert m["documents"] == 269 + 778 + 656 + 713 + rt_documents and m["mean_fill"] > 0.95
+    assert tok_dir.parent.name.startswith("mixed-v1000-L64-")
+    assert Tokenizer.load(tok_dir).vocab_size == 1000

@@ -162,11 +162,11 @@ class RelativePositionBias(nn.Module):
     def init_local(self) -> None:
         """ALiBi-like start: head h's bias is −2^−h · |offset| (offsets of a bucket: its smallest).
 
-        With the usual N(0, 0.02) table every head attends uniformly at first, its output is the
-        same bag of words at every position, and small models sit on the unigram plateau for
-        thousands of steps before position-dependent attention appears. Starting some heads
-        local (head 0 mostly on the token and its neighbours, later heads ever broader) gives
-        each position its own context from step 0.
+        With the usual N(0, 0.02) table every head starts attending uniformly, so its output is
+        the same bag of words at every position; starting head 0 on the token and its neighbours
+        and later heads ever broader gives each position its own context from step 0. An option,
+        not a cure: in short CPU screens it did not shorten the masked-LM unigram plateau (README,
+        "Does pretraining pay off here?").
         """
         offsets = torch.arange(-self.max_distance, self.max_distance + 1)
         buckets = relative_position_bucket(offsets, self.num_buckets, self.max_distance)

@@ -140,7 +140,7 @@ class TrainConfig:
     max_bad_steps: int = 10  # stop after this many non-finite losses in a row
     # Downstream probe (megakd/engine/probe.py): logistic regression on frozen encoder features of
     # a fixed slice of a task's training split, logged as probe_acc every probe_every steps.
-    probe_every: int = 200  # 0 = off
+    probe_every: int = 500  # 0 = off; README: cost measured at this interval
     probe_task: TaskConfig = field(default_factory=TaskConfig)  # a classification task; rt by default
     probe_fit_examples: int = 2000
     probe_eval_examples: int = 500

@@ -269,13 +269,12 @@ def select_lr(cfg: FinetuneConfig, out_dir: Path, init: ModelInitConfig, pretrai
         model, tokenizer = build_classifier(init, cfg.task.num_labels, cfg.finetune.dropout, seed,
                                             out_dir.parent / "init", pretrained)
         trial_dir = out_dir / f"lr_{lr:g}"
-        result = train_seed(cfg, seed, model, tokenizer, fit, held, make_objective(seed, model, tokenizer, fit,
-                                                                                   trial_dir),
-                            trial_dir, lr=lr, eval_split="slice")
+        objective = make_objective(seed, model, tokenizer, fit, trial_dir)
+        result = train_seed(cfg, seed, model, tokenizer, fit, held, objective, trial_dir, lr=lr, eval_split="slice")
         scores.append(result.metrics[metric])
     best = max(range(len(candidates)), key=lambda i: (scores[i], -i))  # ties: the earlier candidate
-    log.info("finetune.lr: %s on a held-out slice of %d train examples (%s): %s; using %g", metric, len(held),
-             f"seed {seed}", ", ".join(f"{lr:g} → {v:.4f}" for lr, v in zip(candidates, scores)), candidates[best])
+    log.info("finetune.lr: %s on a held-out slice of %d train examples (seed %d): %s; using %g", metric, len(held),
+             seed, ", ".join(f"{lr:g} → {v:.4f}" for lr, v in zip(candidates, scores)), candidates[best])
     return {"setting": cfg.finetune.lr, "candidates": candidates, "lr": candidates[best],
             "selection": {"metric": metric, "seed": seed, "fit_examples": len(fit), "slice_examples": len(held),
                           "slice_scores": dict(zip((f"{lr:g}" for lr in candidates), scores)),

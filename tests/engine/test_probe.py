@@ -59,10 +59,17 @@ def test_logistic_regression_matches_scipy_dense_and_sparse():
 
 def test_probe_logs_at_its_steps_and_matches_a_reference(tiny_data, tmp_path):
     run = tmp_path / "run"
-    trainer = _train(tiny_data, run, **{"train.max_steps": 4, "train.probe_every": 2, **PROBE})
+    trainer = _train(tiny_data, run, **{"train.max_steps": 4, "train.probe_every": 2, "run.plots": "true",
+                                        "run.tensorboard": "true", **PROBE})
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     probes = [r for r in rows if "probe_acc" in r]
     assert [r["step"] for r in probes] == [2, 4]
+    assert (run / "plots" / "probe.png").is_file()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "tb")).Reload()
+    assert [(e.step, pytest.approx(e.value)) for e in events.Scalars("probe_acc")] == \
+        [(r["step"], r["probe_acc"]) for r in probes]
     # Reference at step 4 (the final weights): every example encoded alone (no padding), float64
     # mean of all its states and its [CLS] state, standardised, scipy's logistic regression.
     probe, encoder = trainer._probe, trainer.probe_encoder().eval()
@@ -102,3 +109,12 @@ def test_probe_leaves_the_training_trajectory_unchanged(tiny_data, tmp_path):
     for name, unit in with_probe.units.items():
         other = without.units[name].model.state_dict()
         assert all(torch.equal(v, other[k]) for k, v in unit.model.state_dict().items())
+
+
+def test_probe_reads_the_bert_mlm_model_and_the_original_electra_discriminator(tiny_data, tmp_path):
+    for extra, expected in (({"model.objective": "mlm"}, ("generator", lambda m: m.encoder)),
+                            ({"electra.decoupled": "false"}, ("electra", lambda m: m.discriminator.encoder))):
+        cfg = load_config("configs/electra-tiny.yaml", tiny_overrides(tiny_data, tmp_path / expected[0], **extra))
+        trainer = build_trainer(cfg)
+        unit, encoder_of = expected
+        assert trainer.probe_encoder() is encoder_of(trainer.units[unit].model)

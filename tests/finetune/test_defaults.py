@@ -59,8 +59,8 @@ def test_auto_lr_is_the_dissertation_value_at_bert_base_width():
 
 def test_defaults_learn_a_keyword_task_from_random_init(tiny_data, tmp_path):
     """The recipe's defaults (lr auto, 3 epochs, batch 32): a 2-layer 32-wide encoder from scratch learns
-    which of ten keywords a sentence of three filler words holds. Measured: dev accuracy 1.0 for seeds 0, 1,
-    2 (train loss 0.693 → 0.638 → 0.329 by epoch); 0.9 leaves margin while chance is 0.5."""
+    which of ten keywords a sentence of three filler words holds. Measured (lr auto = 3e-3): dev accuracy 1.0
+    for seeds 0, 1, 2 (seed 0's train loss 0.693 → 0.522 → 0.131 by epoch); 0.9 leaves margin, chance is 0.5."""
     data = write_keyword_task(tmp_path / "task", train_size=1200, dev_size=200, words=3)
     run = tmp_path / "run"
     assert main(["finetune", "-c", str(CONFIG), f"run.dir={run}", "run.progress_bar=false", "finetune.seeds=[0,1,2]",

@@ -49,6 +49,7 @@ class RunConfig:
 class DataConfig:
     tokenizer: str = ""  # directory from `megakd data tokenizer`; empty = built from the bundled corpus
     shards: str = ""  # directory from `megakd data shards`; empty = built from the bundled corpus
+    corpus: str = "classic"  # bundled corpus when tokenizer/shards are unset: classic (Austen + KJV) | mixed (+ modern text + RT train)
     # Size of the bundled-corpus tokenizer (unused with data.tokenizer); "auto" = the models'
     # explicit vocab_size if one is given, else BUNDLED_VOCAB_SIZE.
     vocab_size: int | str = "auto"
@@ -239,6 +240,7 @@ class Config:
         ):
             if value < 1:
                 raise ConfigError(f"{key}: expected a positive integer, got {value}")
+        _check_choice("data.corpus", self.data.corpus, ("classic", "mixed"))
         if self.train.probe_every < 0:
             raise ConfigError(f"train.probe_every: expected >= 0 (0 = off), got {self.train.probe_every}")
         if self.train.probe_every:

@@ -58,7 +58,7 @@ def resolve_data(cfg: Config) -> tuple[Path, Path]:
     from megakd.data.default_corpus import prepare_default_data
 
     cache = Path(d.cache_dir or os.environ.get("MEGAKD_CACHE", "~/.cache/megakd")).expanduser()
-    return prepare_default_data(cache, vocab_size=bundled_vocab_size(cfg), seq_len=d.seq_len)
+    return prepare_default_data(cache, vocab_size=bundled_vocab_size(cfg), seq_len=d.seq_len, corpus=d.corpus)
 
 
 def expected_vocab_size(cfg: Config) -> tuple[int, str]:

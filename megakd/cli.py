@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
+from importlib.metadata import PackageNotFoundError, version
 
 from megakd.config import ConfigError, load_config
 from megakd.errors import UserError
@@ -48,6 +50,14 @@ def _train(args: argparse.Namespace, run) -> int:
     job); 130 (128 + SIGINT, the shell's code for Ctrl-C) when stopped by SIGINT, so a script or
     loop around the command stops too. Either way the checkpoint of the last step was written."""
     cfg = load_config(args.config, args.overrides)
+    if args.print_config:
+        import yaml
+
+        from megakd.config import config_to_dict
+        from megakd.engine.pretrain import resolve_config
+
+        emit(yaml.safe_dump(config_to_dict(resolve_config(cfg)), sort_keys=False).rstrip())
+        return 0
     result = run(cfg, resume=args.resume, allow_change=tuple(args.allow_change))
     if result.preempted:
         log.warning("stopped at step %d; run the same command with --resume auto to continue", result.step)
@@ -114,12 +124,26 @@ def cmd_data_tokenizer(args: argparse.Namespace) -> int:
 
 
 def cmd_data_shards(args: argparse.Namespace) -> int:
-    from megakd.data.shards import write_shards
+    import functools
+    from pathlib import Path
+
+    from megakd.data.shards import in_valid_split, write_shards
     from megakd.data.tokenizer import Tokenizer
 
-    manifest = write_shards(args.input, Tokenizer.load(args.tokenizer), args.seq_len, args.out,
-                            samples_per_shard=args.samples_per_shard, num_workers=args.workers)
+    tokenizer = Tokenizer.load(args.tokenizer)
+    options = {"samples_per_shard": args.samples_per_shard, "num_workers": args.workers,
+               "min_tokens": args.min_tokens, "pack": args.pack}
+    fraction = args.valid_fraction
+    if fraction and not 0.0 < fraction < 1.0:
+        raise ConfigError(f"--valid-fraction: expected a fraction in (0, 1), got {fraction}")
+    in_valid = functools.partial(in_valid_split, fraction=fraction)
+    keep_train = (lambda text: not in_valid(text)) if fraction else None
+    manifest = write_shards(args.input, tokenizer, args.seq_len, args.out, keep=keep_train, **options)
     log.info("%d samples in %d shards in %s", manifest["num_samples"], len(manifest["shards"]), args.out)
+    if fraction:
+        valid = Path(args.out) / "valid"
+        manifest = write_shards(args.input, tokenizer, args.seq_len, valid, keep=in_valid, **options)
+        log.info("held out %d samples in %d shards in %s", manifest["num_samples"], len(manifest["shards"]), valid)
     return 0
 
 
@@ -206,8 +230,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from megakd.bench.memory import parameter_counts
     from megakd.bench.planner import GPUS, hardware_from_bench, model_flops, plan
     from megakd.bench.report import format_plan
+    from megakd.engine.pretrain import resolve_config
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = resolve_config(load_config(args.config, [*args.overrides, *args.set_overrides]))
     hw = hardware_from_bench(args.bench) if args.bench else GPUS[args.gpu]
     plans = plan(cfg, hw, args.gpus, args.gpu_mem, zero=args.zero, pp=args.pp, micro_batches=args.micro_batch,
                  efficiency=args.efficiency, overlap=args.overlap, reserve_gib=args.reserve_gb)
@@ -221,6 +246,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megakd", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"megakd {_version()}")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -230,6 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-change", action="append", default=[], metavar="KEY",
                    help="at resume, let this state-bearing config key differ from the checkpoint's and take effect "
                         "(repeatable), e.g. --allow-change optim.discriminator.lr")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.max_steps=100")
     p.set_defaults(func=cmd_pretrain)
 
@@ -246,6 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-change", action="append", default=[], metavar="KEY",
                    help="at resume, let this state-bearing config key differ from the checkpoint's and take effect "
                         "(repeatable), e.g. --allow-change optim.discriminator.lr")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. distill.teacher=runs/teacher")
     p.set_defaults(func=cmd_distill)
 
@@ -289,6 +317,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", required=True)
     s.add_argument("--samples-per-shard", type=int, default=10_000)
     s.add_argument("--workers", type=int, default=1)
+    s.add_argument("--valid-fraction", type=float, default=0.0,
+                   help="hold out this fraction of documents (by a hash of their text) as OUT/valid/, "
+                        "which pretraining finds by itself for train.eval_every")
+    s.add_argument("--min-tokens", type=int, default=8, help="drop document pieces with fewer tokens")
+    s.add_argument("--pack", action="store_true",
+                   help="pack several short documents into one sample (per-document positions and attention)")
     s.set_defaults(func=cmd_data_shards)
 
     conv = sub.add_parser("convert", help="HuggingFace export/import")
@@ -335,8 +369,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--reserve-gb", type=float, default=2.0, help="memory kept free (CUDA context, fragmentation)")
     pl.add_argument("--top", type=int, default=10)
     pl.add_argument("--json", help="also write every evaluated layout here")
-    pl.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                    help="config override (repeatable), e.g. --set train.precision=fp16")
+    pl.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. train.precision=fp16")
+    pl.add_argument("--set", dest="set_overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="the same as a positional key=value (kept for older scripts)")
     pl.set_defaults(func=cmd_plan)
     return parser
 
@@ -353,10 +388,38 @@ def _one_line(err: BaseException) -> str:
     if isinstance(err, OSError) and err.filename is not None:
         return f"{err.filename}: {err.strerror.lower() if err.strerror else err}"
     return " ".join(str(err).split())
+def _version() -> str:
+    try:
+        return version("megakd")
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        return "unknown (not installed)"
+
+
+_OVERRIDE = re.compile(r"^[A-Za-z_][\w.]*=")  # key=value, as megakd.config.parse_override reads it
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parse with `key=value` overrides accepted anywhere on the line.
+
+    argparse stops filling a `nargs="*"` positional at the first option, so in
+    `pretrain -c X a=1 --resume auto b=2` the `b=2` would be "unrecognized". Leftover overrides are
+    appended, in order, to the command's override list; anything else left over is an error.
+    """
+    args, extra = parser.parse_known_args(argv)
+    overrides = [a for a in extra if _OVERRIDE.match(a)]
+    unknown = [a for a in extra if not _OVERRIDE.match(a)]
+    target = "rest" if hasattr(args, "rest") else "overrides"
+    if overrides and not hasattr(args, target):
+        unknown = extra
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if overrides:
+        setattr(args, target, [*getattr(args, target), *overrides])
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
     setup_logging(args.log_level)
     try:
         return args.func(args)

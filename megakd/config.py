@@ -49,19 +49,36 @@ class RunConfig:
 class DataConfig:
     tokenizer: str = ""  # directory from `megakd data tokenizer`; empty = built from the bundled corpus
     shards: str = ""  # directory from `megakd data shards`; empty = built from the bundled corpus
-    vocab_size: int = 8000  # only used when building the bundled-corpus default
+    corpus: str = "classic"  # bundled corpus when tokenizer/shards are unset: classic (Austen + KJV) | mixed (+ modern text + RT train)
+    # Size of the bundled-corpus tokenizer (unused with data.tokenizer); "auto" = the models'
+    # explicit vocab_size if one is given, else BUNDLED_VOCAB_SIZE.
+    vocab_size: int | str = "auto"
     seq_len: int = 128  # only used when building the bundled-corpus default (shards carry their own)
     cache_dir: str = ""  # where the bundled-corpus default is built once; "" = $MEGAKD_CACHE or ~/.cache/megakd
     mask_prob: float = 0.15
     num_workers: int = 0
     skip_bad_shards: bool = False
+    # Held-out shards for train.eval_every; "auto" = <data.shards>/valid when it exists
+    # (`megakd data shards --valid-fraction`), "" = none.
+    valid_shards: str = "auto"
+
+
+BUNDLED_VOCAB_SIZE = 8000
+
+
+def _auto_vocab_encoder() -> EncoderConfig:
+    return EncoderConfig(vocab_size="auto")
 
 
 @dataclass
 class ModelConfig:
     objective: str = "electra"  # electra (generator + discriminator) | mlm (BERT-MLM: the generator alone)
-    generator: EncoderConfig = field(default_factory=EncoderConfig)
-    discriminator: EncoderConfig = field(default_factory=EncoderConfig)
+    # vocab_size "auto" (the default) = the tokenizer's size, filled in by `resolve_vocab_sizes`.
+    generator: EncoderConfig = field(default_factory=_auto_vocab_encoder)
+    discriminator: EncoderConfig = field(default_factory=_auto_vocab_encoder)
+
+    def built_models(self) -> tuple[str, ...]:
+        return ("generator",) if self.objective == "mlm" else ("generator", "discriminator")
 
 
 @dataclass
@@ -97,6 +114,45 @@ class OptimConfig:
     joint_clip: str = "weighted"
 
 
+BUILTIN_TASKS = ("rt", "rt_score", "corpus_pairs")
+TASK_METRICS = ("accuracy", "f1", "mcc", "spearman")
+
+
+@dataclass
+class TaskConfig:
+    """A built-in task (`name`) or your own GLUE-style TSV / JSONL files (`name: files`)."""
+
+    name: str = "rt"  # rt | rt_score | corpus_pairs | files
+    train: str = ""  # files: .tsv/.tsv.gz (header row) or .jsonl/.jsonl.gz
+    dev: str = ""
+    text_a: str = "sentence"  # column / field names (files only)
+    text_b: str = ""  # "" = single-sentence task
+    label: str = "label"
+    labels: list[str] = field(default_factory=list)  # class names in id order; [] = integer labels 0..K-1
+    num_labels: int = 2  # 1 = regression (MSE, Spearman)
+    metric: str = ""  # the headline metric; "" = spearman for regression, accuracy otherwise
+    max_train_examples: int = 0  # 0 = all; otherwise a fixed subset spread evenly over the split
+    max_dev_examples: int = 0
+
+    def validate(self, key: str) -> TaskConfig:
+        """Check the task section found under config key `key` (`task`, `train.probe.task`)."""
+        _check_choice(f"{key}.name", self.name, (*BUILTIN_TASKS, "files"))
+        if self.name == "files" and not (self.train and self.dev):
+            raise ConfigError(f"{key}.train and {key}.dev: both are required with {key}.name=files")
+        if self.metric:
+            _check_choice(f"{key}.metric", self.metric, TASK_METRICS)
+        if self.num_labels < 1:
+            raise ConfigError(f"{key}.num_labels: expected >= 1 (1 = regression), got {self.num_labels}")
+        if self.labels and len(self.labels) != self.num_labels:
+            raise ConfigError(f"{key}.labels: expected {self.num_labels} names ({key}.num_labels), "
+                              f"got {len(self.labels)}")
+        for name in ("max_train_examples", "max_dev_examples"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{key}.{name}: expected >= 0 (0 = all), got {getattr(self, name)}")
+        return self
+
+
+
 @dataclass
 class TrainConfig:
     max_steps: int = 1000
@@ -107,6 +163,16 @@ class TrainConfig:
     save_every: int = 0  # 0 = only the final checkpoint
     precision: str = "fp32"  # fp32 | bf16 | fp16
     max_bad_steps: int = 10  # stop after this many non-finite losses in a row
+    # Downstream probe (megakd/engine/probe.py): logistic regression on frozen encoder features of
+    # a fixed slice of a task's training split, logged as probe_acc every probe_every steps.
+    probe_every: int = 500  # 0 = off; README: cost measured at this interval
+    probe_task: TaskConfig = field(default_factory=TaskConfig)  # a classification task; rt by default
+    probe_fit_examples: int = 2000
+    probe_eval_examples: int = 500
+    probe_max_seq_len: int = 128  # capped by the model's max_position_embeddings
+    eval_every: int = 0  # score the validation shards every N steps (0 = never)
+    eval_samples: int = 512  # how many validation samples (whole micro-batches) each evaluation scores
+    compile: bool = False  # torch.compile each encoder (generator, discriminator) in place
 
 
 @dataclass
@@ -115,6 +181,7 @@ class BackendConfig:
     zero_stage: int = 0
     pipeline_stages: int = 1
     dist_backend: str = "auto"  # auto (nccl on CUDA, gloo otherwise) | gloo | nccl
+    deepspeed_config: str = ""  # JSON merged into megakd's DeepSpeed config ("auto" = megakd's value)
 
 
 @dataclass
@@ -159,6 +226,8 @@ class Config:
         _check_choice("kernels.backend", self.kernels.backend, BACKENDS)
         self._validate_distill()
         _check_choice("run.wandb_mode", self.run.wandb_mode, ("offline", "online"))
+        if self.data.vocab_size != "auto" and (isinstance(self.data.vocab_size, str) or self.data.vocab_size < 1):
+            raise ConfigError(f"data.vocab_size: expected a positive integer or auto, got {self.data.vocab_size!r}")
         if self.backend.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"backend.zero_stage: expected 0, 1, 2 or 3, got {self.backend.zero_stage}")
         for key, value in (
@@ -171,6 +240,16 @@ class Config:
         ):
             if value < 1:
                 raise ConfigError(f"{key}: expected a positive integer, got {value}")
+        _check_choice("data.corpus", self.data.corpus, ("classic", "mixed"))
+        if self.train.probe_every < 0:
+            raise ConfigError(f"train.probe_every: expected >= 0 (0 = off), got {self.train.probe_every}")
+        if self.train.probe_every:
+            self.train.probe_task.validate("train.probe_task")
+            if self.train.probe_task.num_labels < 2:
+                raise ConfigError("train.probe_task.num_labels: the probe needs a classification task (>= 2)")
+            for key in ("probe_fit_examples", "probe_eval_examples", "probe_max_seq_len"):
+                if getattr(self.train, key) < (3 if key == "probe_max_seq_len" else 1):
+                    raise ConfigError(f"train.{key}: expected a positive integer, got {getattr(self.train, key)}")
         if not 0.0 < self.data.mask_prob < 1.0:
             raise ConfigError(f"data.mask_prob: expected a value in (0, 1), got {self.data.mask_prob}")
         if self.electra.loss_weight <= 0:
@@ -180,7 +259,7 @@ class Config:
             if opt.lr < 0 or opt.clip_norm < 0 or opt.eps <= 0:
                 raise ConfigError(f"optim.{name}: lr and clip_norm must be >= 0 and eps > 0")
             try:
-                getattr(self.model, name).validate()
+                getattr(self.model, name).validate(allow_auto_vocab=True)
             except ValueError as err:
                 # EncoderConfig names its fields "model.<field>"; qualify them with the model.
                 raise ConfigError(str(err).replace("model.", f"model.{name}.", 1)) from None
@@ -191,6 +270,13 @@ class Config:
                     "model.generator.embedding_size: shared embeddings (electra.decoupled=false) need the "
                     "generator and discriminator to have the same embedding size"
                 )
+        if self.train.eval_every < 0 or self.train.eval_samples < 1:
+            raise ConfigError(f"train.eval_every={self.train.eval_every}, train.eval_samples={self.train.eval_samples}: "
+                              f"expected >= 0 and >= 1")
+        if self.train.eval_every and self.backend.pipeline_stages > 1:
+            raise ConfigError("train.eval_every: validation is not supported with backend.pipeline_stages > 1 yet")
+        if self.backend.deepspeed_config and self.backend.name != "deepspeed":
+            raise ConfigError(f"backend.deepspeed_config needs backend.name=deepspeed, got {self.backend.name!r}")
         if self.backend.pipeline_stages > 1:
             self._validate_pipeline()
         return self
@@ -200,6 +286,8 @@ class Config:
         p = f"backend.pipeline_stages={self.backend.pipeline_stages}"
         if self.backend.name != "deepspeed":
             raise ConfigError(f"{p} needs backend.name=deepspeed, got {self.backend.name!r}")
+        if self.backend.deepspeed_config:
+            raise ConfigError(f"{p}: backend.deepspeed_config is not supported with the pipeline engine yet")
         if self.backend.zero_stage != 0:
             raise ConfigError(f"{p} needs backend.zero_stage=0 (DeepSpeed's pipeline engine allows <= 1, and "
                               f"per-model clipping runs on unpartitioned gradients), got {self.backend.zero_stage}")
@@ -241,6 +329,30 @@ class Config:
                 f"train.micro_batch_size={t.micro_batch_size} x world_size={world_size}"
             )
         return t.micro_batch_size, t.global_batch_size // per_step
+
+
+def bundled_vocab_size(cfg: Config) -> int:
+    """Size of the bundled-corpus tokenizer: data.vocab_size, or under "auto" the one the models ask for."""
+    if cfg.data.vocab_size != "auto":
+        return cfg.data.vocab_size
+    explicit = {getattr(cfg.model, name).vocab_size for name in cfg.model.built_models()} - {"auto"}
+    if len(explicit) > 1:
+        raise ConfigError(f"model.generator.vocab_size and model.discriminator.vocab_size differ "
+                          f"({sorted(explicit)}): one tokenizer serves both models")
+    return explicit.pop() if explicit else BUNDLED_VOCAB_SIZE
+
+
+def resolve_vocab_sizes(cfg: Config, tokenizer_size: int, tokenizer_name: str) -> None:
+    """Put the tokenizer's size into every `vocab_size: auto`; refuse an explicit size that differs."""
+    for name in cfg.model.built_models():
+        model = getattr(cfg.model, name)
+        if model.vocab_size == "auto":
+            model.vocab_size = tokenizer_size
+        elif model.vocab_size != tokenizer_size:
+            raise ConfigError(f"model.{name}.vocab_size={model.vocab_size} but the tokenizer at {tokenizer_name} "
+                              f"has {tokenizer_size} pieces (leave it at auto to take the tokenizer's size)")
+    if cfg.model.objective == "mlm" and cfg.model.discriminator.vocab_size == "auto":
+        cfg.model.discriminator.vocab_size = tokenizer_size  # unused by MLM; keeps the saved config numeric
 
 
 def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:

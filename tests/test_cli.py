@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from megakd.cli import main
+from megakd.cli import build_parser, main, parse_args
 from megakd.data.default_corpus import CORPUS_DIR
 from tests.helpers import tiny_overrides
 
@@ -24,8 +24,9 @@ def test_pretrain_writes_the_documented_run_directory(tiny_data, tmp_path):
         assert config["architectures"] == [arch]
     # --resume auto on a finished run continues nothing and changes nothing
     before = (run / "metrics.jsonl").read_text()
-    assert main(["pretrain", "-c", "configs/electra-tiny.yaml", *overrides, "train.max_steps=3",
-                 "--resume", "auto"]) == 0
+    # (overrides after --resume are still overrides)
+    assert main(["pretrain", "-c", "configs/electra-tiny.yaml", *overrides, "--resume", "auto",
+                 "train.max_steps=3"]) == 0
     assert (run / "metrics.jsonl").read_text() == before
 
 
@@ -48,3 +49,37 @@ def test_bad_input_is_one_line_and_exit_code_2(args, message, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_version(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"megakd {version('megakd')}\n"
+
+
+@pytest.mark.parametrize("argv, field, expected", [
+    (["pretrain", "-c", "X", "run.dir=D", "--resume", "auto", "train.max_steps=8"], "overrides",
+     ["run.dir=D", "train.max_steps=8"]),
+    (["distill", "a.b=1", "-c", "X", "c=2", "--resume", "P", "d.e=[1, 2]"], "overrides", ["a.b=1", "c=2", "d.e=[1, 2]"]),
+    (["finetune", "finetune.seeds=[1,2]", "-c", "X", "finetune.lr=auto"], "overrides",
+     ["finetune.seeds=[1,2]", "finetune.lr=auto"]),
+    (["plan", "C", "--gpus", "8", "model.x=1", "--gpu-mem", "40"], "overrides", ["model.x=1"]),
+    (["bench", "--parts", "matmul", "train.seed=1", "--out", "o", "train.max_steps=2"], "rest",
+     ["train.seed=1", "train.max_steps=2"]),
+])
+def test_overrides_are_accepted_anywhere(argv, field, expected):
+    args = parse_args(build_parser(), argv)
+    assert getattr(args, field) == expected
+
+
+@pytest.mark.parametrize("argv", [["pretrain", "-c", "X", "a=1", "--bogus"],
+                                  ["data", "tokenizer", "--input", "f", "--vocab-size", "8", "--out", "o", "a=b"]])
+def test_unknown_arguments_exit_2_naming_them(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"unrecognized arguments: {argv[-1]}" in err

@@ -1,6 +1,7 @@
 import pytest
 
 from megakd.config import Config, ConfigError, load_config, parse_override, save_config
+from megakd.engine.pretrain import resolve_config
 
 CONFIGS = ["configs/electra-tiny.yaml", "configs/electra-base.yaml", "configs/electra-large.yaml"]
 
@@ -13,7 +14,7 @@ def test_recipes_load_and_roundtrip(path, tmp_path):
 
 
 def test_table_a1_values():
-    base, large = load_config("configs/electra-base.yaml"), load_config("configs/electra-large.yaml")
+    base, large = (resolve_config(load_config(f"configs/electra-{size}.yaml")) for size in ("base", "large"))
     for cfg in (base, large):
         assert cfg.train.max_steps == 125_000 and cfg.train.global_batch_size == 2048
         assert cfg.optim.generator.lr == 2e-4 and cfg.optim.discriminator.lr == 1.5e-3

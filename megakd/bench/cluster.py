@@ -10,6 +10,7 @@ link speed. Every timing is the slowest rank's (the collective is not done until
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import resource
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megakd.bench.flops import step_flops
+from megakd.bench.roofline import matmul_seconds, phase_seconds
 from megakd.config import Config
 from megakd.engine.backends import init_distributed
 
@@ -86,16 +88,8 @@ def collective_bandwidth(op: str, size_bytes: int, device: torch.device, iters: 
 
 
 def matmul_tflops(precision: str, device: torch.device, n: int = 2048, iters: int = 5) -> dict:
-    """Dense [n x n] @ [n x n] throughput per device, in TFLOP/s (2n^3 per product)."""
-    a = torch.randn(n, n, device=device).to(DTYPES[precision])
-    b = torch.randn(n, n, device=device).to(DTYPES[precision])
-    a @ b
-    _sync(device)
-    start = time.perf_counter()
-    for _ in range(iters):
-        a @ b
-    _sync(device)
-    seconds = _slowest((time.perf_counter() - start) / iters, device)
+    """Dense [n x n] @ [n x n] throughput per device, in TFLOP/s (2n^3 per product, fastest of `iters`)."""
+    seconds = _slowest(matmul_seconds(DTYPES[precision], device, n, iters), device)
     return {"n": n, "time_ms": seconds * 1e3, "tflops": 2 * n**3 / seconds / 1e12}
 
 
@@ -163,8 +157,15 @@ class _PhaseTimer:
         return future
 
 
-def training_throughput(cfg: Config, steps: int, warmup: int, peak_tflops: float | None) -> dict:
-    """Tokens/s, samples/s, step-time split, peak memory and MFU of real training steps of `cfg`."""
+def training_throughput(cfg: Config, steps: int, warmup: int, peak_tflops: float | None,
+                        matmul_n: int = 2048, profile_steps: int = 2) -> dict:
+    """Tokens/s, samples/s, step-time split, peak memory and MFU of real training steps of `cfg`.
+
+    Without `peak_tflops` the peak is a dense matmul at the training precision measured right
+    after the timed steps (same process, threads and machine load). `profile_steps` more steps run
+    under `torch.profiler` to split the step into data, generator, sampling, discriminator and
+    optimizer time.
+    """
     from megakd.engine.pretrain import build_trainer
 
     trainer = build_trainer(cfg)
@@ -190,6 +191,13 @@ def training_throughput(cfg: Config, steps: int, warmup: int, peak_tflops: float
     step_s = elapsed / steps
     per_step["other"] = max(0.0, step_s - sum(per_step.values()))
     flops = step_flops(cfg, cfg.train.global_batch_size, trainer.loader.seq_len)
+    peak_source = "--peak-tflops"
+    if peak_tflops is None:
+        matmul_s = _slowest(matmul_seconds(DTYPES[cfg.train.precision], backend.device, matmul_n), backend.device)
+        peak_tflops = 2 * matmul_n**3 / matmul_s / 1e12
+        peak_source = f"measured {cfg.train.precision} matmul n={matmul_n}, {torch.get_num_threads()} threads"
+    split = phase_seconds(functools.partial(trainer.train_step, batches), profile_steps, backend.device)
+    split = {k: _slowest(v, backend.device) for k, v in split.items()}
     if backend.device.type == "cuda":
         peak_mem = torch.cuda.max_memory_allocated(backend.device)
         mem_kind = "cuda max_memory_allocated"
@@ -204,8 +212,10 @@ def training_throughput(cfg: Config, steps: int, warmup: int, peak_tflops: float
         "tokens_per_s": tokens / elapsed,  # non-padding tokens, all ranks
         "phases_s": {k: per_step.get(k) for k in ("forward", "backward", "communication", "optimizer", "other")},
         "peak_memory_bytes": peak_mem, "peak_memory_kind": mem_kind,
+        "phase_split_s": split,
         "model_flops_per_step": flops.model, "hardware_flops_per_step": flops.hardware,
-        "achieved_tflops_per_device": achieved, "peak_tflops": peak_tflops,
+        "model_flops_per_token": flops.per_token,
+        "achieved_tflops_per_device": achieved, "peak_tflops": peak_tflops, "peak_source": peak_source,
         "mfu": achieved / peak_tflops if peak_tflops else None,
     }
     if not timer.comm_measured:
@@ -240,16 +250,10 @@ def run_bench(cfg: Config, *, parts: tuple[str, ...], sizes: list[int], iters: i
     if "loader" in parts:
         out["loader"] = loader_throughput(cfg, loader_batches, rank, world)
     if "train" in parts:
-        peak = peak_tflops
-        if peak is None and "matmul" in out:
-            peak = out["matmul"].get(cfg.train.precision, {}).get("tflops")
-            out["peak_source"] = f"measured {cfg.train.precision} matmul"
-        elif peak is not None:
-            out["peak_source"] = "--peak-tflops"
         if world > 1 and cfg.backend.name == "single":
             log.info("bench: %d processes with backend.name=single: measuring training with ddp", world)
             cfg.backend.name = "ddp"
-        out["train"] = training_throughput(cfg, train_steps, train_warmup, peak)
+        out["train"] = training_throughput(cfg, train_steps, train_warmup, peak_tflops, matmul_n)
     elif _distributed():
         with contextlib.suppress(RuntimeError):
             dist.destroy_process_group()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from megakd.bench.flops import StepFlops
 from megakd.bench.memory import GiB, mlm_head_bytes
 from megakd.bench.planner import Hardware, Plan
+from megakd.bench.roofline import format_phases
 from megakd.config import Config
 
 
@@ -42,15 +43,15 @@ def format_bench(res: dict) -> str:
         t = res["train"]
         phases = ", ".join(f"{k} {v * 1e3:.0f} ms" if v is not None else f"{k} n/a"
                            for k, v in t["phases_s"].items())
-        mfu = (f"MFU {t['mfu'] * 100:.1f}% of {t['peak_tflops'] * 1e3:.1f} GFLOP/s ({res.get('peak_source')})"
-               if t["mfu"] is not None else "MFU n/a (no peak: pass --peak-tflops or run the matmul test)")
+        mfu = f"MFU {t['mfu'] * 100:.1f}% of {t['peak_tflops'] * 1e3:.1f} GFLOP/s ({t['peak_source']})"
         lines += ["", f"training ({t['backend']}, {t['precision']}, batch {t['global_batch_size']} x "
                       f"{t['seq_len']}, {t['world_size']} ranks, {t['steps']} steps):",
                   f"  {t['tokens_per_s']:.0f} tokens/s, {t['samples_per_s']:.1f} samples/s, "
                   f"step {t['step_s'] * 1e3:.0f} ms: {phases}",
                   f"  peak memory {_size(t['peak_memory_bytes'])} ({t['peak_memory_kind']}), "
-                  f"{t['model_flops_per_step'] / 1e9:.2f} GFLOP/step, "
-                  f"{t['achieved_tflops_per_device'] * 1e3:.2f} GFLOP/s per device, {mfu}"]
+                  f"{t['model_flops_per_step'] / 1e9:.2f} GFLOP/step ({t['model_flops_per_token'] / 1e6:.2f} "
+                  f"MFLOP/token), {t['achieved_tflops_per_device'] * 1e3:.2f} GFLOP/s per device, {mfu}",
+                  f"  step split (profiled): {format_phases(t['phase_split_s'], t['step_s'])}"]
     return "\n".join(lines)
 
 

@@ -40,6 +40,8 @@ REMOTE_AUTO_MAP = {
     "AutoModelForPreTraining": "modeling_megakd.MegakdForPreTraining",
     "AutoModelForMaskedLM": "modeling_megakd.MegakdForMaskedLM",
     "AutoModelForSequenceClassification": "modeling_megakd.MegakdForSequenceClassification",
+    "AutoModelForTokenClassification": "modeling_megakd.MegakdForTokenClassification",
+    "AutoModelForQuestionAnswering": "modeling_megakd.MegakdForQuestionAnswering",
 }
 _HEADS_IMPORT = "from megakd.models.encoder import"
 

@@ -72,8 +72,13 @@ def collate(
     special_ids: Sequence[int],
     seed: int,
     mask_prob: float,
+    segment_start_id: int | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Pad to the longest sample and mask; returns the batch dict the trainer consumes."""
+    """Pad to the longest sample and mask; returns the batch dict the trainer consumes.
+
+    Packed samples (several documents, each starting with `segment_start_id`, i.e. [CLS]) also get
+    ``segment_ids`` [B, L]: 1, 2, ... per document, 0 on padding. Masking is the same either way.
+    """
     length = max(len(s) for s in samples)
     ids = np.full((len(samples), length), pad_id, dtype=np.int64)
     attn = np.zeros((len(samples), length), dtype=bool)
@@ -84,6 +89,9 @@ def collate(
     idx = np.asarray(indices, dtype=np.int64)
     mask = mlm_mask(ids, attn, ep, idx, seed=seed, mask_prob=mask_prob, special_ids=special_ids)
     masked = np.where(mask, mask_id, ids)
+    extra = {}
+    if segment_start_id is not None:
+        extra["segment_ids"] = torch.from_numpy(np.cumsum(ids == segment_start_id, axis=1) * attn)
     return {
         "input_ids": torch.from_numpy(ids),
         "attention_mask": torch.from_numpy(attn),
@@ -91,4 +99,5 @@ def collate(
         "mlm_mask": torch.from_numpy(mask),
         "index": torch.from_numpy(idx),
         "epoch": torch.from_numpy(ep),
+        **extra,
     }

@@ -1,9 +1,19 @@
 """Pack tokenized documents into fixed-maximum-length samples and write WebDataset shards.
 
-Packing rule: a document's tokens are cut into consecutive chunks of at most ``seq_len - 2``
-tokens, and each chunk becomes ``[CLS] chunk [SEP]``; samples never cross a document boundary
-(SPEC §1.6). A chunk with fewer than ``min_tokens`` tokens (a document's short tail, or a short
-document) is not written; the manifest counts such chunks and their tokens.
+Cutting rule: a document's tokens are cut into consecutive chunks of at most ``seq_len - 2``
+tokens, and each chunk becomes a piece ``[CLS] chunk [SEP]``. A chunk with fewer than
+``min_tokens`` tokens (a document's short tail, or a short document) is not written; the manifest
+counts such chunks and their tokens. By default each piece is one sample: samples never cross a
+document boundary, and short documents leave most of a sample as padding.
+
+With ``pack=True`` consecutive pieces (in corpus order) share a sample while they fit in
+``seq_len`` (next-fit), so a short-document corpus fills its samples. Every piece keeps its own
+``[CLS]`` and ``[SEP]``: a piece in a packed sample is token for token the sample it would be
+unpacked, the model sees each document exactly as alone (the [CLS] feature a classifier reads is
+the document's own), and the boundaries need no extra storage: [CLS] is SentencePiece's BOS, a
+control symbol that never comes out of encoding text, so each [CLS] starts a segment
+(:func:`megakd.data.masking.collate` turns them into ``segment_ids``). A piece of full length
+still fills a sample alone, so a long document is still cut at sample boundaries.
 
 Layout of ``out_dir``: ``shard-000000.tar`` ... and ``manifest.json``. Each tar member is
 ``{index:012d}.ids.npy``: a 1-D uint16 (vocab ≤ 65536) or uint32 array of token ids, keyed by the
@@ -20,7 +30,7 @@ import logging
 import re
 import tarfile
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -50,6 +60,22 @@ def sample_key(index: int) -> str:
 
 def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
+
+
+def next_fit(pieces: list[np.ndarray], seq_len: int) -> list[np.ndarray]:
+    """Concatenate consecutive pieces into samples of at most ``seq_len`` tokens, in order."""
+    samples: list[np.ndarray] = []
+    current: list[np.ndarray] = []
+    used = 0
+    for piece in pieces:
+        if used + len(piece) > seq_len:
+            samples.append(np.concatenate(current))
+            current, used = [], 0
+        current.append(piece)
+        used += len(piece)
+    if current:
+        samples.append(np.concatenate(current))
+    return samples
 
 
 def pack_document(ids: list[int], seq_len: int, cls_id: int, sep_id: int, min_tokens: int) -> tuple[list[list[int]], int, int]:
@@ -93,11 +119,24 @@ def _pack_batch(docs: list[str], seq_len: int, min_tokens: int, dtype: str, tok:
     return {"flat": flat, "lengths": lengths, "stats": stats}
 
 
-def _doc_batches(sources: list[Path], text_field: str, counts: dict[str, int]) -> Iterator[list[str]]:
+def in_valid_split(text: str, fraction: float) -> bool:
+    """Whether a document belongs to the held-out split: a stable function of its text alone.
+
+    sha256 of the UTF-8 text read as a number in [0, 1): the same document lands on the same side
+    for any input order, file layout or number of workers.
+    """
+    digest = hashlib.sha256(text.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+def _doc_batches(sources: list[Path], text_field: str, counts: dict[str, int],
+                 keep: Callable[[str], bool] | None = None) -> Iterator[list[str]]:
     batch: list[str] = []
     chars = 0
     for src in sources:
         for doc in iter_documents(src, text_field):
+            if keep is not None and not keep(doc):
+                continue
             counts[str(src)] = counts.get(str(src), 0) + 1
             batch.append(doc)
             chars += len(doc)
@@ -143,9 +182,12 @@ _TAR_TEMPLATE = _tar_template()
 class _ShardWriter:
     """Collects samples and writes full shards in order, with deterministic tar headers."""
 
-    def __init__(self, out: Path, samples_per_shard: int) -> None:
+    def __init__(self, out: Path, samples_per_shard: int, pack_len: int | None = None) -> None:
         self.out = out
         self.samples_per_shard = samples_per_shard
+        self.pack_len = pack_len  # None: one piece per sample; else pieces are packed up to this length
+        self.open_pieces: list[np.ndarray] = []  # packing: pieces not yet known to complete a sample
+        self.pieces = 0
         self.pending: list[np.ndarray] = []
         self.next_index = 0
         self.shards: list[dict[str, Any]] = []
@@ -154,8 +196,25 @@ class _ShardWriter:
 
     def add(self, flat: np.ndarray, lengths: np.ndarray) -> None:
         offsets = np.concatenate([[0], np.cumsum(lengths)])
-        for i in range(len(lengths)):
-            self.pending.append(flat[offsets[i] : offsets[i + 1]])
+        pieces = [flat[offsets[i] : offsets[i + 1]] for i in range(len(lengths))]
+        self.pieces += len(pieces)
+        if self.pack_len is None:
+            self._add_samples(pieces)
+            return
+        # Every sample but the last is final; the last may still take pieces of the next batch.
+        samples = next_fit(self.open_pieces + pieces, self.pack_len)
+        self._add_samples(samples[:-1])
+        self.open_pieces = [samples[-1]] if samples else []
+
+    def finish(self) -> None:
+        """Write the open packed sample and the last, partial shard."""
+        self._add_samples(self.open_pieces)
+        self.open_pieces = []
+        self.flush()
+
+    def _add_samples(self, samples: list[np.ndarray]) -> None:
+        for sample in samples:
+            self.pending.append(sample)
             if len(self.pending) == self.samples_per_shard:
                 self.flush()
 
@@ -209,13 +268,19 @@ def write_shards(
     num_workers: int = 1,
     text_field: str = "text",
     min_tokens: int = 8,
+    keep: Callable[[str], bool] | None = None,
+    pack: bool = False,
 ) -> dict:
     """Tokenize and pack ``inputs`` into WebDataset shards in ``out_dir``; returns the manifest.
+
+    ``pack`` puts several short documents into one sample (see the module docstring).
 
     ``num_workers`` processes tokenize batches of documents; results are consumed in submission
     order, so the output does not depend on the number of workers. The whole directory is built
     under a temporary sibling name and renamed at the end: a killed run leaves no half-written
     shards under ``out_dir``. An existing non-empty ``out_dir`` is an error, never overwritten.
+    ``keep`` (a predicate on a document's text) writes only the documents it accepts: the
+    train/validation split of :func:`in_valid_split`.
     """
     out = Path(out_dir)
     if seq_len < 3:
@@ -227,7 +292,7 @@ def write_shards(
     sources = expand_inputs(inputs)
     dtype = token_dtype(tokenizer.vocab_size).name
     with atomic_output_dir(out) as tmp:
-        writer = _ShardWriter(tmp, samples_per_shard)
+        writer = _ShardWriter(tmp, samples_per_shard, seq_len if pack else None)
         doc_counts: dict[str, int] = {}
         stats = {"documents": 0, "empty_documents": 0, "dropped_chunks": 0, "dropped_tokens": 0}
 
@@ -236,7 +301,7 @@ def write_shards(
                 stats[k] += v
             writer.add(result["flat"], result["lengths"])
 
-        batches = _doc_batches(sources, text_field, doc_counts)
+        batches = _doc_batches(sources, text_field, doc_counts, keep)
         if num_workers == 1:
             for docs in batches:
                 consume(_pack_batch(docs, seq_len, min_tokens, dtype, tokenizer))
@@ -251,7 +316,7 @@ def write_shards(
                         consume(inflight.popleft().result())
                 while inflight:
                     consume(inflight.popleft().result())
-        writer.flush()
+        writer.finish()
         if writer.next_index == 0:
             raise UserError(f"inputs {[str(s) for s in sources]}: produced no samples "
                              f"(every document shorter than min_tokens={min_tokens})")
@@ -265,6 +330,8 @@ def write_shards(
             "num_samples": writer.next_index,
             "total_tokens": writer.tokens,
             "mean_fill": round(writer.tokens / (writer.next_index * seq_len), 6),
+            "packed": pack,
+            "pieces": writer.pieces,  # [CLS] chunk [SEP] pieces; = num_samples unless packed
             "tokenizer": {"vocab_hash": tokenizer.vocab_hash, "vocab_size": tokenizer.vocab_size,
                           "pad_id": tokenizer.pad_id, "cls_id": tokenizer.cls_id,
                           "sep_id": tokenizer.sep_id, "mask_id": tokenizer.mask_id},

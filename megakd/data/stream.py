@@ -1,31 +1,40 @@
-"""Streaming pretraining data with an exact, cheap resume.
+"""Streaming pretraining data with an exact, cheap resume that survives a change of layout.
 
-Order (a pure function of seed, epoch and world layout, never of timing):
+Order (a pure function of the seed, never of timing or of the world layout):
 
 1. Epoch ``e`` has one global sequence of all N samples: shards in a seeded permutation, and
-   inside each shard its samples in a seeded permutation. It does not depend on the world layout.
-2. The layout has ``S = world_size * K`` slots (``K = max(num_workers, 1)`` per rank); slot
-   ``s = rank * K + k`` owns the contiguous range ``[s*N//S, (s+1)*N//S)`` of every epoch's
-   sequence. So each sample is in exactly one slot per epoch for any S, divisible or not, and a
-   slot reads only ~N/S samples' worth of shards (at most two shards are shared with neighbours;
-   the price is that a shared shard is read by both slots).
-3. A slot's stream is its range of epoch 0, then of epoch 1, ... forever. Micro-batches are
-   consecutive samples of one slot's stream (a batch may straddle an epoch boundary; each sample
-   carries its own ``epoch``). With K workers the DataLoader returns worker batches round-robin.
-4. State = per-slot cursor (samples consumed from the slot's stream) + the slot that yields next.
-   A cursor maps straight to (epoch, position), so resuming opens the right shard at the right
-   sample: nothing is replayed or skipped, and nothing before the cursor is read.
+   inside each shard its samples in a seeded permutation. Epochs follow each other, so global
+   position ``p`` is sample ``p mod N`` of epoch ``p div N``'s sequence.
+2. Micro-batches are consecutive slices of that global sequence, dealt to ranks in turn: a rank's
+   ``m``-th micro-batch is positions ``[(m*W + r)*B, (m*W + r + 1)*B)`` for rank ``r`` of ``W``
+   with micro-batch size ``B``. An optimizer step of ``A`` accumulation rounds thus consumes the
+   consecutive global batch ``[t*G, (t+1)*G)`` (``G = A*W*B``) whatever ``W``, ``B`` and ``A`` are,
+   and the same micro-batches in the same order as one process accumulating ``A*W`` of them.
+   A batch may straddle an epoch boundary; each sample carries its own ``epoch``.
+3. ``num_workers`` only decides who reads: worker ``k`` of ``K`` builds micro-batches
+   ``m ≡ k (mod K)`` and the DataLoader hands them out round-robin, i.e. in order.
+4. State = the next micro-batch index, which in layout terms is the global position
+   ``m*W*B``: a resume with the same layout continues at ``m``; with another world size,
+   micro-batch size or worker count it continues at position ``m*W*B`` of the same global order
+   (it must fall on the new layout's micro-batch grid, which holds at every step boundary since
+   ``W*B`` divides the global batch). Nothing is replayed or skipped, and nothing before the
+   position is read.
 
+Each rank reads the shards that hold its slices; consecutive positions share a shard, so a shard
+is opened once per rank while the global order passes through it (every rank reads every shard
+once per epoch: the price of a layout-free order; decoding is cheap next to a training step).
 Masks are pure functions of (seed, epoch, index) too (:mod:`megakd.data.masking`).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import io
 import json
 import logging
+import multiprocessing
 import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -44,7 +53,7 @@ from megakd.errors import UserError
 
 logger = logging.getLogger(__name__)
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 1 = per-slot cursors of the old contiguous-range layout
 
 
 class ShardError(UserError):
@@ -68,10 +77,6 @@ def epoch_shard_order(num_shards: int, seed: int, epoch: int) -> np.ndarray:
 
 def in_shard_order(num_samples: int, seed: int, epoch: int, shard: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch, 1, shard]).permutation(num_samples)
-
-
-def slot_range(slot: int, num_slots: int, total: int) -> tuple[int, int]:
-    return slot * total // num_slots, (slot + 1) * total // num_slots
 
 
 def _decode_npy(data: bytes, headers: dict[bytes, tuple[np.dtype, tuple[int, ...]]]) -> np.ndarray:
@@ -196,96 +201,110 @@ class _Plan:
     total: int
     seed: int
     rank: int
-    num_slots_per_rank: int
+    num_workers: int
     world_size: int
     micro_batch_size: int
     mask_prob: float
     pad_id: int
     mask_id: int
     special_ids: tuple[int, ...]
+    segment_start_id: int | None  # [CLS] for packed shards (see megakd.data.shards), else None
     skip_bad_shards: bool
     known_bad: frozenset[str]
     vocab_size: int
     seq_len: int
     verify: bool
 
-    def slot_bounds(self, local_slot: int) -> tuple[int, int]:
-        return slot_range(self.rank * self.num_slots_per_rank + local_slot,
-                          self.world_size * self.num_slots_per_rank, self.total)
+    def batch_positions(self, batch: int) -> range:
+        """Global positions of this rank's micro-batch number ``batch``."""
+        start = (batch * self.world_size + self.rank) * self.micro_batch_size
+        return range(start, start + self.micro_batch_size)
 
 
-def _slot_samples(plan: _Plan, local_slot: int, cursor: int, bad: list[tuple[str, str]]
-                  ) -> Iterator[tuple[int, int, np.ndarray, int]]:
-    """(epoch, global index, ids, cursor after this sample) for one slot, from ``cursor`` on, forever."""
-    lo, hi = plan.slot_bounds(local_slot)
-    length = hi - lo
-    counts = np.asarray(plan.counts)
-    first_index = np.asarray([e["first_index"] for e in plan.entries])
-    known_bad = set(plan.known_bad)
-    while True:
-        epoch, pos = divmod(cursor, length)
-        order = epoch_shard_order(len(counts), plan.seed, epoch)
-        ends = np.cumsum(counts[order])
-        yielded, whole_epoch = 0, pos == 0
-        k = int(np.searchsorted(ends, lo + pos, side="right"))
-        while lo + pos < hi:
-            shard = int(order[k])
-            start = int(ends[k] - counts[shard])
-            a, b = lo + pos - start, min(hi, int(ends[k])) - start
-            name = plan.files[shard]
-            samples = None
-            if name not in known_bad:
-                try:
-                    samples = read_shard(Path(plan.shards_dir) / name, plan.entries[shard], plan.dtype,
-                                         vocab_size=plan.vocab_size, seq_len=plan.seq_len, verify=plan.verify)
-                except ShardError as e:
-                    if not plan.skip_bad_shards:
-                        raise
-                    logger.warning("skipping bad shard (skip_bad_shards=True): %s", e)
-                    known_bad.add(name)
-                    bad.append((name, str(e)))
-            if samples is not None:
-                perm = in_shard_order(len(samples), plan.seed, epoch, shard)
-                for j in perm[a:b]:
-                    cursor += 1
-                    yielded += 1
-                    yield epoch, int(first_index[shard] + j), samples[j], cursor
-            else:
-                cursor += b - a
-            pos += b - a
-            k += 1
-        if whole_epoch and yielded == 0:
-            raise ShardError(f"shards {plan.shards_dir}: every shard of slot {local_slot} (rank {plan.rank}) "
-                             f"in epoch {epoch} is bad; nothing left to read")
+class _SampleReader:
+    """Samples by global position; keeps the current shard while consecutive positions stay in it."""
 
-
-class _SlotDataset(IterableDataset):
-    """Worker ``w`` serves local slot ``(next_slot + w) % K`` and yields collated micro-batches."""
-
-    def __init__(self, plan: _Plan, cursors: list[int], next_slot: int) -> None:
+    def __init__(self, plan: _Plan, bad: list[tuple[str, str]]) -> None:
         self.plan = plan
-        self.cursors = list(cursors)
-        self.next_slot = next_slot
+        self.bad = bad
+        self.known_bad = set(plan.known_bad)
+        self.counts = np.asarray(plan.counts)
+        self.first_index = np.asarray([e["first_index"] for e in plan.entries])
+        self.epoch = -1
+        self.shard = -1
+
+    def _open_epoch(self, epoch: int) -> None:
+        self.epoch, self.shard = epoch, -1
+        self.order = epoch_shard_order(len(self.counts), self.plan.seed, epoch)
+        self.ends = np.cumsum(self.counts[self.order])
+
+    def _open_shard(self, shard: int) -> None:
+        p = self.plan
+        self.shard, self.samples = shard, None
+        name = p.files[shard]
+        if name in self.known_bad:
+            return
+        try:
+            self.samples = read_shard(Path(p.shards_dir) / name, p.entries[shard], p.dtype,
+                                      vocab_size=p.vocab_size, seq_len=p.seq_len, verify=p.verify)
+        except ShardError as e:
+            if not p.skip_bad_shards:
+                raise
+            logger.warning("skipping bad shard (skip_bad_shards=True): %s", e)
+            self.known_bad.add(name)
+            self.bad.append((name, str(e)))
+            return
+        self.perm = in_shard_order(len(self.samples), p.seed, self.epoch, shard)
+
+    def sample(self, position: int) -> tuple[int, int, np.ndarray] | None:
+        """(epoch, global index, ids) at ``position``, or None if its shard is bad (and skipped)."""
+        epoch, offset = divmod(position, self.plan.total)
+        if epoch != self.epoch:
+            self._open_epoch(epoch)
+        k = int(np.searchsorted(self.ends, offset, side="right"))
+        shard = int(self.order[k])
+        if shard != self.shard:
+            self._open_shard(shard)
+        if self.samples is None:
+            return None
+        j = int(self.perm[offset - (int(self.ends[k]) - int(self.counts[shard]))])
+        return epoch, int(self.first_index[shard] + j), self.samples[j]
+
+
+class _RankDataset(IterableDataset):
+    """Worker ``k`` builds micro-batches ``first + k``, ``first + k + K``, ...; one item per batch number.
+
+    A micro-batch whose samples all sit in skipped bad shards comes out as an ``_empty`` marker
+    (never handed to training), so the round-robin order of batch numbers stays intact.
+    """
+
+    def __init__(self, plan: _Plan, first_batch: int) -> None:
+        self.plan = plan
+        self.first_batch = first_batch
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
-        worker = info.id if info is not None else 0
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         p = self.plan
-        slot = (self.next_slot + worker) % p.num_slots_per_rank
         bad: list[tuple[str, str]] = []
-        samples, epochs, indices = [], [], []
+        reader = _SampleReader(p, bad)
+        batch_number = self.first_batch + worker
         try:
-            for epoch, index, ids, cursor in _slot_samples(p, slot, self.cursors[slot], bad):
-                samples.append(ids)
-                epochs.append(epoch)
-                indices.append(index)
-                if len(samples) == p.micro_batch_size:
+            while True:
+                found = [x for x in map(reader.sample, p.batch_positions(batch_number)) if x is not None]
+                if found:
+                    epochs, indices, samples = (list(column) for column in zip(*found))
                     batch = collate(samples, epochs, indices, pad_id=p.pad_id, mask_id=p.mask_id,
-                                    special_ids=p.special_ids, seed=p.seed, mask_prob=p.mask_prob)
-                    batch["_slot"], batch["_cursor"], batch["_bad"] = slot, cursor, tuple(bad)
-                    bad.clear()
-                    yield batch
-                    samples, epochs, indices = [], [], []
+                                    special_ids=p.special_ids, seed=p.seed, mask_prob=p.mask_prob,
+                                    segment_start_id=p.segment_start_id)
+                else:
+                    if len(reader.known_bad) == len(p.files):
+                        raise ShardError(f"shards {p.shards_dir}: every shard is bad; nothing left to read")
+                    batch = {"_empty": True}
+                batch["_batch"], batch["_bad"] = batch_number, tuple(bad)
+                bad.clear()
+                yield batch
+                batch_number += workers
         except UserError as e:
             # Hand the error to the main process, which raises it as a one-line error (an
             # exception raised in a DataLoader worker arrives wrapped in a worker traceback).
@@ -318,11 +337,25 @@ def _ignore_stop_signals(_worker_id: int) -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
+@atexit.register
+def _kill_leftover_workers() -> None:
+    """At exit, SIGKILL daemonic children (DataLoader workers) that are still alive.
+
+    multiprocessing's own exit handler stops them with SIGTERM, which our workers ignore, and then
+    waits forever. That happens whenever a loader iterator is still open at exit (a caller keeps a
+    reference to it). atexit runs handlers last-registered-first, and this module registers after
+    multiprocessing, so this runs before that wait.
+    """
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            child.kill()
+
+
 class PretrainingLoader:
     """Endless micro-batches for one rank, with ``state_dict``/``load_state_dict`` for exact resume.
 
     Batch keys: ``input_ids``, ``attention_mask``, ``masked_input_ids``, ``mlm_mask``, ``index``,
-    ``epoch`` (see :func:`megakd.data.masking.collate`). The state counts only batches this object
+    ``epoch``, and ``segment_ids`` for packed shards (see :func:`megakd.data.masking.collate`). The state counts only batches this object
     has handed out, so DataLoader prefetching never leaks into a checkpoint.
 
     Every shard is verified as it is read (:func:`read_shard`: sha256, sample lengths, token ids
@@ -358,11 +391,7 @@ class PretrainingLoader:
                              f"mask_prob={mask_prob}: expected ≥ 1, ≥ 0, in [0, 1]")
         self.num_workers = num_workers
         self.pin_memory = pin_memory
-        k = max(num_workers, 1)
         total = manifest["num_samples"]
-        if total < world_size * k:
-            raise UserError(f"{self.shards_dir / MANIFEST}: {total} samples cannot fill "
-                             f"world_size*num_workers = {world_size * k} slots")
         self.bad_shards: dict[str, str] = {}
         for entry in manifest["shards"]:
             problem = shard_problem(self.shards_dir / entry["file"], entry)
@@ -380,13 +409,14 @@ class PretrainingLoader:
             total=total,
             seed=seed,
             rank=rank,
-            num_slots_per_rank=k,
+            num_workers=num_workers,
             world_size=world_size,
             micro_batch_size=micro_batch_size,
             mask_prob=mask_prob,
             pad_id=tokenizer.pad_id,
             mask_id=tokenizer.mask_id,
             special_ids=tuple(sorted(tokenizer.special_ids)),
+            segment_start_id=tokenizer.cls_id if manifest.get("packed") else None,
             skip_bad_shards=skip_bad_shards,
             known_bad=frozenset(self.bad_shards),
             vocab_size=tokenizer.vocab_size,
@@ -394,12 +424,11 @@ class PretrainingLoader:
             verify=verify,
         )
         self.seq_len: int = manifest["seq_len"]
+        self.packed: bool = bool(manifest.get("packed", False))
         self.num_samples: int = total
         self._fingerprint = hashlib.sha256(
             json.dumps([manifest["shards"], manifest["tokenizer"]], sort_keys=True).encode()).hexdigest()[:16]
-        self._cursors = [0] * k
-        self._next_slot = 0
-        self._batches = 0
+        self._next_batch = 0  # this rank's next micro-batch number (see the module docstring)
 
     @property
     def skipped_shards(self) -> int:
@@ -407,8 +436,7 @@ class PretrainingLoader:
         return len(self.bad_shards)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        p = self.plan
-        dataset = _SlotDataset(p, self._cursors, self._next_slot)
+        dataset = _RankDataset(self.plan, self._next_batch)
         # A private generator: DataLoader otherwise draws its base seed from the global RNG on
         # every iter(), which would shift dropout randomness and break bit-exact resume.
         loader = DataLoader(dataset, batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory,
@@ -419,13 +447,17 @@ class PretrainingLoader:
         for batch in batches:
             if "_error" in batch:
                 raise batch["_error"]
-            slot = batch.pop("_slot")
-            self._cursors[slot] = batch.pop("_cursor")
-            self._next_slot = (slot + 1) % p.num_slots_per_rank
-            self._batches += 1
+            self._next_batch = batch.pop("_batch") + 1
             for name, reason in batch.pop("_bad"):
                 self.bad_shards.setdefault(name, reason)
+            if batch.pop("_empty", False):
+                continue
             yield batch
+
+    @property
+    def position(self) -> int:
+        """Global position of this rank's next micro-batch grid point: ``next batch × world × micro-batch``."""
+        return self._next_batch * self.plan.world_size * self.plan.micro_batch_size
 
     def state_dict(self) -> dict[str, Any]:
         """Position after the batches handed out so far (JSON-able)."""
@@ -434,30 +466,36 @@ class PretrainingLoader:
             "version": STATE_VERSION,
             "data_fingerprint": self._fingerprint,
             "seed": p.seed,
+            "mask_prob": p.mask_prob,
             "rank": p.rank,
             "world_size": p.world_size,
             "num_workers": self.num_workers,
             "micro_batch_size": p.micro_batch_size,
-            "mask_prob": p.mask_prob,
-            "cursors": list(self._cursors),
-            "next_slot": self._next_slot,
-            "batches": self._batches,
+            "next_batch": self._next_batch,
+            "position": self.position,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue exactly where the saved loader stopped; the layout must be the same."""
+        """Continue exactly where the saved loader stopped, in this loader's layout.
+
+        Same world size, rank and micro-batch size: the saved batch number. Otherwise the saved
+        global position, which must fall on this layout's grid of ``world × micro-batch`` samples.
+        The worker count never matters. Another seed, mask rate or data set is refused.
+        """
         mine = self.state_dict()
-        for key in ("version", "data_fingerprint", "seed", "rank", "world_size", "micro_batch_size", "mask_prob"):
+        if state.get("version") != STATE_VERSION:
+            raise UserError(f"loader state: version {state.get('version')!r} (written by an older megakd with "
+                             f"per-slot cursors), expected {STATE_VERSION}")
+        for key in ("data_fingerprint", "seed", "mask_prob"):
             if state.get(key) != mine[key]:
                 raise UserError(f"loader state: {key}={state.get(key)!r} does not match this loader's {mine[key]!r}")
-        if max(state.get("num_workers", 0), 1) != self.plan.num_slots_per_rank:
-            raise UserError(f"loader state: num_workers={state.get('num_workers')!r} gives a different slot layout "
-                             f"than this loader's num_workers={self.num_workers}")
-        cursors = state.get("cursors")
-        if not isinstance(cursors, list) or len(cursors) != len(self._cursors):
-            raise UserError(f"loader state: cursors={cursors!r}, expected a list of {len(self._cursors)} ints")
-        if not 0 <= int(state.get("next_slot", -1)) < len(self._cursors):
-            raise UserError(f"loader state: next_slot={state.get('next_slot')!r}, expected 0..{len(self._cursors) - 1}")
-        self._cursors = [int(c) for c in cursors]
-        self._next_slot = int(state["next_slot"])
-        self._batches = int(state["batches"])
+        if all(state.get(k) == mine[k] for k in ("world_size", "rank", "micro_batch_size")):
+            self._next_batch = int(state["next_batch"])
+            return
+        position, grid = int(state["position"]), self.plan.world_size * self.plan.micro_batch_size
+        if position % grid:
+            raise UserError(f"loader state: global position {position} (world_size={state.get('world_size')} x "
+                             f"micro_batch_size={state.get('micro_batch_size')} x {state.get('next_batch')} batches) "
+                             f"is not a multiple of world_size={self.plan.world_size} x "
+                             f"micro_batch_size={self.plan.micro_batch_size}")
+        self._next_batch = position // grid

@@ -33,9 +33,9 @@ from numpy.lib.format import open_memmap
 from torch import Tensor
 
 from megakd.config import ConfigError, save_config
+from megakd.data.tasks import EncodedTask
 from megakd.data.tokenizer import Tokenizer
 from megakd.finetune.config import FinetuneConfig, SoTeacherConfig
-from megakd.finetune.data import EncodedTask
 from megakd.finetune.metrics import agreement, calibration_report
 from megakd.finetune.trainer import LabelRegObjective, SeedResult, run_seeds, summarize, teacher_logits_for
 from megakd.models.electra import SequenceClassifier
@@ -131,10 +131,10 @@ def run_soteacher(cfg: FinetuneConfig) -> dict:
         stores.append(ConsistencyStore(out_dir / "cr_store", int(train.indices.max()) + 1, cfg.task.num_labels))
         return SoTeacherObjective(s, stores[-1], cfg.finetune.epochs, cfg.kernels.backend)
 
-    teachers, _, dev = run_seeds(cfg, run_dir / "teacher", cfg.model, make_teacher_objective)
+    teachers, _, dev, teacher_lr = run_seeds(cfg, run_dir / "teacher", cfg.model, make_teacher_objective)
     for store in stores:
         store.flush()
-    summary = {"teacher": summarize(teachers, run_dir / "teacher", cfg.metric, _calibration(teachers, dev))}
+    summary = {"teacher": summarize(teachers, run_dir / "teacher", cfg.metric, _calibration(teachers, dev), teacher_lr)}
     if s.distill_student:
         teacher_dirs = {r.seed: r.model_dir for r in teachers}
         kd = dataclasses.replace(cfg.labelreg, target="kd", alpha=1 - s.student_alpha,
@@ -146,9 +146,9 @@ def run_soteacher(cfg: FinetuneConfig) -> dict:
                                         cfg.task.num_labels, cfg.finetune.eval_batch_size)
             return LabelRegObjective(kd, cfg.task.num_labels, logits)
 
-        students, _, _ = run_seeds(cfg, run_dir / "student", s.student, make_student_objective)
+        students, _, _, student_lr = run_seeds(cfg, run_dir / "student", s.student, make_student_objective)
         by_seed = {r.seed: r for r in teachers}
         agree = [agreement(r.dev_logits, by_seed[r.seed].dev_logits) for r in students]
-        summary["student"] = summarize(students, run_dir / "student", cfg.metric, {"agreement": agree})
+        summary["student"] = summarize(students, run_dir / "student", cfg.metric, {"agreement": agree}, student_lr)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

@@ -42,9 +42,9 @@ from torch import Tensor
 
 from megakd.config import ConfigError, save_config
 from megakd.data.masking import mlm_mask
+from megakd.data.tasks import EncodedTask
 from megakd.data.tokenizer import Tokenizer
 from megakd.finetune.config import FinetuneConfig, TGTConfig
-from megakd.finetune.data import EncodedTask
 from megakd.finetune.trainer import run_seeds, summarize
 from megakd.models.electra import MaskedLM, SequenceClassifier
 from megakd.objectives.electra import corrupt, sample_replacements
@@ -196,5 +196,5 @@ def run_tgt(cfg: FinetuneConfig) -> dict:
         check_same_tokenizer(tokenizer, lab_tokenizer, "tgt.labeler")
         return TGTObjective(TeacherGenerator(mlm, tokenizer, cfg.tgt, seed, cfg.kernels.backend), labeler)
 
-    results, _, _ = run_seeds(cfg, run_dir, cfg.model, make_objective)
-    return summarize(results, run_dir, cfg.metric)
+    results, _, _, lr_record = run_seeds(cfg, run_dir, cfg.model, make_objective)
+    return summarize(results, run_dir, cfg.metric, lr_record=lr_record)

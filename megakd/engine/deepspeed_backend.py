@@ -14,6 +14,13 @@ counts micro-batches in `engine.step()`, so `backward` advances that counter off
 DeepSpeed 0.19 clips at 1.0 by default) at `clip_norm * loss_scale`, i.e. on the unweighted
 gradient, exactly as the single-process backend does.
 
+User settings (`backend.deepspeed_config=FILE.json`) are merged into what megakd derives with
+HF's `"auto"` convention: `"auto"` takes megakd's value, a value that contradicts a key megakd
+derives from its own config is refused naming both, and everything else (bucket sizes,
+overlap_comm, offload, activation settings, ...) passes through. With
+`zero_optimization.offload_optimizer` each unit's optimizer becomes DeepSpeed's CPU Adam (in
+AdamW mode, same groups and hyperparameters): ZeRO-Offload steps on the CPU copy of the states.
+
 Checkpoints: `<step_dir>/<unit>/ds/...` via `engine.save_checkpoint(<step_dir>/<unit>, tag="ds")`;
 `megakd.convert` consolidates them (zero_to_fp32 under ZeRO 1-3). DeepSpeed's loaders unpickle;
 `megakd.store.files.deepspeed_safe_loading` makes them weights-only with an allow-list.
@@ -22,7 +29,9 @@ Checkpoints: `<step_dir>/<unit>/ds/...` via `engine.save_checkpoint(<step_dir>/<
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime
+import json
 import logging
 import math
 import os
@@ -32,13 +41,79 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megakd.config import Config
+from megakd.config import Config, ConfigError
 from megakd.engine.backends import DDPBackend, Unit
+from megakd.engine.optim import build_scheduler
 from megakd.store.checkpoint import DEEPSPEED_TAG
 from megakd.store.checkpoint_models import WEIGHTS_SUFFIX
 from megakd.store.files import deepspeed_safe_loading
 
 log = logging.getLogger(__name__)
+
+# DeepSpeed keys megakd derives from its own config, with the keys they come from: a user value
+# must be "auto" or equal megakd's. Other derived keys (steps_per_print, ...) are defaults the
+# user may override.
+DERIVED_FROM = {
+    "train_micro_batch_size_per_gpu": "train.micro_batch_size",
+    "gradient_accumulation_steps": "train.global_batch_size / (train.micro_batch_size x world size)",
+    "train_batch_size": "train.global_batch_size",
+    "gradient_clipping": "optim.<model>.clip_norm (x electra.loss_weight for the discriminator)",
+    "zero_optimization.stage": "backend.zero_stage",
+    "bf16.enabled": "train.precision",
+    "fp16.enabled": "train.precision",
+}
+# Sections megakd builds itself, one per model: two DeepSpeed optimizers or schedules would fight them.
+MEGAKD_OWNED = {"optimizer": "optim.<model>.*", "scheduler": "optim.schedule.*"}
+
+
+def read_user_config(path: str) -> dict:
+    """The user's DeepSpeed JSON; a missing or malformed file is a one-line error naming it."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"backend.deepspeed_config: no file at {file}")
+    try:
+        data = json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"backend.deepspeed_config: {file} is not valid JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"backend.deepspeed_config: {file}: expected a JSON object at the top level")
+    return data
+
+
+def merge_user_config(derived: dict, user: dict, source: str, prefix: str = "") -> dict:
+    """`derived` with the user's settings merged in by the "auto" convention (module docstring)."""
+    out = copy.deepcopy(derived)
+    for key, value in user.items():
+        path = f"{prefix}{key}"
+        if path in MEGAKD_OWNED:
+            raise ConfigError(f"{source}: '{path}' is built by megakd from {MEGAKD_OWNED[path]}; remove it "
+                              f"(ZeRO-Offload needs only zero_optimization.offload_optimizer)")
+        if isinstance(value, dict):
+            base = derived.get(key, {})
+            out[key] = merge_user_config(base if isinstance(base, dict) else {}, value, source, f"{path}.")
+        elif value == "auto":
+            if key not in derived:
+                raise ConfigError(f"{source}: '{path}' is \"auto\" but megakd derives no value for it")
+        elif path in DERIVED_FROM and derived.get(key) != value:
+            raise ConfigError(f"{source}: '{path}'={value!r} contradicts {DERIVED_FROM[path]} "
+                              f"(megakd derives {derived.get(key)!r}; use \"auto\")")
+        else:
+            out[key] = value
+    return out
+
+
+def offloads_optimizer(ds_config: dict) -> bool:
+    offload = ds_config.get("zero_optimization", {}).get("offload_optimizer") or {}
+    return offload.get("device", "none") != "none"
+
+
+def cpu_adam_like(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """DeepSpeed's CPU Adam with `optimizer`'s parameter groups and AdamW hyperparameters."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    d = optimizer.defaults
+    groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in optimizer.param_groups]
+    return DeepSpeedCPUAdam(groups, lr=d["lr"], betas=d["betas"], eps=d["eps"], adamw_mode=True)
 
 
 
@@ -62,11 +137,20 @@ class DeepSpeedBackend(DDPBackend):
         import deepspeed
 
         deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False)
+        self.cfg = cfg
         self.zero_stage = cfg.backend.zero_stage
         self.micro_batch_size = cfg.train.micro_batch_size
+        self.user_config = read_user_config(cfg.backend.deepspeed_config) if cfg.backend.deepspeed_config else {}
 
     def ds_config(self, unit: Unit, accumulation_steps: int) -> dict:
-        """The engine config for one unit: batch layout, ZeRO stage, precision, explicit clipping."""
+        """The engine config for one unit: what megakd derives, merged with backend.deepspeed_config."""
+        derived = self.derived_config(unit, accumulation_steps)
+        if not self.user_config:
+            return derived
+        return merge_user_config(derived, self.user_config, f"backend.deepspeed_config={self.cfg.backend.deepspeed_config}")
+
+    def derived_config(self, unit: Unit, accumulation_steps: int) -> dict:
+        """Batch layout, ZeRO stage, precision and explicit clipping, from megakd's config."""
         config = {
             "train_micro_batch_size_per_gpu": self.micro_batch_size,
             "gradient_accumulation_steps": accumulation_steps,
@@ -76,10 +160,12 @@ class DeepSpeedBackend(DDPBackend):
             "zero_allow_untested_optimizer": True,
             "steps_per_print": 2**31 - 1,  # the trainer logs; keep DeepSpeed's progress lines out
         }
-        if self.precision == "bf16":
-            config["bf16"] = {"enabled": True}
-        elif self.precision == "fp16":
-            config["fp16"] = {"enabled": True, "loss_scale": 0}  # 0 = dynamic loss scaling
+        # Both precision sections are always present, so a user file that enables the other one
+        # is caught as a contradiction of train.precision.
+        config["bf16"] = {"enabled": self.precision == "bf16"}
+        config["fp16"] = {"enabled": self.precision == "fp16"}
+        if self.precision == "fp16":
+            config["fp16"]["loss_scale"] = 0  # 0 = dynamic loss scaling
         return config
 
     def prepare(self, units: list[Unit], accumulation_steps: int) -> None:
@@ -88,12 +174,16 @@ class DeepSpeedBackend(DDPBackend):
         self.accumulation_steps = accumulation_steps
         for unit in units:
             unit.task.to(self.device)
+            ds_config = self.ds_config(unit, accumulation_steps)
+            if offloads_optimizer(ds_config):
+                unit.optimizer = cpu_adam_like(unit.optimizer)
+                unit.scheduler = build_scheduler(unit.optimizer, self.cfg.optim.schedule, self.cfg.train.max_steps)
             # The torch optimizer and LambdaLR go in as client objects: DeepSpeed's ZeRO wrapper
             # steps this very optimizer (so `unit.lr` reads the live LR) and the engine steps the
             # schedule only when an update was applied. No DeepSpeed Adam is compiled.
             engine, _, _, _ = deepspeed.initialize(
                 model=unit.task, optimizer=unit.optimizer, lr_scheduler=unit.scheduler,
-                config=self.ds_config(unit, accumulation_steps), dist_init_required=False,
+                config=ds_config, dist_init_required=False,
             )
             unit.wrapped = engine
 

@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import os
+import secrets
 from pathlib import Path
 
 from megakd.store.files import StoreError
@@ -30,9 +31,10 @@ class MetricsWriter:
         if wandb:
             import wandb as wandb_lib
 
-            os.environ.setdefault("WANDB_MODE", wandb_mode)
+            # WANDB_MODE in the environment (e.g. set by a cluster profile) wins over run.wandb_mode.
             self.wandb = wandb_lib.init(project=wandb_project, dir=str(run_dir), config=config,
-                                        resume="allow", name=run_dir.name)
+                                        id=wandb_run_id(run_dir), resume="allow", name=run_dir.name,
+                                        mode=os.environ.get("WANDB_MODE", wandb_mode))
 
     def _truncate_after(self, step: int) -> None:
         """On resume, drop lines logged after the checkpoint so the file has no duplicated steps.
@@ -78,12 +80,27 @@ def strict_json(record: dict) -> dict:
     return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
 
 
+WANDB_ID_FILE = "wandb_run_id"
+
+
+def wandb_run_id(run_dir: Path) -> str:
+    """The run dir's wandb id, created on its first run: a requeued job continues the same wandb run."""
+    path = run_dir / WANDB_ID_FILE
+    if path.is_file():
+        return path.read_text().strip()
+    run_id = secrets.token_hex(8)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(run_id + "\n")
+    tmp.replace(path)
+    return run_id
+
+
 def read_metrics(path: Path) -> list[dict]:
     return [json.loads(ln) for ln in Path(path).read_text().splitlines() if ln.strip()]
 
 
 def plot_metrics(metrics_path: Path, out_dir: Path) -> list[Path]:
-    """loss.png (generator and discriminator losses) and rtd.png (RTD F1 and accuracies)."""
+    """loss.png (generator and discriminator losses), rtd.png (RTD F1 and accuracies), probe.png (probe_acc)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -95,8 +112,10 @@ def plot_metrics(metrics_path: Path, out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     panels = {
-        "loss.png": ("loss", ["gen_loss", "disc_loss"]),
-        "rtd.png": ("score", ["rtd_f1", "rtd_precision", "rtd_recall", "gen_acc", "disc_acc"]),
+        "loss.png": ("loss", ["gen_loss", "disc_loss", "val_gen_loss", "val_disc_loss"]),
+        "rtd.png": ("score", ["rtd_f1", "rtd_precision", "rtd_recall", "gen_acc", "disc_acc", "val_rtd_f1",
+                              "val_rtd_auc", "val_gen_acc", "val_teacher_agreement"]),
+        "probe.png": ("downstream probe accuracy", ["probe_acc"]),
     }
     for name, (ylabel, keys) in panels.items():
         keys = [k for k in keys if any(k in r for r in records)]

@@ -84,7 +84,7 @@ class _Encoded(nn.Module):
         self.head = model.head
         self.hidden: Tensor | None = None
 
-    def forward(self, *_inputs) -> Tensor:
+    def forward(self, *_inputs, **_options) -> Tensor:
         hidden, self.hidden = self.hidden, None
         return hidden
 

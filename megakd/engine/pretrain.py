@@ -9,7 +9,14 @@ from pathlib import Path
 
 import torch
 
-from megakd.config import Config, ConfigError, OptimConfig, OptimizerConfig
+from megakd.config import (
+    Config,
+    ConfigError,
+    OptimConfig,
+    OptimizerConfig,
+    bundled_vocab_size,
+    resolve_vocab_sizes,
+)
 from megakd.data.shards import read_manifest
 from megakd.data.stream import PretrainingLoader
 from megakd.data.tokenizer import Tokenizer
@@ -17,6 +24,7 @@ from megakd.engine.backends import Backend, DDPBackend, Unit
 from megakd.engine.optim import build_optimizer, build_scheduler
 from megakd.engine.tasks import DiscriminatorTask, GeneratorTask, JointElectraTask, TeacherKD
 from megakd.engine.trainer import Trainer, TrainResult
+from megakd.engine.validation import VALID_SEED, Validator
 from megakd.models.admin import admin_initialize
 from megakd.models.electra import Discriminator, ElectraPair, MaskedLM
 from megakd.models.remap import remap_masked_lm
@@ -50,19 +58,26 @@ def resolve_data(cfg: Config) -> tuple[Path, Path]:
     from megakd.data.default_corpus import prepare_default_data
 
     cache = Path(d.cache_dir or os.environ.get("MEGAKD_CACHE", "~/.cache/megakd")).expanduser()
-    return prepare_default_data(cache, vocab_size=d.vocab_size, seq_len=d.seq_len)
+    return prepare_default_data(cache, vocab_size=bundled_vocab_size(cfg), seq_len=d.seq_len, corpus=d.corpus)
+
+
+def expected_vocab_size(cfg: Config) -> tuple[int, str]:
+    """(size, where from) of the tokenizer this config trains with, without building any data."""
+    if cfg.data.tokenizer:
+        tokenizer = Tokenizer.load(cfg.data.tokenizer)
+        return tokenizer.vocab_size, str(tokenizer.path)
+    return bundled_vocab_size(cfg), "the bundled corpus"
+
+
+def resolve_config(cfg: Config) -> Config:
+    """The config as the run will use it: every `vocab_size: auto` replaced by the tokenizer's size."""
+    resolve_vocab_sizes(cfg, *expected_vocab_size(cfg))
+    return cfg
 
 
 def check_vocab(cfg: Config, tokenizer: Tokenizer) -> None:
-    for name in ("generator", "discriminator"):
-        if cfg.model.objective == "mlm" and name == "discriminator":
-            continue
-        size = getattr(cfg.model, name).vocab_size
-        if size != tokenizer.vocab_size:
-            raise ConfigError(
-                f"model.{name}.vocab_size={size} but the tokenizer at {tokenizer.path} has "
-                f"{tokenizer.vocab_size} pieces"
-            )
+    """Fill `vocab_size: auto` from the tokenizer in use; refuse an explicit size that differs."""
+    resolve_vocab_sizes(cfg, tokenizer.vocab_size, str(tokenizer.path))
 
 
 def build_units(cfg: Config, generator: MaskedLM, discriminator: Discriminator | None,
@@ -132,6 +147,23 @@ def admin_profile(cfg: Config, models: list[MaskedLM | Discriminator | None], sh
         log.info("Admin init of the %s: omega from %.3g to %.3g", type(model).__name__, omegas[0], omegas[-1])
 
 
+def compile_encoders(models: list[MaskedLM | Discriminator | None]) -> None:
+    """`torch.compile` every encoder layer in place (`nn.Module.compile`).
+
+    In place, the parameter names do not change, so checkpoints, resume and the HF export are the
+    same with and without compilation. The layers hold nearly all of the FLOPs and share one
+    compiled graph. The embeddings stay eager: with the whole encoder compiled, a resumed run's word
+    embeddings differed in the last bits from the uninterrupted run's (inductor's CPU embedding
+    backward scatters with atomic adds, whose order is not fixed); with the layers alone resume is
+    bit-exact (tests/engine/test_compile.py). The heads and fused losses stay eager too: they are
+    chunked custom-autograd kernels that already avoid the [tokens x vocab] logits.
+    """
+    for model in models:
+        if model is not None:
+            for layer in model.encoder.layers:
+                layer.compile()
+
+
 def build_loader(cfg: Config, tokenizer: Tokenizer, shards_dir: Path, micro_batch_size: int, rank: int,
                  world_size: int) -> PretrainingLoader:
     """The pretraining data stream as `cfg.data` describes it (training and `megakd bench` alike)."""
@@ -144,24 +176,60 @@ def build_loader(cfg: Config, tokenizer: Tokenizer, shards_dir: Path, micro_batc
 
 def build_trainer(cfg: Config, backend: Backend | None = None) -> Trainer:
     backend = backend or build_backend(cfg)
+    try:
+        return _build_trainer(cfg, backend)
+    except BaseException:
+        backend.close()  # a config error found while building must not leave a process group behind
+        raise
+
+
+def _build_trainer(cfg: Config, backend: Backend) -> Trainer:
     micro_batch, accumulation = cfg.batch_layout(backend.data_world_size)
     tokenizer_dir, shards_dir = resolve_data(cfg)
     tokenizer = Tokenizer.load(tokenizer_dir)
     check_vocab(cfg, tokenizer)
     manifest = read_manifest(shards_dir)
+    if manifest.get("packed") and cfg.backend.pipeline_stages > 1:
+        raise ConfigError(f"data.shards={shards_dir}: packed shards are not supported with "
+                          f"backend.pipeline_stages={cfg.backend.pipeline_stages} (the pipeline stages "
+                          f"carry no segment ids); write the shards without --pack")
     if cfg.run.dir and backend.is_main:
         log.info("data: %s (%d samples, seq_len %d), tokenizer %s", shards_dir, manifest["num_samples"],
                  manifest["seq_len"], tokenizer_dir)
     generator, discriminator = build_models(cfg)
     admin_profile(cfg, [generator, discriminator], shards_dir, tokenizer)
+    if cfg.train.compile:
+        compile_encoders([generator, discriminator])
     kd = attach_teacher(cfg, tokenizer, generator, backend.device) if cfg.distill.teacher else None
     units = build_units(cfg, generator, discriminator, kd)
     backend.prepare(units, accumulation)
     loader = build_loader(cfg, tokenizer, shards_dir, micro_batch, backend.data_rank, backend.data_world_size)
+    validator = build_validator(cfg, tokenizer, shards_dir, micro_batch, backend, units, kd)
     # Dropout must differ per rank but be reproducible: reseed after the shared model init.
     torch.manual_seed(cfg.train.seed * 1_000_003 + backend.rank)
     return Trainer(cfg, backend, units, loader, tokenizer_dir=tokenizer_dir,
-                   kd=kd)
+                   kd=kd, validator=validator)
+
+
+def valid_shards_dir(cfg: Config, shards_dir: Path) -> Path | None:
+    """data.valid_shards, or under "auto" the `valid/` set written beside the training shards."""
+    if cfg.data.valid_shards == "auto":
+        beside = shards_dir / "valid"
+        return beside if (beside / "manifest.json").is_file() else None
+    return Path(cfg.data.valid_shards) if cfg.data.valid_shards else None
+
+
+def build_validator(cfg: Config, tokenizer: Tokenizer, shards_dir: Path, micro_batch: int, backend: Backend,
+                    units: list[Unit], kd: TeacherKD | None) -> Validator | None:
+    if not cfg.train.eval_every:
+        return None
+    valid_dir = valid_shards_dir(cfg, shards_dir)
+    if valid_dir is None:
+        raise ConfigError(f"train.eval_every={cfg.train.eval_every} needs validation shards: set data.valid_shards=DIR "
+                          f"or write them with `megakd data shards --valid-fraction F` (none at {shards_dir / 'valid'})")
+    loader = PretrainingLoader(valid_dir, tokenizer, micro_batch_size=micro_batch, seed=VALID_SEED,
+                               mask_prob=cfg.data.mask_prob)
+    return Validator(loader, cfg.train.eval_samples, backend, {u.name: u for u in units}, kd, cfg.kernels.backend)
 
 
 def attach_teacher(cfg: Config, tokenizer: Tokenizer, student: MaskedLM, device: torch.device) -> TeacherKD:

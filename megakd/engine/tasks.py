@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from megakd.engine.profiling import phase
 from megakd.models.electra import Discriminator, ElectraPair, MaskedLM
 from megakd.objectives.distill import alpha_schedule, kd_loss
 from megakd.objectives.electra import corrupt, mlm_loss, rtd_counts, rtd_labels, rtd_loss, sample_replacements
@@ -61,14 +62,16 @@ class GeneratorTask(nn.Module):
 
     def forward(self, batch: dict[str, torch.Tensor], rng: torch.Generator | None = None) -> dict:
         mlm_mask = batch["mlm_mask"]
-        hidden = self.model(batch["masked_input_ids"], batch["attention_mask"])
+        segment_ids = batch.get("segment_ids")  # packed samples only
+        hidden = self.model(batch["masked_input_ids"], batch["attention_mask"], segment_ids=segment_ids)
         masked_hidden = self.model.masked_hidden(hidden, mlm_mask)
         targets = batch["input_ids"][mlm_mask]
         head = self.model.head
         loss = mlm_loss(masked_hidden, head.decoder_weight, head.bias, targets, self.kernel_backend)
-        samples, argmax = sample_replacements(
-            masked_hidden, head.decoder_weight, head.bias, rng, self.temperature, self.kernel_backend
-        )
+        with phase("sampling"):
+            samples, argmax = sample_replacements(
+                masked_hidden, head.decoder_weight, head.bias, rng, self.temperature, self.kernel_backend
+            )
         n = targets.numel()
         stats = {
             "gen_loss_sum": loss.detach().float() * n,
@@ -78,7 +81,8 @@ class GeneratorTask(nn.Module):
         if self.kd is not None:
             teacher = self.kd.teacher
             with torch.no_grad():
-                t_hidden = teacher.masked_hidden(teacher(batch["masked_input_ids"], batch["attention_mask"]), mlm_mask)
+                t_hidden = teacher.masked_hidden(
+                    teacher(batch["masked_input_ids"], batch["attention_mask"], segment_ids=segment_ids), mlm_mask)
             soft = kd_loss(masked_hidden, head.decoder_weight, head.bias, t_hidden, teacher.head.decoder_weight,
                            teacher.head.bias, self.kd.temperature, self.kernel_backend)
             alpha_soft = self.kd.alpha_soft()
@@ -86,19 +90,20 @@ class GeneratorTask(nn.Module):
             stats["kd_loss_sum"] = soft.detach().float() * n
             stats["alpha_soft_sum"] = torch.tensor(float(alpha_soft))
             stats["kd_batches"] = torch.tensor(1.0)
-        return {"loss": loss, "samples": samples, "stats": stats}
+        return {"loss": loss, "samples": samples, "argmax": argmax, "stats": stats}
 
 
 class DiscriminatorTask(nn.Module):
-    """RTD over all non-padding tokens of the corrupted sequence."""
+    """RTD over all non-padding tokens of the corrupted sequence (`segment_ids` for packed samples)."""
 
     def __init__(self, model: Discriminator, kernel_backend: str = "auto"):
         super().__init__()
         self.model = model
         self.kernel_backend = kernel_backend
 
-    def forward(self, corrupted: torch.Tensor, original: torch.Tensor, attention_mask: torch.Tensor) -> dict:
-        hidden = self.model(corrupted, attention_mask)
+    def forward(self, corrupted: torch.Tensor, original: torch.Tensor, attention_mask: torch.Tensor,
+                segment_ids: torch.Tensor | None = None) -> dict:
+        hidden = self.model(corrupted, attention_mask, segment_ids=segment_ids)
         transformed = self.model.head.transform(hidden)
         proj = self.model.head.prediction
         loss = rtd_loss(transformed, proj.weight, proj.bias, corrupted, original, attention_mask, self.kernel_backend)
@@ -109,7 +114,7 @@ class DiscriminatorTask(nn.Module):
         stats = {f"rtd_{k}": v for k, v in counts.items()}
         stats["disc_loss_sum"] = loss.detach().float() * counts["tokens"]
         stats["replaced"] = counts["tp"] + counts["fn"]
-        return {"loss": loss, "stats": stats}
+        return {"loss": loss, "logits": logits, "stats": stats}
 
 
 class JointElectraTask(nn.Module):
@@ -136,10 +141,11 @@ class JointElectraTask(nn.Module):
         generator_task, discriminator_task = self._tasks
         gen = generator_task(batch, rng)
         corrupted = corrupt(batch["input_ids"], batch["mlm_mask"], gen["samples"])
-        disc = discriminator_task(corrupted, batch["input_ids"], batch["attention_mask"])
+        disc = discriminator_task(corrupted, batch["input_ids"], batch["attention_mask"], batch.get("segment_ids"))
         loss = gen["loss"] / self.loss_weight + disc["loss"] if self.unweighted else \
             gen["loss"] + self.loss_weight * disc["loss"]
         return {
             "loss": loss,
             "stats": {**gen["stats"], **disc["stats"]},
+            "argmax": gen["argmax"], "corrupted": corrupted, "logits": disc["logits"],
         }

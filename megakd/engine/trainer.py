@@ -24,7 +24,10 @@ from megakd.config import Config, config_to_dict, read_yaml_file, save_config
 from megakd.data.stream import STOP_SIGNALS
 from megakd.engine.backends import Backend, Unit
 from megakd.engine.metrics import MetricsWriter, plot_metrics
+from megakd.engine.probe import Probe
+from megakd.engine.profiling import phase
 from megakd.engine.tasks import TeacherKD
+from megakd.engine.validation import Validator
 from megakd.errors import UserError
 from megakd.objectives.electra import corrupt, precision_recall_f1
 from megakd.store import checkpoint, rundir
@@ -47,8 +50,9 @@ class TooManyBadSteps(UserError):
 
 class Trainer:
     def __init__(self, cfg: Config, backend: Backend, units: list[Unit], loader, *, tokenizer_dir: Path,
-                 kd: TeacherKD | None = None):
+                 kd: TeacherKD | None = None, validator: Validator | None = None):
         self.cfg = cfg
+        self.validator = validator  # scores held-out shards every train.eval_every steps
         self.kd = kd  # DWT: told the step before each optimizer step, for α_s(t)
         self.tokenizer_dir = Path(tokenizer_dir)
         self.backend = backend
@@ -68,6 +72,33 @@ class Trainer:
         self._config_changes: dict = {}
         self._opened = False
         self._stop_signal: int | None = None  # the first stop signal received, if any
+        self._probe: Probe | None = None  # built at the first probe step (loading and tokenizing the task)
+
+    def run_probe(self) -> dict | None:
+        """probe_acc and probe_seconds on rank 0 (None elsewhere, or where the probe cannot run)."""
+        if self._probe is None:
+            self._probe = self._build_probe()
+        return None if self._probe is False else {"step": self.step, **self._probe(self.probe_encoder())}
+
+    def _build_probe(self) -> Probe | bool:
+        """The downstream probe on rank 0, or False when the encoder is not whole on this rank."""
+        cfg = self.cfg
+        if not self.backend.is_main:
+            return False
+        if cfg.backend.name == "deepspeed" and (cfg.backend.zero_stage == 3 or cfg.backend.pipeline_stages > 1):
+            log.warning("train.probe_every: the probe is off under ZeRO-3 and pipeline parallelism (no rank holds "
+                        "the whole encoder)")
+            return False
+        from megakd.data.tokenizer import Tokenizer
+
+        encoder = self.probe_encoder()
+        return Probe(cfg, Tokenizer.load(self.tokenizer_dir), encoder.config.max_position_embeddings)
+
+    def probe_encoder(self) -> torch.nn.Module:
+        """The encoder a downstream task would fine-tune: the discriminator's, or the BERT-MLM model's."""
+        if "electra" in self.units:
+            return self.units["electra"].model.discriminator.encoder
+        return self.units["discriminator" if "discriminator" in self.units else "generator"].model.encoder
 
     # -- state -----------------------------------------------------------------------------------
     def rank_state(self) -> dict:
@@ -230,11 +261,15 @@ class Trainer:
         self._saved_config = saved
         self._config_changes = rundir.check_changes(path, saved, config_to_dict(self.cfg), allow_change)
         fresh = {name: _hyperparameters(unit) for name, unit in self.units.items()}
-        self.backend.load_units(list(self.units.values()), path)
+        saved_world = len(list(path.glob("trainer_state_rank*.pt")))
+        if saved_world == self.backend.world_size:
+            self.backend.load_units(list(self.units.values()), path)
+            self.load_rank_state(checkpoint.load_rank_state(path, self.backend.rank))
+        else:
+            self._elastic_resume(path, saved_world)
         if any(key.startswith("optim.") for key in self._config_changes):
             for name, unit in self.units.items():
                 _apply_hyperparameters(unit, fresh[name])
-        self.load_rank_state(checkpoint.load_rank_state(path, self.backend.rank))
         if self._config_changes:
             log.warning("resumed from %s at step %d with changed %s", path, self.step, ", ".join(
                 f"{k} ({o!r} -> {n!r})" for k, (o, n) in self._config_changes.items()))
@@ -244,6 +279,38 @@ class Trainer:
     def close(self) -> None:
         self._lock.release()
         self.backend.close()
+
+    def _elastic_resume(self, path: Path, saved_world: int) -> None:
+        """Resume a checkpoint written by another number of processes.
+
+        The data position is global (megakd.data.stream), so every rank continues the same global
+        sample order; rank 0 takes over the metric sums of all saved ranks, and a rank that did not
+        exist before starts fresh, deterministic RNG streams (dropout and sampling cannot continue
+        bit-exactly across a layout change; everything else does).
+        """
+        b = self.backend
+        if b.name == "deepspeed" or saved_world < 1:
+            raise UserError(f"checkpoint {path} was written by {saved_world} processes, this run has "
+                              f"{b.world_size}: resuming with another world size needs the single or ddp backend "
+                              f"(DeepSpeed's ZeRO state is partitioned per process)")
+        b.load_units(list(self.units.values()), path)
+        states = [checkpoint.load_rank_state(path, r) for r in range(saved_world)]
+        mine = states[b.rank] if b.rank < saved_world else {**states[0], "rng": None}
+        interval: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
+        if b.rank == 0:
+            for state in states:
+                for key, value in state["interval"].items():
+                    interval[key] += value
+        rng = mine["rng"]
+        if rng is None:
+            seed = self.cfg.train.seed * 1_000_003 + b.rank + 104_729 * mine["step"]
+            torch.manual_seed(seed)
+            self.rng.manual_seed(seed)
+            rng = {"torch": torch.get_rng_state(), "cuda": None, "sampling": self.rng.get_state(),
+                   "python": random.getstate(), "numpy": _numpy_state_to_plain(np.random.get_state())}
+        self.load_rank_state({**mine, "interval": dict(interval), "rng": rng})
+        log.warning("elastic resume: %d -> %d processes at step %d, global sample position %d",
+                    saved_world, b.world_size, self.step, self.loader.position)
 
     # -- one optimizer step ------------------------------------------------------------------------
     def _micro_batch(self, batch: dict, last: bool) -> list[torch.Tensor]:
@@ -256,16 +323,16 @@ class Trainer:
             self._accumulate(out["stats"])
             return [out["loss"].detach()]
         gen = self.units["generator"]
-        with b.no_sync(gen, last):
+        with phase("generator"), b.no_sync(gen, last):
             g = b.forward(gen, batch, self.rng)
             b.backward(gen, g["loss"])
         self._accumulate(g["stats"])
         if "discriminator" not in self.units:
             return [g["loss"].detach()]
         disc = self.units["discriminator"]
-        corrupted = corrupt(batch["input_ids"], batch["mlm_mask"], g["samples"])
-        with b.no_sync(disc, last):
-            d = b.forward(disc, corrupted, batch["input_ids"], batch["attention_mask"])
+        with phase("discriminator"), b.no_sync(disc, last):
+            corrupted = corrupt(batch["input_ids"], batch["mlm_mask"], g["samples"])
+            d = b.forward(disc, corrupted, batch["input_ids"], batch["attention_mask"], batch.get("segment_ids"))
             b.backward(disc, d["loss"])
         self._accumulate(d["stats"])
         return [g["loss"].detach(), d["loss"].detach()]
@@ -288,16 +355,18 @@ class Trainer:
             return norms
         losses = []
         for i in range(self.accumulation_steps):
-            batch = next(batches)
-            self.interval["tokens"] += float(batch["attention_mask"].sum())
-            batch = {k: v.to(self.backend.device) for k, v in batch.items()}
+            with phase("data"):
+                batch = next(batches)
+                self.interval["tokens"] += float(batch["attention_mask"].sum())
+                batch = {k: v.to(self.backend.device) for k, v in batch.items()}
             losses += self._micro_batch(batch, last=i == self.accumulation_steps - 1)
         finite = torch.isfinite(torch.stack([x.float() for x in losses])).all().double()
         if self.backend.all_reduce_sum(finite).item() < self.backend.world_size:
             for unit in self.units.values():
                 self.backend.skip_step(unit)
             return self._skipped("non-finite loss")
-        norms = self.backend.step(list(self.units.values()))
+        with phase("optimizer"):
+            norms = self.backend.step(list(self.units.values()))
         if norms is None:
             return self._skipped("non-finite gradient norm")
         self.bad_steps = 0
@@ -411,15 +480,28 @@ class Trainer:
                     steps_in_interval += 1
                     if bar is not None:
                         bar.update(1)
+                    rec = {}
                     if self.step % cfg.train.log_every == 0 or self.step == cfg.train.max_steps:
                         rec = self._record(norms_sum, steps_in_interval, time.perf_counter() - t0)
-                        if writer is not None:
-                            writer.write(rec)
                         if bar is not None:
                             bar.set_postfix({k: f"{rec[k]:.3g}" for k in ("gen_loss", "disc_loss", "rtd_f1",
                                                                              "tokens_per_s") if k in rec})
                         norms_sum.clear()
                         steps_in_interval, t0 = 0, time.perf_counter()
+                    if self.validator is not None and self.step % cfg.train.eval_every == 0:
+                        started = time.perf_counter()
+                        rec = {**rec, "step": self.step, **self.validator.evaluate()}
+                        t0 += time.perf_counter() - started  # tokens_per_s counts training time only
+                    if rec and writer is not None:
+                        writer.write(rec)
+                    if cfg.train.probe_every and self.step % cfg.train.probe_every == 0:
+                        probe_start = time.perf_counter()
+                        rec = self.run_probe()
+                        if rec is not None:
+                            log.info("step %d: probe_acc %.4f (%.1f s)", self.step, rec["probe_acc"],
+                                     rec["probe_seconds"])
+                            writer.write(rec)
+                        t0 += time.perf_counter() - probe_start  # tokens_per_s measures training only
                 if stop:
                     self.save()
                     preempted = True

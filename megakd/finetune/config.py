@@ -6,38 +6,19 @@ bad values fail with a one-line error naming the key, as for pretraining recipes
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
-from megakd.config import ConfigError, KernelsConfig, _check_choice
+from megakd.config import ConfigError, KernelsConfig, TaskConfig, _check_choice
 from megakd.models.encoder import EncoderConfig
 from megakd.objectives.label_reg import TARGETS
 from megakd.objectives.soteacher import CR_SCHEDULES
-
-BUILTIN_TASKS = ("rt", "rt_score", "corpus_pairs")
-METRICS = ("accuracy", "f1", "mcc", "spearman")
 
 
 @dataclass
 class FinetuneRunConfig:
     dir: str = "runs/finetune"
     progress_bar: bool = True
-
-
-@dataclass
-class TaskConfig:
-    """A built-in task (`name`) or your own GLUE-style TSV / JSONL files (`name: files`)."""
-
-    name: str = "rt"  # rt | rt_score | corpus_pairs | files
-    train: str = ""  # files: .tsv/.tsv.gz (header row) or .jsonl/.jsonl.gz
-    dev: str = ""
-    text_a: str = "sentence"  # column / field names (files only)
-    text_b: str = ""  # "" = single-sentence task
-    label: str = "label"
-    labels: list[str] = field(default_factory=list)  # class names in id order; [] = integer labels 0..K-1
-    num_labels: int = 2  # 1 = regression (MSE, Spearman)
-    metric: str = ""  # the headline metric; "" = spearman for regression, accuracy otherwise
-    max_train_examples: int = 0  # 0 = all; otherwise a fixed subset spread evenly over the split
-    max_dev_examples: int = 0
 
 
 @dataclass
@@ -59,11 +40,32 @@ class ModelInitConfig:
                                                                           intermediate_size=256))
 
 
+AUTO_LR_ANCHORS = ((128, 1e-3), (768, 1e-4))  # (hidden size, AdaMax peak rate); README: the sweep
+AUTO_LR_MAX = 3e-3  # the largest rate the RT sweep measured as good
+
+
+def auto_lr(hidden_size: int) -> float:
+    """`finetune.lr: auto`: the AdaMax peak rate for an encoder of this width.
+
+    A power law in the width through two anchors: 1e-4 at hidden 768 (the dissertation's Table A.2
+    value for BERT-base) and 1e-3 at hidden 128 (the best rate of the RT sweep for the tiny demo
+    discriminator and its random-init twin, in the README), capped at 3e-3 for narrower models.
+    """
+    (h0, lr0), (h1, lr1) = AUTO_LR_ANCHORS
+    exponent = math.log(lr0 / lr1) / math.log(h1 / h0)
+    return min(AUTO_LR_MAX, lr1 * (h1 / hidden_size) ** exponent)
+
+
 @dataclass
 class OptimConfig:
-    """SPEC §1.7 (Table A.2): AdaMax, linear decay after a warm-up fraction, ε 1e-6, β (0.9, 0.98), clip 1.0."""
+    """SPEC §1.7 (Table A.2): AdaMax, linear decay after a warm-up fraction, ε 1e-6, β (0.9, 0.98), clip 1.0.
 
-    lr: float = 1e-4
+    `lr` is a rate, `auto` (`auto_lr` of the encoder's width) or a list of rates chosen on a
+    held-out `lr_select_frac` slice of the training split (megakd/finetune/trainer.py).
+    """
+
+    lr: float | list[float] | str = "auto"
+    lr_select_frac: float = 0.1
     epochs: int = 3
     batch_size: int = 32
     eval_batch_size: int = 64
@@ -137,15 +139,7 @@ class FinetuneConfig:
 
     def validate(self) -> FinetuneConfig:
         t, f, lr = self.task, self.finetune, self.labelreg
-        _check_choice("task.name", t.name, (*BUILTIN_TASKS, "files"))
-        if t.name == "files" and not (t.train and t.dev):
-            raise ConfigError("task.train and task.dev: both are required with task.name=files")
-        if t.metric:
-            _check_choice("task.metric", t.metric, METRICS)
-        if t.num_labels < 1:
-            raise ConfigError(f"task.num_labels: expected >= 1 (1 = regression), got {t.num_labels}")
-        if t.labels and len(t.labels) != t.num_labels:
-            raise ConfigError(f"task.labels: expected {t.num_labels} names (task.num_labels), got {len(t.labels)}")
+        t.validate("task")
         for init in (("model", self.model), ("soteacher.student", self.soteacher.student)):
             _check_choice(f"{init[0]}.init", init[1].init, ("pretrained", "random"))
         if self.model.init == "pretrained" and not self.model.path:
@@ -161,8 +155,17 @@ class FinetuneConfig:
             raise ConfigError(f"finetune.warmup_frac: expected a value in [0, 1), got {f.warmup_frac}")
         if not 0.0 <= f.dropout < 1.0:
             raise ConfigError(f"finetune.dropout: expected a probability in [0, 1), got {f.dropout}")
-        if f.lr < 0 or f.clip_norm < 0 or f.eps <= 0:
-            raise ConfigError("finetune.lr and finetune.clip_norm must be >= 0 and finetune.eps > 0")
+        if isinstance(f.lr, str) and f.lr != "auto":
+            raise ConfigError(f"finetune.lr: expected a number, a list of numbers or auto, got {f.lr!r}")
+        rates = f.lr if isinstance(f.lr, list) else [] if isinstance(f.lr, str) else [f.lr]
+        if isinstance(f.lr, list) and (not rates or len(set(rates)) != len(rates)):
+            raise ConfigError(f"finetune.lr: expected a non-empty list of distinct rates, got {f.lr}")
+        if any(r <= 0 for r in rates):
+            raise ConfigError(f"finetune.lr: expected rates > 0, got {f.lr}")
+        if not 0.0 < f.lr_select_frac < 1.0:
+            raise ConfigError(f"finetune.lr_select_frac: expected a fraction in (0, 1), got {f.lr_select_frac}")
+        if f.clip_norm < 0 or f.eps <= 0:
+            raise ConfigError("finetune.clip_norm must be >= 0 and finetune.eps > 0")
         _check_choice("labelreg.target", lr.target, TARGETS)
         if not 0.0 <= lr.alpha <= 1.0:
             raise ConfigError(f"labelreg.alpha: expected a value in [0, 1], got {lr.alpha}")

@@ -30,8 +30,9 @@ class MaskedLM(nn.Module):
         attention_mask: Tensor | None = None,
         token_type_ids: Tensor | None = None,
         inputs_embeds: Tensor | None = None,
+        segment_ids: Tensor | None = None,
     ) -> Tensor:
-        return self.encoder(input_ids, attention_mask, token_type_ids, inputs_embeds)
+        return self.encoder(input_ids, attention_mask, token_type_ids, inputs_embeds, segment_ids)
 
     def masked_hidden(self, hidden: Tensor, mlm_mask: Tensor) -> Tensor:
         """Head features [N, E] at the N masked positions (row-major order of `mlm_mask`)."""
@@ -59,8 +60,9 @@ class Discriminator(nn.Module):
         attention_mask: Tensor | None = None,
         token_type_ids: Tensor | None = None,
         inputs_embeds: Tensor | None = None,
+        segment_ids: Tensor | None = None,
     ) -> Tensor:
-        return self.encoder(input_ids, attention_mask, token_type_ids, inputs_embeds)
+        return self.encoder(input_ids, attention_mask, token_type_ids, inputs_embeds, segment_ids)
 
     def rtd_logits(self, hidden: Tensor) -> Tensor:
         """[B, L] logits; positive means "replaced"."""

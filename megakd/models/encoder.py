@@ -2,8 +2,10 @@
 
 The layout and the initialisation follow HuggingFace BERT/ELECTRA exactly so that absolute-position
 models map 1:1 onto `ElectraModel`/`BertModel` (see `hf_mapping.py`). Two options go beyond HF:
-T5 relative position buckets (one bias table shared by all layers) and Admin initialisation
-(Liu et al. 2020), whose residual scales ω are set by a profiling pass in `admin_initialize`.
+T5 relative position buckets (one bias table shared by all layers), Admin initialisation
+(Liu et al. 2020), whose residual scales ω are set by a profiling pass in `admin_initialize`, and
+packed samples: with `segment_ids` (several documents per row, 0 = padding) every document gets
+its own positions from 0 and attends only to itself, so it computes exactly what it would alone.
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 POSITION_ENCODINGS = ("absolute", "t5_relative")
+RELATIVE_INITS = ("normal", "local")
 INITS = ("normal", "admin")
 ADMIN_PROFILES = ("reference", "bert")
 
 
 @dataclass
 class EncoderConfig:
-    vocab_size: int = 30522
+    vocab_size: int | str = 30522  # pretraining configs also take "auto": the tokenizer's size, set before building
     hidden_size: int = 256
     num_layers: int = 12
     num_heads: int = 4
@@ -34,6 +37,7 @@ class EncoderConfig:
     position_encoding: str = "absolute"  # "absolute" | "t5_relative"
     relative_buckets: int = 32
     relative_max_distance: int = 128
+    relative_init: str = "normal"  # "normal" (N(0, initializer_range)) | "local" (each head starts biased to nearby tokens)
     dropout: float = 0.1  # hidden dropout
     attention_dropout: float = 0.1
     layer_norm_eps: float = 1e-12
@@ -49,10 +53,24 @@ class EncoderConfig:
         """Width of the embedding tables (and of the tied MLM output matrix)."""
         return self.hidden_size if self.embedding_size is None else self.embedding_size
 
-    def validate(self) -> EncoderConfig:
-        """Raise ValueError naming the first bad field; return self so calls can be chained."""
+    def validate(self, *, allow_auto_vocab: bool = False) -> EncoderConfig:
+        """Raise ValueError naming the first bad field; return self so calls can be chained.
+
+        `allow_auto_vocab` accepts vocab_size "auto" in a config that is not built yet (the
+        pretraining command replaces it with the tokenizer's size); a model needs the number.
+        """
+        if self.vocab_size == "auto" and allow_auto_vocab:
+            return self._validate_fields(check_vocab=False)
+        if isinstance(self.vocab_size, str):
+            raise ValueError(f"model.vocab_size: expected a positive integer"
+                             f"{' or auto' if allow_auto_vocab else ''}, got {self.vocab_size!r}")
+        return self._validate_fields(check_vocab=True)
+
+    def _validate_fields(self, *, check_vocab: bool) -> EncoderConfig:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size",
                      "max_position_embeddings", "type_vocab_size"):
+            if name == "vocab_size" and not check_vocab:
+                continue
             if getattr(self, name) < 1:
                 raise ValueError(f"model.{name}: expected a positive integer, got {getattr(self, name)}")
         if self.embedding_size is not None and self.embedding_size < 1:
@@ -69,6 +87,8 @@ class EncoderConfig:
             if self.relative_max_distance <= self.relative_buckets // 4:
                 raise ValueError(f"model.relative_max_distance: expected > relative_buckets/4 "
                                  f"= {self.relative_buckets // 4}, got {self.relative_max_distance}")
+        if self.relative_init not in RELATIVE_INITS:
+            raise ValueError(f"model.relative_init: expected one of {RELATIVE_INITS}, got {self.relative_init!r}")
         if self.init not in INITS:
             raise ValueError(f"model.init: expected one of {INITS}, got {self.init!r}")
         if self.admin_profile not in ADMIN_PROFILES:
@@ -76,7 +96,7 @@ class EncoderConfig:
         for name in ("dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"model.{name}: expected a probability in [0, 1), got {getattr(self, name)}")
-        if not 0 <= self.pad_token_id < self.vocab_size:
+        if self.pad_token_id < 0 or (check_vocab and self.pad_token_id >= self.vocab_size):
             raise ValueError(f"model.pad_token_id: expected an id in [0, vocab_size={self.vocab_size}), "
                              f"got {self.pad_token_id}")
         return self
@@ -132,8 +152,10 @@ class Embeddings(nn.Module):
         # ELECTRA-small style: narrow embeddings projected up to the hidden width.
         self.embeddings_project = nn.Linear(dim, config.hidden_size) if dim != config.hidden_size else None
 
-    def forward(self, word_vectors: Tensor, token_type_ids: Tensor | None = None) -> Tensor:
-        """`word_vectors` [B, L, E] is the word-embedding lookup, or TGT's perturbed replacement of it."""
+    def forward(self, word_vectors: Tensor, token_type_ids: Tensor | None = None,
+                position_ids: Tensor | None = None) -> Tensor:
+        """`word_vectors` [B, L, E] is the word-embedding lookup, or TGT's perturbed replacement of it;
+        `position_ids` [B, L] default to 0..L-1 in every row."""
         seq_len = word_vectors.shape[1]
         if token_type_ids is None:
             token_type_ids = torch.zeros(word_vectors.shape[:2], dtype=torch.long, device=word_vectors.device)
@@ -142,12 +164,28 @@ class Embeddings(nn.Module):
             if seq_len > self.position_embeddings.num_embeddings:
                 raise ValueError(f"input length {seq_len} exceeds model.max_position_embeddings="
                                  f"{self.position_embeddings.num_embeddings}")
-            positions = torch.arange(seq_len, device=word_vectors.device)
+            positions = torch.arange(seq_len, device=word_vectors.device) if position_ids is None else position_ids
             x = x + self.position_embeddings(positions)
         x = self.dropout(self.layer_norm(x))
         if self.embeddings_project is not None:
             x = self.embeddings_project(x)
         return x
+
+
+def segment_positions(segment_ids: Tensor) -> Tensor:
+    """Position of every token inside its run of equal segment ids: 0, 1, ... restarting per document."""
+    index = torch.arange(segment_ids.shape[1], device=segment_ids.device).expand_as(segment_ids)
+    starts = torch.ones_like(segment_ids, dtype=torch.bool)
+    starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    return index - torch.where(starts, index, 0).cummax(dim=1).values
+
+
+def segment_mask(segment_ids: Tensor) -> Tensor:
+    """Block-diagonal key mask [B, 1, L, L]: a query sees the keys of its own segment only.
+
+    Padding (segment 0) forms one more block, so no row is fully masked (no NaN from SDPA) and no
+    real token ever sees padding."""
+    return (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
 
 
 def relative_position_bucket(relative_position: Tensor, num_buckets: int, max_distance: int) -> Tensor:
@@ -177,6 +215,23 @@ class RelativePositionBias(nn.Module):
         self.max_distance = config.relative_max_distance
         self.relative_attention_bias = nn.Embedding(config.relative_buckets, config.num_heads)
 
+    @torch.no_grad()
+    def init_local(self) -> None:
+        """ALiBi-like start: head h's bias is −2^−h · |offset| (offsets of a bucket: its smallest).
+
+        With the usual N(0, 0.02) table every head starts attending uniformly, so its output is
+        the same bag of words at every position; starting head 0 on the token and its neighbours
+        and later heads ever broader gives each position its own context from step 0. An option,
+        not a cure: in short CPU screens it did not shorten the masked-LM unigram plateau (README,
+        "Does pretraining pay off here?").
+        """
+        offsets = torch.arange(-self.max_distance, self.max_distance + 1)
+        buckets = relative_position_bucket(offsets, self.num_buckets, self.max_distance)
+        nearest = torch.full((self.num_buckets,), float(self.max_distance))
+        nearest.scatter_reduce_(0, buckets, offsets.abs().float(), reduce="amin")
+        slopes = 2.0 ** -torch.arange(self.relative_attention_bias.embedding_dim, dtype=torch.float)
+        self.relative_attention_bias.weight.copy_(-nearest[:, None] * slopes[None, :])
+
     def forward(self, seq_len: int) -> Tensor:
         device = self.relative_attention_bias.weight.device
         positions = torch.arange(seq_len, device=device)
@@ -200,7 +255,7 @@ class SelfAttention(nn.Module):
         self.output = nn.Linear(hidden, hidden)
 
     def forward(self, x: Tensor, key_mask: Tensor | None, position_bias: Tensor | None) -> Tensor:
-        """`key_mask` [B, 1, 1, L] is True for real tokens; `position_bias` [1, heads, L, L] or None."""
+        """`key_mask` [B, 1, 1 or L, L] is True where a query may attend; `position_bias` [1, heads, L, L] or None."""
         batch, seq_len, hidden = x.shape
 
         def heads(t: Tensor) -> Tensor:
@@ -283,6 +338,8 @@ class Encoder(nn.Module):
         if config.init == "admin" and config.admin_profile == "reference":
             for layer in self.layers:
                 xavier_init_layer(layer)
+        if self.relative_bias is not None and config.relative_init == "local":
+            self.relative_bias.init_local()
 
     def embed(self, input_ids: Tensor) -> Tensor:
         """Word-embedding lookup [B, L, E]: what `forward(inputs_embeds=...)` expects (HF semantics)."""
@@ -294,13 +351,23 @@ class Encoder(nn.Module):
         attention_mask: Tensor | None = None,
         token_type_ids: Tensor | None = None,
         inputs_embeds: Tensor | None = None,
+        segment_ids: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """Embedding output plus the key mask and relative bias every layer takes (computed once)."""
+        """Embedding output plus the key mask and relative bias every layer takes (computed once).
+
+        With `segment_ids` (packed samples) the mask is block-diagonal and absolute positions restart
+        per segment; T5 relative offsets need no change, since inside a segment they are the same
+        wherever the segment sits in the row.
+        """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Encoder.forward: expected exactly one of input_ids or inputs_embeds")
         word_vectors = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
-        x = self.embeddings(word_vectors, token_type_ids)
-        key_mask = None if attention_mask is None else attention_mask.bool()[:, None, None, :]
+        if segment_ids is None:
+            x = self.embeddings(word_vectors, token_type_ids)
+            key_mask = None if attention_mask is None else attention_mask.bool()[:, None, None, :]
+        else:
+            x = self.embeddings(word_vectors, token_type_ids, segment_positions(segment_ids))
+            key_mask = segment_mask(segment_ids)
         position_bias = None if self.relative_bias is None else self.relative_bias(x.shape[1])
         return x, key_mask, position_bias
 
@@ -310,8 +377,10 @@ class Encoder(nn.Module):
         attention_mask: Tensor | None = None,
         token_type_ids: Tensor | None = None,
         inputs_embeds: Tensor | None = None,
+        segment_ids: Tensor | None = None,
     ) -> Tensor:
-        x, key_mask, position_bias = self.prepare(input_ids, attention_mask, token_type_ids, inputs_embeds)
+        x, key_mask, position_bias = self.prepare(input_ids, attention_mask, token_type_ids, inputs_embeds,
+                                                  segment_ids)
         recompute = self.config.activation_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.layers:
             if recompute:

@@ -98,3 +98,22 @@ def precision_recall_f1(tp: float, fp: float, fn: float) -> tuple[float, float, 
     recall = tp / (tp + fn) if tp + fn else 0.0
     f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
     return precision, recall, f1
+
+
+def roc_auc(scores: torch.Tensor, labels: torch.Tensor) -> float | None:
+    """ROC AUC = P(a random positive scores above a random negative), ties counting one half.
+
+    The Mann–Whitney form over tie-averaged ranks, in float64 (exact for any number of tokens,
+    no threshold grid); None when one class is absent and the AUC is undefined.
+    """
+    scores, labels = scores.detach().double().flatten(), labels.bool().flatten()
+    positives = int(labels.sum())
+    negatives = labels.numel() - positives
+    if positives == 0 or negatives == 0:
+        return None
+    order = torch.argsort(scores)
+    _, group, counts = torch.unique_consecutive(scores[order], return_inverse=True, return_counts=True)
+    last_rank = torch.cumsum(counts, 0).double()  # 1-based rank of each tie group's last member
+    ranks = torch.empty_like(scores)
+    ranks[order] = (last_rank - (counts.double() - 1) / 2)[group]
+    return float((ranks[labels].sum() - positives * (positives + 1) / 2) / (positives * negatives))

@@ -29,15 +29,17 @@ from megakd.store.files import StoreError
 LOCK_FILE = ".lock"
 HISTORY_DIR = "config_history"
 
-# Keys that only steer the run: how long, how often to log/save, where outputs go. The saved
-# state holds nothing that depends on them, so they may differ at resume without being named.
+# Keys that only steer the run: how long, how often to log/save/evaluate, where outputs go, and
+# how the same global batch is laid out (micro-batch size and loader workers: the data position is
+# global, so an elastic resume continues the same sample order). The saved state holds nothing
+# that depends on them, so they may differ at resume without being named.
 STEERING = ("run.", "train.max_steps", "train.log_every", "train.save_every", "train.max_bad_steps",
-            "data.cache_dir", "kernels.", "backend.dist_backend")
+            "train.eval_every", "train.eval_samples", "train.probe_", "train.micro_batch_size",
+            "data.num_workers", "data.cache_dir", "kernels.", "backend.dist_backend")
 # State-bearing keys that cannot change within a run even when named: the saved tensors, data
 # cursors or engine layout would not fit the new value. Start a new run from a model directory
 # or HF export instead.
-FIXED = ("model.", "electra.decoupled", "train.seed", "train.micro_batch_size", "train.precision",
-         "data.num_workers", "data.mask_prob", "data.seq_len", "data.vocab_size", "backend.name",
+FIXED = ("model.", "electra.decoupled", "train.seed", "train.precision", "data.mask_prob", "data.seq_len", "data.vocab_size", "backend.name",
          "backend.zero_stage", "backend.pipeline_stages")
 
 

@@ -12,6 +12,7 @@ import pytest
 from megakd.bench.flops import step_flops
 from megakd.cli import main
 from megakd.config import load_config
+from megakd.engine.profiling import PHASES
 from tests.helpers import tiny_overrides
 
 
@@ -27,6 +28,10 @@ def _check_train(t: dict, cfg) -> None:
     assert phases["forward"] > 0 and phases["backward"] > 0 and phases["optimizer"] > 0
     if t["world_size"] == 1:  # with more ranks each phase is the slowest rank's, so sums may exceed a step
         assert sum(phases.values()) <= t["step_s"] * 1.05
+    # The profiled split names every phase; each one that the ELECTRA step has took time.
+    split = t["phase_split_s"]
+    assert set(split) == set(PHASES) and all(split[k] > 0 for k in PHASES)
+    assert t["model_flops_per_token"] == pytest.approx(t["model_flops_per_step"] / (t["global_batch_size"] * t["seq_len"]))
 
 
 def test_bench_one_process(tiny_data, tmp_path, capsys):
@@ -72,6 +77,7 @@ def test_bench_two_processes_and_plot(tiny_data, tmp_path):
             assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * factor)
             assert r["algbw_GBps"] == pytest.approx(r["bytes"] / (r["time_us"] * 1e-6) / 1e9)
     t = res["train"]
+    assert t["peak_source"].startswith("measured fp32 matmul n=256")
     assert t["backend"] == "ddp" and t["world_size"] == 2 and t["phases_s"]["communication"] > 0
     _check_train(t, load_config("configs/electra-tiny.yaml", overrides))
     # The slowest rank sets the total pace, so the total is at most twice this rank's rate.

@@ -11,11 +11,12 @@ from megakd.bench.memory import GiB
 from megakd.bench.planner import GPUS, Layout, evaluate, hardware_from_bench, partition, plan
 from megakd.cli import main
 from megakd.config import ConfigError, load_config
+from megakd.engine.pretrain import resolve_config
 
 
 @pytest.fixture(scope="module")
 def base():
-    return load_config("configs/electra-base.yaml")
+    return resolve_config(load_config("configs/electra-base.yaml"))
 
 
 def test_partition_minimises_the_largest_stage():

@@ -10,9 +10,9 @@ import pytest
 
 from megakd.config import ConfigError
 from megakd.data.default_corpus import SENTIMENT_FILE
+from megakd.data.tasks import EncodedTask, Example, encode_examples, load_task
 from megakd.data.tokenizer import Tokenizer
 from megakd.finetune.config import TaskConfig
-from megakd.finetune.data import EncodedTask, Example, encode_examples, load_task
 
 
 def test_rt_split_is_the_documented_hash_rule_with_file_row_indices():

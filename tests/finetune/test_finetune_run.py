@@ -12,9 +12,9 @@ import torch
 from megakd.cli import main
 from megakd.config import ConfigError, load_config
 from megakd.data.default_corpus import CORPUS_DIR
+from megakd.data.tasks import EncodedTask, Example
 from megakd.data.tokenizer import Tokenizer, train_tokenizer
-from megakd.finetune.config import FinetuneConfig, ModelInitConfig
-from megakd.finetune.data import EncodedTask, Example
+from megakd.finetune.config import FinetuneConfig, ModelInitConfig, auto_lr
 from megakd.finetune.models import build_classifier, load_pretrained
 from megakd.finetune.trainer import MAX_BAD_STEPS, train_seed
 from megakd.models.electra import SequenceClassifier
@@ -122,7 +122,7 @@ def test_random_init_regression_without_a_pretrained_model(tiny_data, tmp_path):
     assert summary["metrics"]["spearman"]["mean"] == pytest.approx(np.mean(values))
     assert summary["metrics"]["spearman"]["std"] == pytest.approx(np.std(values, ddof=1))
     lrs = [r["lr"] for r in map(json.loads, (run / "seed_0" / "metrics.jsonl").read_text().splitlines()) if "lr" in r]
-    peak = 1e-4
+    peak = auto_lr(16)  # finetune.lr: auto in the recipe
     # 8 steps: 2 of warm-up, then megakd.engine.optim's linear decay (towards 0 at step 8).
     assert lrs == pytest.approx([peak * m for m in (1 / 2, 1, 1, 5 / 6, 4 / 6, 3 / 6, 2 / 6, 1 / 6)])
     assert np.load(run / "seed_1" / "dev_logits.npy").shape == (12, 1)
@@ -156,7 +156,7 @@ def test_non_finite_losses_skip_updates_then_stop(tiny_data, tmp_path):
                                              intermediate_size=16), 2)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(FloatingPointError, match=f"{MAX_BAD_STEPS} non-finite losses in a row"):
-        train_seed(cfg, 0, model, tok, task, task, _NaNObjective(), tmp_path)
+        train_seed(cfg, 0, model, tok, task, task, _NaNObjective(), tmp_path, lr=1e-3)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 

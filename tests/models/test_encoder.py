@@ -288,3 +288,23 @@ def test_config_validation_names_the_field(overrides: dict, field: str) -> None:
 def test_sequence_longer_than_position_table_is_refused() -> None:
     with pytest.raises(ValueError, match="max_position_embeddings"):
         Encoder(tiny(max_position_embeddings=8))(torch.ones(1, 9, dtype=torch.long))
+
+
+def test_local_relative_init_biases_each_head_by_distance() -> None:
+    """relative_init=local: bias(q, k) = −2^−h · (smallest |offset| of the bucket of k − q), per the reference bucketing."""
+    config = tiny(position_encoding="t5_relative", relative_buckets=16, relative_max_distance=40,
+                  relative_init="local")
+    bias = Encoder(config).relative_bias(50)[0]  # [heads, L, L]
+    nearest: dict[int, int] = {}
+    for offset in range(-40, 41):
+        b = reference_bucket(offset, 16, 40)
+        nearest[b] = min(nearest.get(b, 99), abs(offset))
+    for q, k in [(0, 0), (10, 11), (10, 9), (20, 26), (3, 49), (49, 0)]:
+        distance = nearest[reference_bucket(k - q, 16, 40)]
+        for h in range(config.num_heads):
+            assert bias[h, q, k].item() == -distance * 2.0 ** -h
+    assert distance == 23  # offset −49 shares the last bucket, whose nearest member is 23 away
+    default = Encoder(tiny(position_encoding="t5_relative")).relative_bias.relative_attention_bias.weight
+    assert default.std().item() < 0.05  # the default stays HF's N(0, initializer_range)
+    with pytest.raises(ValueError, match="model.relative_init"):
+        tiny(relative_init="alibi").validate()

@@ -10,8 +10,8 @@ from transformers import PretrainedConfig
 ENCODER_FIELDS = (
     "vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size", "embedding_size",
     "max_position_embeddings", "type_vocab_size", "position_encoding", "relative_buckets",
-    "relative_max_distance", "dropout", "attention_dropout", "layer_norm_eps", "initializer_range", "init",
-    "admin_profile", "pad_token_id",
+    "relative_max_distance", "relative_init", "dropout", "attention_dropout", "layer_norm_eps",
+    "initializer_range", "init", "admin_profile", "pad_token_id",
 )
 
 
@@ -31,6 +31,7 @@ class MegakdConfig(PretrainedConfig):
         position_encoding="t5_relative",
         relative_buckets=32,
         relative_max_distance=128,
+        relative_init="normal",
         dropout=0.1,
         attention_dropout=0.1,
         layer_norm_eps=1e-12,
@@ -52,6 +53,7 @@ class MegakdConfig(PretrainedConfig):
         self.position_encoding = position_encoding
         self.relative_buckets = relative_buckets
         self.relative_max_distance = relative_max_distance
+        self.relative_init = relative_init
         self.dropout = dropout
         self.attention_dropout = attention_dropout
         self.layer_norm_eps = layer_norm_eps

@@ -1,4 +1,4 @@
-"""Labelled examples for fine-tuning: built-in tasks from the bundled corpus, and GLUE-style files.
+"""Labelled examples for fine-tuning and the pretraining probe: built-in tasks from the bundled corpus, and GLUE-style files.
 
 Every example carries a stable `index` (its position in the task's full example list, before any
 split or truncation), which SoTeacher's consistency store is keyed by.
@@ -32,10 +32,9 @@ from pathlib import Path
 
 import torch
 
-from megakd.config import ConfigError
+from megakd.config import ConfigError, TaskConfig
 from megakd.data.default_corpus import CORPUS_DIR, PRETRAINING_FILES, SENTIMENT_FILE
 from megakd.data.tokenizer import Tokenizer
-from megakd.finetune.config import TaskConfig
 
 DEV_BYTE_THRESHOLD = 26  # of 256: ≈ 10% dev
 # After . ! ? that ends a word, except the titles Austen abbreviates (Mr. Knightley, Mrs. Weston).
@@ -144,8 +143,13 @@ def _file_examples(path: Path, task: TaskConfig, start: int) -> list[Example]:
     return out
 
 
-def load_task(task: TaskConfig) -> tuple[list[Example], list[Example]]:
-    """(train, dev) examples for the configured task, truncated by `max_*_examples` if set."""
+def load_split(task: TaskConfig, split: str) -> list[Example]:
+    """The `train` or `dev` examples of the configured task, truncated by `max_*_examples` if set.
+
+    Loading one split never parses the other's file (a `files` task's dev indices start after the
+    train rows, so dev counts the train file's rows), which lets fine-tuning choose its learning
+    rate before dev is read at all.
+    """
     if task.name in ("rt", "rt_score"):
         expected = 1 if task.name == "rt_score" else 2
         if task.num_labels != expected:
@@ -155,16 +159,22 @@ def load_task(task: TaskConfig) -> tuple[list[Example], list[Example]]:
         if task.num_labels != 2:
             raise ConfigError(f"task.num_labels: task corpus_pairs has 2, got {task.num_labels}")
         train, dev = _corpus_pair_examples()
+    elif split == "train":
+        train, dev = _file_examples(Path(task.train), task, 0), []
     else:
-        train = _file_examples(Path(task.train), task, 0)
-        dev = _file_examples(Path(task.dev), task, len(train))
-    if task.max_train_examples:
-        train = _spread(train, task.max_train_examples)
-    if task.max_dev_examples:
-        dev = _spread(dev, task.max_dev_examples)
-    if not train or not dev:
-        raise ConfigError(f"task {task.name}: the train or dev split is empty")
-    return train, dev
+        train, dev = [], _file_examples(Path(task.dev), task, len(_read_rows(Path(task.train))))
+    examples = train if split == "train" else dev
+    limit = task.max_train_examples if split == "train" else task.max_dev_examples
+    if limit:
+        examples = _spread(examples, limit)
+    if not examples:
+        raise ConfigError(f"task {task.name}: the {split} split is empty")
+    return examples
+
+
+def load_task(task: TaskConfig) -> tuple[list[Example], list[Example]]:
+    """(train, dev) examples for the configured task (see `load_split`)."""
+    return load_split(task, "train"), load_split(task, "dev")
 
 
 def _spread(examples: list[Example], n: int) -> list[Example]:
@@ -206,6 +216,14 @@ class EncodedTask:
 
     def __len__(self) -> int:
         return len(self.examples)
+
+    def subset(self, rows: list[int]) -> EncodedTask:
+        """The examples at `rows`, in that order (sharing the encoding: nothing is re-tokenized)."""
+        out = object.__new__(EncodedTask)
+        out.examples = [self.examples[r] for r in rows]
+        out.encoded = [self.encoded[r] for r in rows]
+        out.labels, out.indices, out.pad_id = self.labels[rows], self.indices[rows], self.pad_id
+        return out
 
     def batch(self, rows: list[int] | torch.Tensor) -> dict[str, torch.Tensor]:
         """Padded to the longest row of the batch: input_ids, attention_mask, token_type_ids, labels, index."""

@@ -1,0 +1,113 @@
+"""backend.deepspeed_config: the user's DeepSpeed JSON merged into megakd's by HF's "auto" convention."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from megakd.cli import main
+from megakd.config import ConfigError, load_config
+from megakd.engine.deepspeed_backend import merge_user_config
+from megakd.engine.pretrain import build_trainer
+from tests.distributed.harness import (
+    CONFIG,
+    assert_metrics_close,
+    assert_same_weights,
+    read_metrics,
+    torchrun,
+)
+from tests.helpers import tiny_overrides
+
+DERIVED = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "train_batch_size": 8,
+           "gradient_clipping": 100.0, "zero_optimization": {"stage": 2}, "steps_per_print": 2**31 - 1,
+           "bf16": {"enabled": False}, "fp16": {"enabled": False}}
+
+
+def test_auto_takes_megakds_value_and_other_keys_pass_through():
+    user = {"train_micro_batch_size_per_gpu": "auto", "gradient_clipping": "auto", "steps_per_print": 10,
+            "zero_optimization": {"stage": "auto", "overlap_comm": True, "reduce_bucket_size": 12345}}
+    merged = merge_user_config(DERIVED, user, "f.json")
+    assert merged == {**DERIVED, "steps_per_print": 10,
+                      "zero_optimization": {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 12345}}
+    assert merge_user_config(DERIVED, {"train_batch_size": 8}, "f.json") == DERIVED  # equal values are fine
+
+
+@pytest.mark.parametrize("user, message", [
+    ({"train_micro_batch_size_per_gpu": 8}, "'train_micro_batch_size_per_gpu'=8 contradicts train.micro_batch_size"),
+    ({"zero_optimization": {"stage": 3}}, "'zero_optimization.stage'=3 contradicts backend.zero_stage"),
+    ({"bf16": {"enabled": True}}, "'bf16.enabled'=True contradicts train.precision"),
+    ({"gradient_clipping": 1.0}, "'gradient_clipping'=1.0 contradicts optim.<model>.clip_norm"),
+    ({"optimizer": {"type": "Adam"}}, "'optimizer' is built by megakd"),
+    ({"wall_clock_breakdown": "auto"}, "'wall_clock_breakdown' is \"auto\" but megakd derives no value"),
+])
+def test_contradictions_are_refused_naming_the_key(user, message):
+    with pytest.raises(ConfigError, match="f.json: ") as err:
+        merge_user_config(DERIVED, user, "f.json")
+    assert message in str(err.value)
+
+
+def test_the_engine_runs_with_the_merged_config(tiny_data, tmp_path):
+    """One real DeepSpeed engine per unit built from the merged config (single process)."""
+    user = tmp_path / "ds.json"
+    user.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "gradient_clipping": "auto",
+                                "zero_optimization": {"stage": "auto", "reduce_bucket_size": 12345}}))
+    cfg = load_config(CONFIG, tiny_overrides(tiny_data, tmp_path / "run", **{
+        "backend.name": "deepspeed", "backend.zero_stage": 2, "backend.deepspeed_config": str(user),
+        "train.max_steps": 1, "run.export_hf": "false"}))
+    trainer = build_trainer(cfg)
+    try:
+        for unit in trainer.units.values():
+            engine = unit.wrapped
+            assert engine.zero_optimization_stage() == 2 and engine.train_micro_batch_size_per_gpu() == 4
+            assert engine.zero_reduce_bucket_size() == 12345
+            assert engine.gradient_clipping() == pytest.approx(unit.max_grad_norm)
+        assert trainer.train().step == 1
+    finally:
+        trainer.backend.close()
+
+
+def test_cli_refuses_a_contradicting_file_in_one_line(tiny_data, tmp_path, capsys):
+    user = tmp_path / "ds.json"
+    user.write_text(json.dumps({"train_micro_batch_size_per_gpu": 16}))
+    run = tmp_path / "run"
+    args = tiny_overrides(tiny_data, run, **{"backend.name": "deepspeed", "backend.deepspeed_config": str(user)})
+    assert main(["pretrain", "-c", str(CONFIG), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "'train_micro_batch_size_per_gpu'=16" in err and str(user) in err
+    assert not run.exists()
+    user.write_text("{not json")
+    assert main(["pretrain", "-c", str(CONFIG), *args]) == 2
+    assert f"{user} is not valid JSON" in capsys.readouterr().err
+    assert main(["pretrain", "-c", str(CONFIG), *tiny_overrides(tiny_data, run), f"backend.deepspeed_config={user}"]) == 2
+    assert "backend.deepspeed_config needs backend.name=deepspeed" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_zero2_cpu_offload_matches_the_run_without_offload(tiny_data, tmp_path):
+    """ZeRO-2 with optimizer states offloaded to DeepSpeed's CPU Adam, 2 gloo processes, vs plain ZeRO-2.
+
+    The same AdamW update computed by another kernel (DeepSpeed's vectorised C++ loop instead of
+    torch's foreach path): float32 rounding differs, nothing else, so metrics and weights agree to
+    the distributed tests' tolerances.
+    """
+    offload = tmp_path / "offload.json"
+    offload.write_text(json.dumps({"zero_optimization": {"stage": "auto", "offload_optimizer": {"device": "cpu"}}}))
+    common = {"train.max_steps": 4, "train.global_batch_size": 16, "train.micro_batch_size": 4,
+              "model.generator.dropout": 0.0, "model.discriminator.dropout": 0.0, "run.export_hf": "false",
+              "kernels.backend": "torch", "backend.name": "deepspeed", "backend.zero_stage": 2}
+    runs = {"plain": {}, "offload": {"backend.deepspeed_config": str(offload)}}
+    torchrun(2, [{"overrides": tiny_overrides(tiny_data, tmp_path / name, **{**common, **extra})}
+                 for name, extra in runs.items()], tmp_path / "spec.json", timeout=900)
+    assert_metrics_close(read_metrics(tmp_path / "offload"), read_metrics(tmp_path / "plain"))
+    for unit in ("generator", "discriminator"):
+        assert_same_weights(tmp_path / "offload", tmp_path / "plain", unit)
+    # and the offloaded run really stepped DeepSpeed's CPU Adam (its groups carry `bias_correction`;
+    # torch's AdamW groups do not), for both models
+    for run, cpu_adam in (("offload", True), ("plain", False)):
+        files = sorted((tmp_path / run / "checkpoints").rglob("*optim_states.pt"))
+        assert len(files) == 4  # 2 models x 2 ranks
+        for file in files:
+            groups = torch.load(file, weights_only=False)["optimizer_state_dict"]["base_optimizer_state"]["param_groups"]
+            assert ("bias_correction" in groups[0]) == cpu_adam, file

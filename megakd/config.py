@@ -200,7 +200,7 @@ class DistillConfig:
     alpha_soft_end: float = 1.0  # ... and at the last
     alpha_schedule: str = "linear"  # constant (= start) | linear | cosine | step
     alpha_step_at: float = 0.5  # step schedule: fraction of the run after which α_s = end
-    init: str = "random"  # random | remap (student initialised from the teacher; SPEC §4.2.3)
+    init: str = "random"  # random | remap (student initialised from the teacher; docs/methods.md § DWT)
     remap_width: str = "net2wider"  # net2wider | zero: how remap widens a narrower teacher
 
 

@@ -3,7 +3,7 @@
 Model FLOPs utilization needs the work a step *must* do, independent of how fast the code is, so
 it is counted from the architecture, not timed. Only matrix products are counted (as
 `torch.utils.flop_counter` does); layer norms, softmax and GELU are a few percent at these sizes.
-The counts follow what megakd actually runs (DESIGN.md):
+The counts follow what megakd actually runs (docs/decisions.md):
 
 * every encoder processes all `seq_len` positions (padding included: the kernels are dense);
 * the generator's vocabulary projection runs only at the masked positions (sparse MLM head),

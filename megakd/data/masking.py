@@ -5,7 +5,7 @@ the same epoch whatever the worker count, batch composition, padding length or r
 Per sample, exactly ``max(1, floor(mask_prob * n + 0.5))`` of its ``n`` maskable tokens are
 masked (0 if ``n == 0``): the positions with the smallest hash keys, i.e. a uniform random subset.
 Specials ([CLS], [SEP], [PAD], [UNK], [MASK]) and padding are never maskable. Masked positions
-are replaced by [MASK] only (no 80/10/10 split; SPEC §1.1).
+are replaced by [MASK] only (no 80/10/10 split; docs/methods.md § ELECTRA objectives).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""DWT: distillation from a weak (smaller) teacher into a larger student (Lee et al., ACL'23; SPEC §4).
+"""DWT: distillation from a weak (smaller) teacher into a larger student (Lee et al., ACL'23; docs/methods.md § DWT).
 
 `megakd distill -c configs/dwt-*.yaml` is the pretraining trainer with a frozen teacher attached
 to the student's MLM loss (`engine.tasks.TeacherKD`): the same data, masking, backends,
@@ -6,7 +6,7 @@ checkpoints, resume and metrics, plus `kd_loss` and `alpha_soft` in metrics.json
 
 The student is `model.generator`: a BERT-MLM (`model.objective=mlm`, DWT as published) or an
 ELECTRA generator (`model.objective=electra`). For ELECTRA the KD goes into the generator's MLM
-head only — the direct analogue of the paper (SPEC §4.4 leaves it open); the discriminator
+head only — the direct analogue of the paper (which is plain BERT-MLM; docs/methods.md § DWT); the discriminator
 trains on the distilled generator's samples as usual, and no RTD teacher is involved.
 """
 

@@ -1,4 +1,4 @@
-"""SoTeacher (SPEC §3): train a student-oriented teacher, then distill a student from it.
+"""SoTeacher (docs/methods.md § SoTeacher): train a student-oriented teacher, then distill a student from it.
 
 Teacher loss: CE + λ_LR·Σ Lip₁ + λ_CR(t)·MSE(p, p̄), with p̄ the running mean of the same
 example's predictions in earlier epochs. The running means live in a `ConsistencyStore`: two
@@ -12,7 +12,7 @@ t = 1..T, T = `finetune.epochs` (the papers' λ_CR(t) = (t/T)·λ_max), so the l
 with exactly λ_max under every schedule.
 
 The student is trained with label-regularisation KD from each seed's teacher, RepDistiller's
-convention (SPEC §2): α·CE + (1−α)·τ²·KL(p^t_τ ‖ p^s_τ), α = `soteacher.student_alpha` (0.5), τ =
+convention (docs/methods.md § The KD family): α·CE + (1−α)·τ²·KL(p^t_τ ‖ p^s_τ), α = `soteacher.student_alpha` (0.5), τ =
 `soteacher.student_temperature` (4). Reports (`summary.json`): the teacher's dev metrics, its ECE
 and NLL with and without temperature scaling (T fitted by minimum NLL on the dev examples at even
 positions, ECE/NLL reported on the odd ones), the student's dev metrics and the student–teacher

@@ -1,8 +1,8 @@
-"""TGT — Teacher Guided Training (SPEC §6) for sequence classification.
+"""TGT — Teacher Guided Training (docs/methods.md § TGT) for sequence classification.
 
 A frozen MLM (the ELECTRA generator of a pretraining run, or an imported HF MLM; same tokenizer as
 student and labeler) generates x̃ from every training minibatch, and a frozen fine-tuned labeler h
-soft-labels real and generated examples. The student f minimises (SPEC §6.2, unit weights)
+soft-labels real and generated examples. The student f minimises (docs/methods.md § TGT, unit weights)
 
     CE(f(x), y) + H(h(x), f(x)) + H(h(x̃), f(x̃)),    H(q, p) = −Σ q log p,
 

@@ -48,7 +48,7 @@ class GeneratorTask(nn.Module):
 
     With a `TeacherKD` this is DWT: the teacher sees the same masked input and the KL runs over
     the same masked positions through the fused kernel. Under ELECTRA the KD goes into the
-    generator's MLM head (the direct analogue of BERT-MLM DWT; SPEC §4.4 GAP); the discriminator
+    generator's MLM head (the direct analogue of BERT-MLM DWT; docs/methods.md § DWT); the discriminator
     still learns from the student generator's samples.
     """
 

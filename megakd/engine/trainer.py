@@ -3,7 +3,7 @@
 One optimizer step = `accumulation_steps` micro-batches per rank. Under DecoupledOptim the
 generator and discriminator are separate units: each gets its own backward, clipping, optimizer
 step and LR schedule, and the discriminator's loss weight λ is folded into its clipping
-threshold, so λ changes no update (DESIGN.md; test_lambda_invariance proves it).
+threshold, so λ changes no update (docs/decisions.md § λ is folded into the discriminator's clipping threshold; tests/engine/test_lambda.py proves it).
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ def auto_lr(hidden_size: int) -> float:
 
 @dataclass
 class OptimConfig:
-    """SPEC §1.7 (Table A.2): AdaMax, linear decay after a warm-up fraction, ε 1e-6, β (0.9, 0.98), clip 1.0.
+    """docs/methods.md § Fine-tuning (Table A.2): AdaMax, linear decay after a warm-up fraction, ε 1e-6, β (0.9, 0.98), clip 1.0.
 
     `lr` is a rate, `auto` (`auto_lr` of the encoder's width) or a list of rates chosen on a
     held-out `lr_select_frac` slice of the training split (megakd/finetune/trainer.py).
@@ -93,7 +93,7 @@ class LabelRegConfig:
 
 @dataclass
 class SoTeacherConfig:
-    """Student-oriented teacher training (SPEC §3). `enabled` trains a teacher, then a student by KD."""
+    """Student-oriented teacher training (docs/methods.md § SoTeacher). `enabled` trains a teacher, then a student by KD."""
 
     enabled: bool = False
     lambda_lr: float = 1e-5  # Lipschitz penalty weight
@@ -107,7 +107,7 @@ class SoTeacherConfig:
 
 @dataclass
 class TGTConfig:
-    """Teacher Guided Training (SPEC §6): a frozen MLM generator + a frozen fine-tuned labeler."""
+    """Teacher Guided Training (docs/methods.md § TGT): a frozen MLM generator + a frozen fine-tuned labeler."""
 
     enabled: bool = False
     generator: str = ""  # an MLM: pretraining run/checkpoint (its generator), megakd model dir, HF MLM dir

@@ -1,4 +1,4 @@
-"""The fine-tuning loop (SPEC §1.7) with a pluggable objective, run once per seed.
+"""The fine-tuning loop (docs/methods.md § Fine-tuning) with a pluggable objective, run once per seed.
 
 Learning rate: `finetune.lr` is a rate, `auto` (a rate from the encoder's width, see `auto_lr`),
 or a list of rates. A list is decided before dev is read: every candidate trains the first seed

@@ -1,6 +1,6 @@
 """Parameter remapping: initialise a student MaskedLM from a (shallower, narrower) teacher MaskedLM.
 
-DWT's "parameter remapping" (SPEC §4.2.3, FNA-style): student layer i takes teacher layer
+DWT's "parameter remapping" (docs/methods.md § DWT, FNA-style): student layer i takes teacher layer
 min(i, L_t − 1), so the teacher's last layer fills every extra student layer. DWT found this
 *hurts* (random init is the default); it is here to reproduce that finding. Width is grown per
 "space" of units — embedding E, hidden H (the residual stream), FFN I, attention inner A — in one

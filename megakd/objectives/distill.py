@@ -1,10 +1,10 @@
 """DWT's soft loss and its weight schedule, as plain functions of tensors and numbers.
 
-DWT (SPEC §4, DESIGN.md) trains the student MLM with `α_h·CE + α_s(t)·τ²·KL(p_teacher^τ ‖ p_student^τ)`
+DWT (docs/methods.md § DWT) trains the student MLM with `α_h·CE + α_s(t)·τ²·KL(p_teacher^τ ‖ p_student^τ)`
 over masked positions. The KL goes through the fused linear-KL kernel on the two models' masked
 head features and tied decoder matrices, so [tokens × vocab] logits never exist. The τ² factor
 keeps the soft gradient's scale independent of τ (Hinton et al.; none of the papers writes it,
-SPEC §2 GAP): with it, raising τ for a very weak teacher changes the target's shape, not the
+docs/methods.md § The KD family): with it, raising τ for a very weak teacher changes the target's shape, not the
 soft loss's weight against the hard loss.
 """
 
@@ -47,7 +47,7 @@ def alpha_schedule(kind: str, start: float, end: float, step: int, max_steps: in
     Progress is `step / (max_steps - 1)`, so both endpoints are actually used (a 1-step run uses
     `start`). constant: always `start`; linear and cosine: interpolate (cosine is flat at both
     ends); step: `start` while progress < `step_at`, then `end` — DWT's "Strong early, Normal
-    later" finding (SPEC §4.2.2) as a single switch.
+    later" finding (docs/methods.md § DWT) as a single switch.
     """
     if kind not in ALPHA_SCHEDULES:
         raise ValueError(f"distill.alpha_schedule: expected one of {', '.join(ALPHA_SCHEDULES)}, got {kind!r}")

@@ -1,6 +1,6 @@
 """ELECTRA objectives as plain functions of tensors: MLM, generator sampling, corruption, RTD.
 
-Conventions (DESIGN.md): RTD label 1 = replaced, 0 = original; a sampled token equal to the
+Conventions (docs/decisions.md § RTD labels): RTD label 1 = replaced, 0 = original; a sampled token equal to the
 original is original. MLM loss is the mean CE over masked positions; RTD loss is the mean BCE
 over non-padding positions. The generator head is sparse: every function here takes hidden
 states at masked positions only, and the vocabulary projection happens inside a fused kernel

@@ -1,4 +1,4 @@
-"""SoTeacher's teacher regularisers as functions of modules and tensors (SPEC §3.2, DESIGN.md).
+"""SoTeacher's teacher regularisers as functions of modules and tensors (docs/methods.md § SoTeacher).
 
 ℓ = ℓ_CE + λ_LR·ℓ_LR + λ_CR(t)·ℓ_CR:
 

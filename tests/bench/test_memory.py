@@ -1,4 +1,4 @@
-"""Planner memory against references: DeepSpeed's own ZeRO estimators on real models, SPEC §1.5
+"""Planner memory against references: DeepSpeed's own ZeRO estimators on real models, docs/methods.md § Pretraining recipes
 parameter counts, and the bytes autograd really saves for an encoder layer."""
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def test_stages_order_and_fp32():
 
 @pytest.mark.parametrize("size,expected", [("base", 370e6), ("large", 665e6)])
 def test_parameter_counts_match_spec(size, expected):
-    # SPEC §1.5 [DERIVED]: two 128K x hidden embedding tables (DecoupledOptim), ≈370M / ≈665M.
+    # docs/methods.md § Pretraining recipes: two 128K x hidden embedding tables (DecoupledOptim), ≈370M / ≈665M.
     counts = parameter_counts(resolve_config(load_config(f"configs/electra-{size}.yaml")))
     assert counts["total"] == pytest.approx(expected, rel=0.01)
     assert counts["total"] == counts["generator"] + counts["discriminator"]

@@ -1,4 +1,4 @@
-"""Label regularisation targets against float64 references, and the equivalences of SPEC §2."""
+"""Label regularisation targets against float64 references, and the equivalences of docs/methods.md § The KD family."""
 
 from __future__ import annotations
 

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
-from megakd.store.checkpoint import latest_checkpoint, list_checkpoints, step_of
 
+from megakd.store.checkpoint import latest_checkpoint, list_checkpoints, step_of
 from tests.distributed.harness import child_env, free_port
 from tests.faults.harness import REPO, megakd
 from tests.helpers import tiny_overrides

@@ -1,0 +1,81 @@
+"""The import contract of docs/architecture.md: every import points down the layers, nested ones too.
+
+A package may import packages of lower layers and, within its own layer, others as long as no
+two packages import each other (no cycles). A function-level import is checked like any other,
+so it cannot hide an upward dependency.
+"""
+
+from __future__ import annotations
+
+import ast
+import itertools
+from pathlib import Path
+
+ROOT = Path(__file__).parents[1]
+
+# Bottom to top. `kernels` (installed as megakd.kernels) knows nothing of megakd.
+LAYERS: list[set[str]] = [
+    {"kernels", "errors", "fsutil"},
+    {"models", "objectives"},
+    {"config"},
+    {"data"},
+    {"store"},
+    {"engine"},
+    {"finetune", "distill", "convert", "bench", "repro"},
+    {"cli", "__init__"},
+]
+LAYER_OF = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
+
+
+def _package_files() -> dict[str, list[Path]]:
+    out: dict[str, list[Path]] = {"kernels": sorted((ROOT / "kernels").glob("*.py"))}
+    for path in sorted((ROOT / "megakd").rglob("*.py")):
+        rel = path.relative_to(ROOT / "megakd")
+        if "remote" in rel.parts:  # remote-code templates copied into HF exports; never imported by megakd
+            continue
+        out.setdefault(rel.parts[0].removesuffix(".py"), []).append(path)
+    return out
+
+
+def _megakd_imports(path: Path) -> set[str]:
+    """Top-level megakd packages this file imports (anywhere in it)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else []
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "megakd" and len(parts) > 1:
+                found.add(parts[1])
+    return found
+
+
+def _edges() -> dict[str, dict[str, list[str]]]:
+    edges: dict[str, dict[str, list[str]]] = {}
+    for package, files in _package_files().items():
+        for path in files:
+            for target in _megakd_imports(path) - {package}:
+                edges.setdefault(package, {}).setdefault(target, []).append(str(path.relative_to(ROOT)))
+    return edges
+
+
+def test_every_package_has_a_layer():
+    assert set(_package_files()) <= set(LAYER_OF), set(_package_files()) - set(LAYER_OF)
+
+
+def test_imports_point_down():
+    upward = [f"{pkg} -> {target} ({', '.join(files)})"
+              for pkg, targets in _edges().items() for target, files in targets.items()
+              if LAYER_OF[target] > LAYER_OF[pkg]]
+    assert not upward, upward
+
+
+def test_kernels_import_nothing_of_megakd():
+    assert "kernels" not in _edges(), _edges().get("kernels")
+
+
+def test_no_import_cycles_within_a_layer():
+    edges = _edges()
+    cycles = [(a, b) for layer in LAYERS for a, b in itertools.combinations(sorted(layer), 2)
+              if b in edges.get(a, {}) and a in edges.get(b, {})]
+    assert not cycles, cycles

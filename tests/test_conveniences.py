@@ -7,12 +7,12 @@ import json
 import pytest
 import torch
 import yaml
-from megakd.engine.checkpoint import latest_checkpoint
 
 from megakd.cli import main
 from megakd.config import ConfigError, load_config
 from megakd.data.tokenizer import Tokenizer
 from megakd.engine.pretrain import resolve_config
+from megakd.store.checkpoint import latest_checkpoint
 from tests.helpers import TINY_VOCAB, tiny_overrides
 
 

@@ -8,8 +8,6 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from megakd.convert.checkpoints import load_checkpoint
-from megakd.engine.checkpoint import latest_checkpoint
 
 from megakd.cli import main
 from megakd.config import ConfigError, load_config
@@ -20,6 +18,9 @@ from megakd.data.tokenizer import Tokenizer
 from megakd.engine.pretrain import build_trainer
 from megakd.engine.validation import VALID_SEED
 from megakd.objectives.electra import corrupt, roc_auc, rtd_labels, sample_replacements
+from megakd.store import load_model
+from megakd.store.checkpoint import latest_checkpoint
+from megakd.store.checkpoint_models import load_checkpoint
 from tests.distributed.harness import assert_resume_exact
 from tests.helpers import tiny_overrides
 
@@ -146,8 +147,6 @@ def test_eval_every_without_validation_shards_is_one_line(tiny_data, tmp_path):
 
 def test_mlm_student_with_a_teacher_logs_teacher_agreement(tiny_data, tiny_electra_run, tmp_path):
     """BERT-MLM under DWT: val_gen_* and val_teacher_agreement against dense float64 argmaxes."""
-    from megakd.distill.pretrained import load_pretrained
-
     run = tmp_path / "student"
     cfg = load_config("configs/dwt-tiny.yaml", tiny_overrides(tiny_data, run, **{
         "train.max_steps": 2, "run.export_hf": "false", "data.valid_shards": str(tiny_data[1]),
@@ -157,7 +156,7 @@ def test_mlm_student_with_a_teacher_logs_teacher_agreement(tiny_data, tiny_elect
     row = _metrics(run)[-1]
     assert set(row) >= {"val_gen_loss", "val_gen_acc", "val_teacher_agreement"} and "val_rtd_f1" not in row
     student = load_checkpoint(latest_checkpoint(run)).generator.eval().double()
-    teacher = load_pretrained(tiny_electra_run, "masked_lm", "distill.teacher").model.eval().double()
+    teacher = load_model(tiny_electra_run, "distill.teacher").get("masked_lm").eval().double()
     loader = PretrainingLoader(tiny_data[1], Tokenizer.load(tiny_data[0]), micro_batch_size=4, seed=VALID_SEED)
     ce = agree = correct = masked = 0.0
     with torch.no_grad():

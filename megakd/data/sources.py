@@ -65,7 +65,7 @@ def expand_inputs(inputs: list[str | Path]) -> list[Path]:
     return out
 
 
-def _open_text(path: Path) -> io.TextIOBase:
+def open_text(path: Path) -> io.TextIOBase:
     if path.name.endswith(".gz"):
         return gzip.open(path, "rt", encoding="utf-8")
     return open(path, encoding="utf-8")
@@ -74,7 +74,7 @@ def _open_text(path: Path) -> io.TextIOBase:
 def _text_documents(path: Path) -> Iterator[str]:
     lines: list[str] = []
     blanks = 0
-    with _open_text(path) as f:
+    with open_text(path) as f:
         for line in f:
             line = line.rstrip("\r\n")
             if not line.strip():
@@ -92,7 +92,7 @@ def _text_documents(path: Path) -> Iterator[str]:
 
 
 def _jsonl_documents(path: Path, text_field: str) -> Iterator[str]:
-    with _open_text(path) as f:
+    with open_text(path) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue

@@ -21,9 +21,7 @@ Built-in tasks (fixed splits: the same on every machine and run, independent of 
 from __future__ import annotations
 
 import csv
-import gzip
 import hashlib
-import io
 import json
 import random
 import re
@@ -34,6 +32,7 @@ import torch
 
 from megakd.config import ConfigError, TaskConfig
 from megakd.data.default_corpus import CORPUS_DIR, PRETRAINING_FILES, SENTIMENT_FILE
+from megakd.data.sources import open_text
 from megakd.data.tokenizer import Tokenizer
 
 DEV_BYTE_THRESHOLD = 26  # of 256: ≈ 10% dev
@@ -54,13 +53,9 @@ def in_dev(text: str) -> bool:
     return hashlib.sha256(text.encode("utf-8")).digest()[0] < DEV_BYTE_THRESHOLD
 
 
-def _open_text(path: Path) -> io.TextIOBase:
-    return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else path.open(encoding="utf-8")
-
-
 def _rt_examples(regression: bool) -> tuple[list[Example], list[Example]]:
     train, dev = [], []
-    with _open_text(SENTIMENT_FILE) as f:
+    with open_text(SENTIMENT_FILE) as f:
         for i, row in enumerate(csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE)):
             label = float(row["score"]) if regression else int(row["label"])
             ex = Example(i, row["sentence"], None, label)
@@ -78,7 +73,7 @@ def _sentences(document: str, verses: bool) -> list[str]:
 def _corpus_pair_examples() -> tuple[list[Example], list[Example]]:
     documents: list[tuple[str, list[str]]] = []
     for name in PRETRAINING_FILES:
-        with _open_text(CORPUS_DIR / name) as f:
+        with open_text(CORPUS_DIR / name) as f:
             for line in f:
                 text = json.loads(line)["text"]
                 documents.append((text, _sentences(text, verses=name.startswith("kjv"))))
@@ -104,7 +99,7 @@ def _read_rows(path: Path) -> list[dict]:
     if not path.is_file():
         raise ConfigError(f"{path}: no such file")
     name = path.name.removesuffix(".gz")
-    with _open_text(path) as f:
+    with open_text(path) as f:
         if name.endswith(".jsonl"):
             rows = []
             for n, line in enumerate(f, 1):

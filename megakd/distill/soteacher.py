@@ -32,12 +32,19 @@ import torch.nn.functional as F
 from numpy.lib.format import open_memmap
 from torch import Tensor
 
-from megakd.config import ConfigError, save_config
+from megakd.config import ConfigError
 from megakd.data.tasks import EncodedTask
 from megakd.data.tokenizer import Tokenizer
 from megakd.finetune.config import FinetuneConfig, SoTeacherConfig
 from megakd.finetune.metrics import agreement, calibration_report
-from megakd.finetune.trainer import LabelRegObjective, SeedResult, run_seeds, summarize, teacher_logits_for
+from megakd.finetune.trainer import (
+    LabelRegObjective,
+    SeedResult,
+    open_run_dir,
+    run_seeds,
+    summarize,
+    teacher_logits_for,
+)
 from megakd.models.electra import SequenceClassifier
 from megakd.objectives.soteacher import consistency_loss, cr_weight_for_epoch, lipschitz_penalty
 
@@ -120,9 +127,7 @@ def _calibration(results: list[SeedResult], dev: EncodedTask) -> dict[str, list[
 
 def run_soteacher(cfg: FinetuneConfig) -> dict:
     """Teacher (SoTeacher loss) for every seed, then (unless disabled) a KD student per teacher."""
-    run_dir = Path(cfg.run.dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
+    run_dir = open_run_dir(cfg)
     s = cfg.soteacher
     stores: list[ConsistencyStore] = []
 

@@ -40,12 +40,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from megakd.config import ConfigError, save_config
+from megakd.config import ConfigError
 from megakd.data.masking import mlm_mask
 from megakd.data.tasks import EncodedTask
 from megakd.data.tokenizer import Tokenizer
 from megakd.finetune.config import FinetuneConfig, TGTConfig
-from megakd.finetune.trainer import run_seeds, summarize
+from megakd.finetune.trainer import open_run_dir, run_seeds, summarize
 from megakd.models.electra import MaskedLM, SequenceClassifier
 from megakd.objectives.electra import corrupt, sample_replacements
 from megakd.objectives.label_reg import kl_divergence, soft_cross_entropy
@@ -179,9 +179,7 @@ class TGTObjective:
 
 def run_tgt(cfg: FinetuneConfig) -> dict:
     """`megakd finetune` with `tgt.enabled`: a TGT student for every seed."""
-    run_dir = Path(cfg.run.dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
+    run_dir = open_run_dir(cfg)
     generator = load_model(cfg.tgt.generator, "tgt.generator")
     mlm, gen_tokenizer = freeze(generator.get("masked_lm")), generator.tokenizer()
     stored_labeler = load_model(cfg.tgt.labeler, "tgt.labeler")

@@ -143,8 +143,7 @@ def admin_profile(cfg: Config, models: list[MaskedLM | Discriminator | None], sh
     batch = next(iter(loader))
     for model in admin:
         ids = batch["masked_input_ids"] if isinstance(model, MaskedLM) else batch["input_ids"]
-        omegas = admin_initialize(model.encoder, ids, batch["attention_mask"], seed=cfg.train.seed)
-        log.info("Admin init of the %s: omega from %.3g to %.3g", type(model).__name__, omegas[0], omegas[-1])
+        admin_initialize(model.encoder, ids, batch["attention_mask"], seed=cfg.train.seed)
 
 
 def compile_encoders(models: list[MaskedLM | Discriminator | None]) -> None:

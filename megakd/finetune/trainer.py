@@ -265,8 +265,7 @@ def select_lr(cfg: FinetuneConfig, out_dir: Path, init: ModelInitConfig, pretrai
     seed, metric = cfg.finetune.seeds[0], cfg.metric
     scores = []
     for lr in candidates:
-        model, tokenizer = build_classifier(init, cfg.task.num_labels, cfg.finetune.dropout, seed,
-                                            out_dir.parent / "init", pretrained)
+        model, tokenizer = build_classifier(init, cfg.task.num_labels, cfg.finetune.dropout, seed, pretrained)
         trial_dir = out_dir / f"lr_{lr:g}"
         objective = make_objective(seed, model, tokenizer, fit, trial_dir)
         result = train_seed(cfg, seed, model, tokenizer, fit, held, objective, trial_dir, lr=lr, eval_split="slice")
@@ -305,11 +304,17 @@ def summarize(results: list[SeedResult], run_dir: Path, headline: str,
     return summary
 
 
-def run_finetune(cfg: FinetuneConfig) -> dict:
-    """`megakd finetune` without SoTeacher/TGT: plain fine-tuning or a label-regularisation target."""
+def open_run_dir(cfg: FinetuneConfig) -> Path:
+    """Every fine-tuning command's run directory, created with its resolved config."""
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
+    return run_dir
+
+
+def run_finetune(cfg: FinetuneConfig) -> dict:
+    """`megakd finetune` without SoTeacher/TGT: plain fine-tuning or a label-regularisation target."""
+    run_dir = open_run_dir(cfg)
     lr = cfg.labelreg
     # The teacher is frozen: predict once per train set (the full split, and the LR-selection fit rows).
     teacher_logits: dict[EncodedTask, Tensor] = {}

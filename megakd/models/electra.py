@@ -7,8 +7,6 @@ positions only) or through fused kernels.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 from torch import Tensor, nn
 
 from megakd.models.encoder import Encoder, EncoderConfig
@@ -115,12 +113,3 @@ class ElectraPair(nn.Module):
                                      f"got {getattr(g, field)} and {getattr(d, field)}")
             for name in SHARED_EMBEDDINGS:
                 setattr(discriminator.encoder.embeddings, name, getattr(generator.encoder.embeddings, name))
-
-    def generator_parameters(self) -> Iterator[nn.Parameter]:
-        """All generator parameters, shared embeddings included."""
-        return self.generator.parameters()
-
-    def discriminator_parameters(self) -> Iterator[nn.Parameter]:
-        """Discriminator parameters not already owned by the generator."""
-        owned = {id(p) for p in self.generator.parameters()}
-        return (p for p in self.discriminator.parameters() if id(p) not in owned)

@@ -273,7 +273,6 @@ class SelfAttention(nn.Module):
         return self.output(out.transpose(1, 2).reshape(batch, seq_len, hidden))
 
 
-Attention = SelfAttention
 
 
 class FeedForward(nn.Module):

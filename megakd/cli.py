@@ -38,7 +38,7 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
 
 
 def cmd_distill(args: argparse.Namespace) -> int:
-    from megakd.distill.dwt import run_distill
+    from megakd.engine.pretrain import run_distill
 
     return _train(args, run_distill)
 
@@ -75,9 +75,9 @@ def cmd_finetune(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides, cls=FinetuneConfig)
     if cfg.soteacher.enabled:
-        from megakd.distill.soteacher import run_soteacher as run
+        from megakd.finetune.soteacher import run_soteacher as run
     elif cfg.tgt.enabled:
-        from megakd.distill.tgt import run_tgt as run
+        from megakd.finetune.tgt import run_tgt as run
     else:
         from megakd.finetune.trainer import run_finetune as run
     try:
@@ -92,7 +92,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
 def cmd_eval_rtd(args: argparse.Namespace) -> int:
     import json
 
-    from megakd.distill.rtd_eval import evaluate_rtd
+    from megakd.eval.rtd import evaluate_rtd
 
     report = evaluate_rtd(args.generator, args.discriminator, args.shards, args.tokenizer,
                           num_batches=args.batches, batch_size=args.batch_size, seed=args.seed,

@@ -21,7 +21,7 @@ LAYERS: list[set[str]] = [
     {"data"},
     {"store"},
     {"engine"},
-    {"finetune", "distill", "convert", "bench", "repro"},
+    {"finetune", "eval", "convert", "bench", "repro"},
     {"cli", "__init__"},
 ]
 LAYER_OF = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}

@@ -262,3 +262,17 @@ def run_pretraining(cfg: Config, resume: str | None = None, allow_change: tuple[
         return trainer.train()
     finally:
         trainer.close()
+
+
+def run_distill(cfg: Config, resume: str | None = None, allow_change: tuple[str, ...] = ()) -> TrainResult:
+    """`megakd distill` (DWT, docs/methods.md § DWT): pretraining with `distill.teacher` required.
+
+    The student is `model.generator`: a BERT-MLM (`model.objective=mlm`, DWT as published) or an
+    ELECTRA generator, whose MLM head gets the KD term (the discriminator trains on the distilled
+    generator's samples as usual). The teacher is loaded, frozen, checked against the data's
+    tokenizer and optionally remapped into the student by `attach_teacher`.
+    """
+    if not cfg.distill.teacher:
+        raise ConfigError("distill.teacher: expected a teacher (run, checkpoint, model dir or HF MLM dir); "
+                          "without one use `megakd pretrain`")
+    return run_pretraining(cfg, resume=resume, allow_change=allow_change)

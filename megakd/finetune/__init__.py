@@ -1,3 +1,3 @@
-"""Downstream fine-tuning (`megakd finetune`): GLUE-style classification/regression with the
-dissertation's setup, multi-seed mean ± std, and label regularisation. SoTeacher and TGT build on
-it in `megakd.distill`."""
+"""Downstream fine-tuning (`megakd finetune`): classification/regression, multi-seed mean ± std,
+label regularisation, and the fine-tuning-time methods built on it: SoTeacher (`soteacher.py`)
+and TGT (`tgt.py`)."""

@@ -15,7 +15,7 @@ after every epoch. The batch order of epoch e is `randperm` from a generator see
 
 Objectives see the batch (with the examples' stable `index` and their `row` in the train split)
 and the epoch, and return (loss, logits, logs). `LabelRegObjective` is plain fine-tuning and every
-label-regularisation target; SoTeacher and TGT (megakd.distill) supply their own.
+label-regularisation target; SoTeacher and TGT (finetune/soteacher.py, finetune/tgt.py) supply their own.
 """
 
 from __future__ import annotations

@@ -14,8 +14,7 @@ from megakd.cli import main as cli_main
 from megakd.config import ConfigError, load_config
 from megakd.convert import from_hf, save_model_dir, to_hf
 from megakd.data.tokenizer import Tokenizer, train_tokenizer
-from megakd.distill.dwt import run_distill
-from megakd.engine.pretrain import build_trainer, run_pretraining
+from megakd.engine.pretrain import build_trainer, run_distill, run_pretraining
 from megakd.engine.tasks import GeneratorTask, TeacherKD
 from megakd.models.electra import MaskedLM
 from megakd.models.encoder import EncoderConfig

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 from megakd.cli import main
 from megakd.config import ConfigError
-from megakd.distill.soteacher import ConsistencyStore, SoTeacherObjective
 from megakd.finetune.config import SoTeacherConfig
+from megakd.finetune.soteacher import ConsistencyStore, SoTeacherObjective
 from megakd.models.electra import SequenceClassifier
 from megakd.models.encoder import EncoderConfig
 from megakd.objectives.soteacher import consistency_loss, cr_weight, cr_weight_for_epoch, lipschitz_penalty

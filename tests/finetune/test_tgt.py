@@ -14,8 +14,8 @@ from megakd.cli import main
 from megakd.data.masking import num_to_mask
 from megakd.data.tasks import EncodedTask, Example
 from megakd.data.tokenizer import Tokenizer
-from megakd.distill.tgt import TeacherGenerator, TGTObjective
 from megakd.finetune.config import TGTConfig
+from megakd.finetune.tgt import TeacherGenerator, TGTObjective
 from megakd.models.electra import MaskedLM, SequenceClassifier
 from megakd.models.encoder import EncoderConfig
 from megakd.store.model_dir import save_classifier

@@ -12,8 +12,8 @@ from megakd.config import load_config
 from megakd.convert import save_model_dir
 from megakd.data.stream import PretrainingLoader
 from megakd.data.tokenizer import Tokenizer
-from megakd.distill.rtd_eval import corrupted_batches, evaluate_rtd
 from megakd.engine.pretrain import run_pretraining
+from megakd.eval.rtd import corrupted_batches, evaluate_rtd
 from megakd.models.electra import Discriminator
 from megakd.store import StoreError
 from megakd.store.checkpoint_models import load_checkpoint, resolve_checkpoint

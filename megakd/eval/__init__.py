@@ -1,0 +1,1 @@
+"""Evaluation that needs no training run: standalone-generator RTD scoring of discriminators."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 import yaml
 
 from megakd.cli import main
@@ -13,6 +12,7 @@ from megakd.config import ConfigError, load_config
 from megakd.data.tokenizer import Tokenizer
 from megakd.engine.pretrain import resolve_config
 from megakd.store.checkpoint import latest_checkpoint
+from megakd.store.files import load_weights
 from tests.helpers import TINY_VOCAB, tiny_overrides
 
 
@@ -30,8 +30,8 @@ def test_vocab_size_auto_takes_the_tokenizers_size(tiny_data, tmp_path):
     saved = yaml.safe_load((run / "config.yaml").read_text())
     assert saved["model"]["generator"]["vocab_size"] == tokenizer_size
     assert saved["model"]["discriminator"]["vocab_size"] == tokenizer_size
-    state = torch.load(latest_checkpoint(run) / "generator.pt", weights_only=True)
-    embedding = next(v for k, v in state["model"].items() if k.endswith("word_embeddings.weight"))
+    state = load_weights(latest_checkpoint(run) / "generator.safetensors")
+    embedding = next(v for k, v in state.items() if k.endswith("word_embeddings.weight"))
     assert embedding.shape[0] == tokenizer_size
 
 
@@ -108,4 +108,5 @@ def test_wandb_keeps_one_run_per_run_dir(tmp_path, monkeypatch):
     stored = (tmp_path / WANDB_ID_FILE).read_text().strip()
     assert ids == [stored, stored]
     run_dirs = sorted(p.name for p in (tmp_path / "wandb").glob("offline-run-*"))
-    assert len(run_dirs) == 2 and all(name.endswith(stored) for name in run_dirs)
+    # wandb names offline dirs by the second they started, so two quick runs may share one dir
+    assert run_dirs and all(name.endswith(stored) for name in run_dirs)

@@ -120,7 +120,9 @@ def test_damaged_data_stops_with_one_line_and_loses_nothing(tiny_data, run_with_
     if resume:
         shutil.copytree(run_with_checkpoint, run)
     before = snapshot(run / "checkpoints")
-    out = megakd("pretrain", "-c", "configs/electra-tiny.yaml", *(["--resume", "auto"] if resume else []),
+    # The damaged copy lives at another path: name that change, as a user moving shards would.
+    resume_args = ["--resume", "auto", "--allow-change", "data.shards"] if resume else []
+    out = megakd("pretrain", "-c", "configs/electra-tiny.yaml", *resume_args,
                  *tiny_overrides((tokenizer, shards), run, **{"train.max_steps": 6, "run.export_hf": "false"}))
     assert out.code == 2, out.stderr
     assert "Traceback" not in out.stderr

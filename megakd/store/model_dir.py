@@ -91,18 +91,24 @@ def save_model_dir(model: nn.Module, kind: str, out: str | Path, *, tokenizer_di
     return Path(out)
 
 
-def read_model_dir_info(path: str | Path) -> dict[str, Any]:
-    """The parsed, checked `model.yaml` (kind, encoder fields, tokenizer paths made absolute)."""
-    path = Path(path)
-    file = path / MODEL_FILE
+def _read_info_file(file: Path, fmt: str, missing: str) -> dict[str, Any]:
+    """A directory's YAML description, checked to be a mapping of format `fmt` (one-line errors)."""
     if not file.is_file():
-        raise StoreError(f"{file}: missing (not a megakd model directory)")
+        raise StoreError(f"{file}: missing ({missing})")
     try:
         info = yaml.safe_load(file.read_text())
     except (yaml.YAMLError, UnicodeDecodeError) as err:
         raise StoreError(f"{file}: not valid YAML ({first_line(err)})") from None
-    if not isinstance(info, dict) or info.get("format") != MODEL_FORMAT:
-        raise StoreError(f"{file}: format: expected {MODEL_FORMAT!r}")
+    if not isinstance(info, dict) or info.get("format") != fmt:
+        raise StoreError(f"{file}: format: expected {fmt!r}")
+    return info
+
+
+def read_model_dir_info(path: str | Path) -> dict[str, Any]:
+    """The parsed, checked `model.yaml` (kind, encoder fields, tokenizer paths made absolute)."""
+    path = Path(path)
+    file = path / MODEL_FILE
+    info = _read_info_file(file, MODEL_FORMAT, "not a megakd model directory")
     if info.get("kind") not in MODEL_KINDS:
         raise StoreError(f"{file}: kind: expected one of {sorted(MODEL_KINDS)}, got {info.get('kind')!r}")
     known = {f.name for f in dataclasses.fields(EncoderConfig)}
@@ -251,14 +257,7 @@ def load_classifier(path: str | Path) -> tuple[SequenceClassifier, Tokenizer]:
     """(model in eval mode, tokenizer) from a fine-tuned classifier directory."""
     path = Path(path)
     file = path / CLASSIFIER_FILE
-    if not file.is_file():
-        raise StoreError(f"{file}: missing (expected a fine-tuned classifier directory from megakd finetune)")
-    try:
-        info = yaml.safe_load(file.read_text())
-    except (yaml.YAMLError, UnicodeDecodeError) as err:
-        raise StoreError(f"{file}: not valid YAML ({first_line(err)})") from None
-    if not isinstance(info, dict) or info.get("format") != CLASSIFIER_FORMAT:
-        raise StoreError(f"{file}: format: expected {CLASSIFIER_FORMAT!r}")
+    info = _read_info_file(file, CLASSIFIER_FORMAT, "expected a fine-tuned classifier directory from megakd finetune")
     try:
         config = EncoderConfig(**info["encoder"]).validate()
     except (TypeError, ValueError, KeyError) as err:

@@ -21,6 +21,7 @@ import shutil
 import socket
 import time
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -118,13 +119,24 @@ def flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
+# Backends whose checkpoints are the same plain state dicts: moving between them is an elastic
+# resume (another world size), not a change of the saved state's layout.
+PLAIN_STATE_BACKENDS = {"single", "ddp"}
+
+
+def _is_steering(key: str, old: Any, new: Any) -> bool:
+    if key == "backend.name" and {old, new} <= PLAIN_STATE_BACKENDS:
+        return True
+    return key.startswith(STEERING)
+
+
 def classify_changes(saved: dict, current: dict) -> tuple[dict, dict]:
     """({key: (old, new)} of state-bearing changes, {key: (old, new)} of steering changes)."""
     old, new = flatten(saved), flatten(current)
     state, steering = {}, {}
     for key in sorted(set(old) | set(new)):
         if old.get(key) != new.get(key):
-            target = steering if key.startswith(STEERING) else state
+            target = steering if _is_steering(key, old.get(key), new.get(key)) else state
             target[key] = (old.get(key), new.get(key))
     return state, steering
 

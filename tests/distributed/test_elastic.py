@@ -46,7 +46,7 @@ def _single(tiny_data, run, resume=None, **extra):
     cfg = load_config(CONFIG, _overrides(tiny_data, run, **extra))
     trainer = build_trainer(cfg)
     if resume:
-        trainer.resume(str(resume))
+        trainer.open_run(str(resume))
     trainer.train()
 
 

@@ -17,7 +17,7 @@ def _train(tiny_data, run_dir, resume=None, **extra):
     cfg = load_config("configs/electra-tiny.yaml", tiny_overrides(tiny_data, run_dir, **extra))
     trainer = build_trainer(cfg)
     if resume:
-        trainer.resume(resume)
+        trainer.open_run(resume)
     trainer.train()
     return trainer
 

@@ -132,7 +132,7 @@ def test_validation_leaves_training_and_exact_resume_untouched(tiny_data, tmp_pa
         assert {k: a[k] for k in training_keys} == {k: b[k] for k in training_keys}
     resumed = tmp_path / "resumed"
     trainer, _ = _run(tiny_data, resumed, **{"train.eval_every": 2})
-    trainer.resume(str(with_eval / "checkpoints" / "step_00000002"))
+    trainer.open_run(str(with_eval / "checkpoints" / "step_00000002"))
     trainer.train()
     assert_resume_exact(with_eval, resumed, [3, 4], ("generator", "discriminator"))
     assert "val_rtd_auc" in _metrics(resumed)[-1]

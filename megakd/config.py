@@ -15,7 +15,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
@@ -38,7 +38,7 @@ class RunConfig:
     tensorboard: bool = True
     wandb: bool = False
     wandb_project: str = "megakd"
-    wandb_mode: str = "offline"  # offline | online
+    wandb_mode: Literal["offline", "online"] = "offline"
     plots: bool = True
     export_hf: bool = True  # write run.dir/hf (HuggingFace format) at the end of training
     progress_bar: bool = True
@@ -49,7 +49,7 @@ class RunConfig:
 class DataConfig:
     tokenizer: str = ""  # directory from `megakd data tokenizer`; empty = built from the bundled corpus
     shards: str = ""  # directory from `megakd data shards`; empty = built from the bundled corpus
-    corpus: str = "classic"  # bundled corpus when tokenizer/shards are unset: classic (Austen + KJV) | mixed (+ modern text + RT train)
+    corpus: Literal["classic", "mixed"] = "classic"  # bundled corpus when tokenizer/shards are unset: classic (Austen + KJV) | mixed (+ modern text + RT train)
     # Size of the bundled-corpus tokenizer (unused with data.tokenizer); "auto" = the models'
     # explicit vocab_size if one is given, else BUNDLED_VOCAB_SIZE.
     vocab_size: int | str = "auto"
@@ -72,7 +72,7 @@ def _auto_vocab_encoder() -> EncoderConfig:
 
 @dataclass
 class ModelConfig:
-    objective: str = "electra"  # electra (generator + discriminator) | mlm (BERT-MLM: the generator alone)
+    objective: Literal["electra", "mlm"] = "electra"  # electra (generator + discriminator); mlm (BERT-MLM: the generator alone)
     # vocab_size "auto" (the default) = the tokenizer's size, filled in by `resolve_vocab_sizes`.
     generator: EncoderConfig = field(default_factory=_auto_vocab_encoder)
     discriminator: EncoderConfig = field(default_factory=_auto_vocab_encoder)
@@ -100,7 +100,7 @@ class OptimizerConfig:
 @dataclass
 class ScheduleConfig:
     warmup_steps: int = 0  # shared by both optimizers
-    decay: str = "linear"  # linear (to 0 at max_steps) | cosine | constant
+    decay: Literal["linear", "cosine", "constant"] = "linear"  # linear: to 0 at max_steps
 
 
 @dataclass
@@ -111,7 +111,7 @@ class OptimConfig:
     # Original ELECTRA (electra.decoupled=false) only: what optim.discriminator.clip_norm bounds.
     # weighted = ∇(L_MLM + λ·L_RTD), as original ELECTRA clips; unweighted = ∇(L_MLM/λ + L_RTD), the
     # scale DecoupledOptim clips the discriminator at (README: "λ, clipping and DecoupledOptim").
-    joint_clip: str = "weighted"
+    joint_clip: Literal[JOINT_CLIPS] = "weighted"
 
 
 BUILTIN_TASKS = ("rt", "rt_score", "corpus_pairs")
@@ -122,7 +122,7 @@ TASK_METRICS = ("accuracy", "f1", "mcc", "spearman")
 class TaskConfig:
     """A built-in task (`name`) or your own GLUE-style TSV / JSONL files (`name: files`)."""
 
-    name: str = "rt"  # rt | rt_score | corpus_pairs | files
+    name: Literal[(*BUILTIN_TASKS, "files")] = "rt"
     train: str = ""  # files: .tsv/.tsv.gz (header row) or .jsonl/.jsonl.gz
     dev: str = ""
     text_a: str = "sentence"  # column / field names (files only)
@@ -136,11 +136,10 @@ class TaskConfig:
 
     def validate(self, key: str) -> TaskConfig:
         """Check the task section found under config key `key` (`task`, `train.probe.task`)."""
-        _check_choice(f"{key}.name", self.name, (*BUILTIN_TASKS, "files"))
         if self.name == "files" and not (self.train and self.dev):
             raise ConfigError(f"{key}.train and {key}.dev: both are required with {key}.name=files")
         if self.metric:
-            _check_choice(f"{key}.metric", self.metric, TASK_METRICS)
+            check_choice(f"{key}.metric", self.metric, TASK_METRICS)
         if self.num_labels < 1:
             raise ConfigError(f"{key}.num_labels: expected >= 1 (1 = regression), got {self.num_labels}")
         if self.labels and len(self.labels) != self.num_labels:
@@ -161,7 +160,7 @@ class TrainConfig:
     micro_batch_size: int = 32
     log_every: int = 10
     save_every: int = 0  # 0 = only the final checkpoint
-    precision: str = "fp32"  # fp32 | bf16 | fp16
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     max_bad_steps: int = 10  # stop after this many non-finite losses in a row
     # Downstream probe (megakd/engine/probe.py): logistic regression on frozen encoder features of
     # a fixed slice of a task's training split, logged as probe_acc every probe_every steps.
@@ -177,16 +176,16 @@ class TrainConfig:
 
 @dataclass
 class BackendConfig:
-    name: str = "single"  # single | ddp | deepspeed
+    name: Literal["single", "ddp", "deepspeed"] = "single"
     zero_stage: int = 0
     pipeline_stages: int = 1
-    dist_backend: str = "auto"  # auto (nccl on CUDA, gloo otherwise) | gloo | nccl
+    dist_backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on CUDA, gloo otherwise
     deepspeed_config: str = ""  # JSON merged into megakd's DeepSpeed config ("auto" = megakd's value)
 
 
 @dataclass
 class KernelsConfig:
-    backend: str = "auto"  # auto | triton | torch
+    backend: Literal[BACKENDS] = "auto"
 
 
 @dataclass
@@ -198,10 +197,10 @@ class DistillConfig:
     alpha_hard: float = 1.0  # α_h on the MLM cross-entropy
     alpha_soft_start: float = 4.0  # α_s at the first step ...
     alpha_soft_end: float = 1.0  # ... and at the last
-    alpha_schedule: str = "linear"  # constant (= start) | linear | cosine | step
+    alpha_schedule: Literal[ALPHA_SCHEDULES] = "linear"  # constant = start
     alpha_step_at: float = 0.5  # step schedule: fraction of the run after which α_s = end
-    init: str = "random"  # random | remap (student initialised from the teacher; docs/methods.md § DWT)
-    remap_width: str = "net2wider"  # net2wider | zero: how remap widens a narrower teacher
+    init: Literal["random", "remap"] = "random"  # remap: student initialised from the teacher (docs/methods.md § DWT)
+    remap_width: Literal["net2wider", "zero"] = "net2wider"  # how remap widens a narrower teacher
 
 
 @dataclass
@@ -217,15 +216,8 @@ class Config:
     distill: DistillConfig = field(default_factory=DistillConfig)
 
     def validate(self) -> Config:
-        _check_choice("model.objective", self.model.objective, ("electra", "mlm"))
-        _check_choice("optim.schedule.decay", self.optim.schedule.decay, ("linear", "cosine", "constant"))
-        _check_choice("optim.joint_clip", self.optim.joint_clip, JOINT_CLIPS)
-        _check_choice("train.precision", self.train.precision, ("fp32", "bf16", "fp16"))
-        _check_choice("backend.name", self.backend.name, ("single", "ddp", "deepspeed"))
-        _check_choice("backend.dist_backend", self.backend.dist_backend, ("auto", "gloo", "nccl"))
-        _check_choice("kernels.backend", self.kernels.backend, BACKENDS)
+        check_literals(self)
         self._validate_distill()
-        _check_choice("run.wandb_mode", self.run.wandb_mode, ("offline", "online"))
         if self.data.vocab_size != "auto" and (isinstance(self.data.vocab_size, str) or self.data.vocab_size < 1):
             raise ConfigError(f"data.vocab_size: expected a positive integer or auto, got {self.data.vocab_size!r}")
         if self.backend.zero_stage not in (0, 1, 2, 3):
@@ -240,7 +232,6 @@ class Config:
         ):
             if value < 1:
                 raise ConfigError(f"{key}: expected a positive integer, got {value}")
-        _check_choice("data.corpus", self.data.corpus, ("classic", "mixed"))
         if self.train.probe_every < 0:
             raise ConfigError(f"train.probe_every: expected >= 0 (0 = off), got {self.train.probe_every}")
         if self.train.probe_every:
@@ -306,9 +297,6 @@ class Config:
 
     def _validate_distill(self) -> None:
         d = self.distill
-        _check_choice("distill.alpha_schedule", d.alpha_schedule, ALPHA_SCHEDULES)
-        _check_choice("distill.init", d.init, ("random", "remap"))
-        _check_choice("distill.remap_width", d.remap_width, ("net2wider", "zero"))
         if not d.temperature > 0:
             raise ConfigError(f"distill.temperature: expected > 0, got {d.temperature}")
         for key in ("alpha_hard", "alpha_soft_start", "alpha_soft_end"):
@@ -355,9 +343,24 @@ def resolve_vocab_sizes(cfg: Config, tokenizer_size: int, tokenizer_name: str) -
         cfg.model.discriminator.vocab_size = tokenizer_size  # unused by MLM; keeps the saved config numeric
 
 
-def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+def check_choice(key: str, value: Any, choices: tuple) -> None:
     if value not in choices:
-        raise ConfigError(f"{key}: expected one of {', '.join(choices)}, got {value!r}")
+        raise ConfigError(f"{key}: expected one of {', '.join(map(str, choices))}, got {value!r}")
+
+
+def check_literals(obj: Any, prefix: str = "") -> None:
+    """Every `Literal[...]`-typed field in a config dataclass tree holds one of its choices.
+
+    The one place choices are checked: `_coerce` applies the same rule while parsing, and this
+    covers values set in code before `validate()`.
+    """
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value, tp = getattr(obj, f.name), hints[f.name]
+        if typing.get_origin(tp) is Literal:
+            check_choice(prefix + f.name, value, typing.get_args(tp))
+        elif dataclasses.is_dataclass(value):
+            check_literals(value, f"{prefix}{f.name}.")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -366,6 +369,9 @@ def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
 
 def _coerce(value: Any, tp: Any, key: str, default: Any = None) -> Any:
     origin = typing.get_origin(tp)
+    if origin is Literal:
+        check_choice(key, value, typing.get_args(tp))
+        return value
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
         if value is None and type(None) in args:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -97,16 +98,16 @@ def test_wandb_keeps_one_run_per_run_dir(tmp_path, monkeypatch):
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    ids = []
+    ids, run_dirs = [], []
     for step in (0, 5):
         writer = MetricsWriter(tmp_path, tensorboard=False, wandb=True, wandb_project="megakd-test",
                                wandb_mode="online", config={"a": 1}, resume_step=step)
         writer.write({"step": step + 1, "gen_loss": 1.0})
         ids.append(writer.wandb.id)
+        run_dirs.append(Path(writer.wandb.dir).parent.name)  # wandb's offline-run-<time>-<id>
         assert writer.wandb.settings.mode == "offline"  # the environment wins over run.wandb_mode
         writer.close()
     stored = (tmp_path / WANDB_ID_FILE).read_text().strip()
     assert ids == [stored, stored]
-    run_dirs = sorted(p.name for p in (tmp_path / "wandb").glob("offline-run-*"))
-    # wandb names offline dirs by the second they started, so two quick runs may share one dir
-    assert run_dirs and all(name.endswith(stored) for name in run_dirs)
+    # offline-run-<second>-<id>, with "-1" appended when both runs started in the same second
+    assert all(name.startswith("offline-run-") and f"-{stored}" in name for name in run_dirs), (run_dirs, stored)

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
-from megakd.config import ConfigError, KernelsConfig, TaskConfig, _check_choice
+from megakd.config import ConfigError, KernelsConfig, TaskConfig, check_literals
 from megakd.models.encoder import EncoderConfig
 from megakd.objectives.label_reg import TARGETS
 from megakd.objectives.soteacher import CR_SCHEDULES
@@ -34,7 +35,7 @@ class ModelInitConfig:
     """
 
     path: str = ""
-    init: str = "pretrained"  # pretrained | random
+    init: Literal["pretrained", "random"] = "pretrained"
     tokenizer: str = ""  # a megakd tokenizer dir; "" = the one that comes with `path`
     encoder: EncoderConfig = field(default_factory=lambda: EncoderConfig(num_layers=2, hidden_size=64, num_heads=2,
                                                                           intermediate_size=256))
@@ -82,7 +83,7 @@ class OptimConfig:
 
 @dataclass
 class LabelRegConfig:
-    target: str = "onehot"  # onehot | ls | tfreg | kd | selfkd | akd
+    target: Literal[TARGETS] = "onehot"
     alpha: float = 0.0  # weight of the smoothing distribution / of the KD term
     a: float = 0.95  # TF-reg: probability of the true class in the teacher-free distribution
     temperature: float = 1.0  # KD τ; akd: the maximum temperature τ_max
@@ -98,7 +99,7 @@ class SoTeacherConfig:
     enabled: bool = False
     lambda_lr: float = 1e-5  # Lipschitz penalty weight
     lambda_cr: float = 1.0  # consistency weight at the last epoch (λ_CR^max)
-    cr_schedule: str = "linear"  # linear | cosine | cyclic | piecewise
+    cr_schedule: Literal[CR_SCHEDULES] = "linear"
     student: ModelInitConfig = field(default_factory=ModelInitConfig)
     student_alpha: float = 0.5  # RepDistiller: α·CE + (1−α)·τ²·KL, α = 0.5, τ = 4
     student_temperature: float = 4.0
@@ -112,10 +113,10 @@ class TGTConfig:
     enabled: bool = False
     generator: str = ""  # an MLM: pretraining run/checkpoint (its generator), megakd model dir, HF MLM dir
     labeler: str = ""  # a fine-tuned classifier directory
-    mode: str = "random"  # random | gradient
+    mode: Literal["random", "gradient"] = "random"
     mask_prob: float = 0.15  # fraction p of tokens resampled
     noise_std: float = 0.0  # σ of Gaussian noise on the generator's input embeddings
-    ascent: str = "paper"  # gradient mode: paper (η·∇ of Σ H(h, f), discrete forward, straight-through
+    ascent: Literal["paper", "normalized"] = "paper"  # gradient mode: paper (η·∇ of Σ H(h, f), discrete forward, straight-through
     # backward) | normalized (η·∇/‖∇‖ of KL(h ‖ f) on the soft mixture π·W_emb)
     step_size: float = 1.0  # gradient mode: η of each ascent step
     steps: int = 1  # gradient mode: ascent steps
@@ -139,9 +140,8 @@ class FinetuneConfig:
 
     def validate(self) -> FinetuneConfig:
         t, f, lr = self.task, self.finetune, self.labelreg
+        check_literals(self)
         t.validate("task")
-        for init in (("model", self.model), ("soteacher.student", self.soteacher.student)):
-            _check_choice(f"{init[0]}.init", init[1].init, ("pretrained", "random"))
         if self.model.init == "pretrained" and not self.model.path:
             raise ConfigError("model.path: required with model.init=pretrained (or set model.init=random)")
         for key in ("epochs", "batch_size", "eval_batch_size", "max_seq_len", "log_every"):
@@ -166,7 +166,6 @@ class FinetuneConfig:
             raise ConfigError(f"finetune.lr_select_frac: expected a fraction in (0, 1), got {f.lr_select_frac}")
         if f.clip_norm < 0 or f.eps <= 0:
             raise ConfigError("finetune.clip_norm must be >= 0 and finetune.eps > 0")
-        _check_choice("labelreg.target", lr.target, TARGETS)
         if not 0.0 <= lr.alpha <= 1.0:
             raise ConfigError(f"labelreg.alpha: expected a value in [0, 1], got {lr.alpha}")
         if not 0.0 < lr.a <= 1.0:
@@ -183,14 +182,11 @@ class FinetuneConfig:
         if t.num_labels == 1 and (lr.target != "onehot" or self.soteacher.enabled or self.tgt.enabled):
             raise ConfigError("task.num_labels=1 (regression): labelreg, soteacher and tgt need a classification task")
         s = self.soteacher
-        _check_choice("soteacher.cr_schedule", s.cr_schedule, CR_SCHEDULES)
         if s.lambda_lr < 0 or s.lambda_cr < 0:
             raise ConfigError("soteacher.lambda_lr and soteacher.lambda_cr: expected >= 0")
         if s.enabled and s.distill_student and s.student.init == "pretrained" and not s.student.path:
             raise ConfigError("soteacher.student.path: required with soteacher.student.init=pretrained")
         g = self.tgt
-        _check_choice("tgt.mode", g.mode, ("random", "gradient"))
-        _check_choice("tgt.ascent", g.ascent, ("paper", "normalized"))
         if g.enabled and not (g.generator and g.labeler):
             raise ConfigError("tgt.generator and tgt.labeler: both are required with tgt.enabled=true")
         if not 0.0 < g.mask_prob < 1.0:
@@ -199,7 +195,6 @@ class FinetuneConfig:
             raise ConfigError("tgt.noise_std and tgt.step_size: expected >= 0; tgt.steps: expected >= 1")
         if g.enabled and s.enabled:
             raise ConfigError("tgt.enabled and soteacher.enabled: choose one method per run")
-        _check_choice("kernels.backend", self.kernels.backend, ("auto", "triton", "torch"))
         for init in (self.model, s.student):
             if init.init == "random" and not init.path:
                 if not init.tokenizer:

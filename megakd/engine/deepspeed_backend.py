@@ -124,11 +124,12 @@ class DeepSpeedBackend(DDPBackend):
 
     def __init__(self, cfg: Config):
         super().__init__(cfg.train.precision, cfg.backend.dist_backend)
+        # deepspeed.initialize reads LOCAL_RANK from the environment, also when the process group
+        # already exists (e.g. an earlier engine in this process); for a lone process it is 0.
+        os.environ.setdefault("LOCAL_RANK", str(self.local_rank))
         if not dist.is_initialized():
             # DeepSpeed needs a process group even for one process; a private loopback one
-            # leaves RANK/MASTER_* alone. deepspeed.initialize still reads LOCAL_RANK, which for
-            # a lone process can only be 0.
-            os.environ.setdefault("LOCAL_RANK", "0")
+            # leaves RANK/MASTER_* alone.
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]

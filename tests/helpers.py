@@ -23,3 +23,14 @@ def tiny_overrides(tiny_data, run_dir, **extra) -> list[str]:
             out.append(f"model.{name}.{k}={v}")
     out += [f"{k}={v}" for k, v in extra.items()]
     return out
+
+
+def padded_inputs(length: int = 40) -> dict:
+    """Two random id rows of `length` tokens (no special ids), the first padded after 30."""
+    import torch
+
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(5, TINY_VOCAB, (2, length), generator=g)
+    mask = torch.ones(2, length, dtype=torch.long)
+    mask[0, 30:] = 0
+    return {"input_ids": ids, "attention_mask": mask}

@@ -13,17 +13,9 @@ from megakd.models.admin import admin_initialize
 from megakd.models.electra import Discriminator, MaskedLM
 from megakd.models.encoder import EncoderConfig
 from megakd.store.checkpoint_models import load_checkpoint, resolve_checkpoint
-from tests.helpers import TINY_VOCAB, tiny_overrides
+from tests.helpers import TINY_VOCAB, padded_inputs, tiny_overrides
 
 CONFIG = Path(__file__).parents[2] / "configs" / "electra-tiny.yaml"
-
-
-def _inputs(length: int = 40) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(3)
-    ids = torch.randint(5, TINY_VOCAB, (2, length), generator=g)
-    mask = torch.ones(2, length, dtype=torch.long)
-    mask[0, 30:] = 0
-    return {"input_ids": ids, "attention_mask": mask}
 
 
 def test_original_electra_t5_relative_run_exports_remote_code(tiny_data, tmp_path):
@@ -39,7 +31,7 @@ def test_original_electra_t5_relative_run_exports_remote_code(tiny_data, tmp_pat
     out = tmp_path / "hf"
     assert to_hf(run, out) == {"discriminator": "MegakdForPreTraining", "generator": "MegakdForMaskedLM"}
     ckpt = load_checkpoint(resolve_checkpoint(run))
-    x = _inputs()  # 40 tokens: beyond relative_max_distance=20, so the log buckets are exercised
+    x = padded_inputs()  # 40 tokens: beyond relative_max_distance=20, so the log buckets are exercised
     disc = AutoModelForPreTraining.from_pretrained(out / "discriminator", trust_remote_code=True,
                                                    local_files_only=True).eval()
     gen = AutoModelForMaskedLM.from_pretrained(out / "generator", trust_remote_code=True,
@@ -59,14 +51,14 @@ def test_admin_model_exports_with_its_omegas(tmp_path):
     cfg = EncoderConfig(vocab_size=TINY_VOCAB, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
                         init="admin", dropout=0.0, attention_dropout=0.0, max_position_embeddings=64)
     disc = Discriminator(cfg).eval()
-    admin_initialize(disc.encoder, _inputs()["input_ids"])
+    admin_initialize(disc.encoder, padded_inputs()["input_ids"])
     with torch.no_grad():  # as after training: per-channel ω far from 1, so losing them would show
         for layer in disc.encoder.layers:
             layer.attention_omega.uniform_(0.5, 2.0)
             layer.ffn_omega.uniform_(0.5, 2.0)
     save_hf_model(disc, "electra_discriminator", tmp_path, tokenizer_dir=None)
     hf = AutoModelForPreTraining.from_pretrained(tmp_path, trust_remote_code=True, local_files_only=True).eval()
-    x = _inputs()
+    x = padded_inputs()
     with torch.no_grad():
         diff = (hf(**x).logits - disc.rtd_logits(disc(**x)))[x["attention_mask"].bool()].abs().max()
     assert diff <= 1e-5
@@ -87,6 +79,6 @@ def test_remote_mlm_round_trip_through_model_dir_is_self_contained(tmp_path):
         imports = [line for line in py.read_text().splitlines() if line.startswith(("import", "from"))]
         assert not any("megakd." in line for line in imports), py
     hf = AutoModelForMaskedLM.from_pretrained(tmp_path, trust_remote_code=True, local_files_only=True).eval()
-    x = _inputs()
+    x = padded_inputs()
     with torch.no_grad():
         assert (hf(**x).logits - mlm.logits(**x))[x["attention_mask"].bool()].abs().max() <= 1e-5

@@ -26,7 +26,7 @@ from megakd.data.tokenizer import Tokenizer
 from megakd.models.admin import admin_initialize
 from megakd.models.electra import Discriminator, MaskedLM
 from megakd.models.encoder import EncoderConfig
-from tests.helpers import TINY_VOCAB
+from tests.helpers import TINY_VOCAB, padded_inputs
 
 LOAD = {"trust_remote_code": True, "local_files_only": True}
 
@@ -37,14 +37,6 @@ def _config() -> EncoderConfig:
                          init="admin", dropout=0.0, attention_dropout=0.0, max_position_embeddings=64)
 
 
-def _inputs(length: int = 40) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(3)
-    ids = torch.randint(5, TINY_VOCAB, (2, length), generator=g)
-    mask = torch.ones(2, length, dtype=torch.long)
-    mask[0, 30:] = 0
-    return {"input_ids": ids, "attention_mask": mask}
-
-
 @pytest.fixture(scope="module")
 def exported(tiny_data, tmp_path_factory):
     """(discriminator dir, generator dir, megakd discriminator, megakd generator) with trained-like ω."""
@@ -52,7 +44,7 @@ def exported(tiny_data, tmp_path_factory):
     torch.manual_seed(0)
     disc, gen = Discriminator(_config()).eval(), MaskedLM(_config()).eval()
     for model in (disc, gen):
-        admin_initialize(model.encoder, _inputs()["input_ids"])
+        admin_initialize(model.encoder, padded_inputs()["input_ids"])
         with torch.no_grad():
             for layer in model.encoder.layers:
                 layer.attention_omega.uniform_(0.5, 2.0)
@@ -65,7 +57,7 @@ def exported(tiny_data, tmp_path_factory):
 
 def test_token_classification_and_qa_heads_load_on_the_exported_encoder(exported):
     disc_dir, _, disc, _ = exported
-    x = _inputs()
+    x = padded_inputs()
     with torch.no_grad():
         want = disc.encoder(**x)
     tagger = AutoModelForTokenClassification.from_pretrained(disc_dir, num_labels=5, **LOAD).eval()
@@ -90,7 +82,7 @@ def test_token_classification_and_qa_heads_load_on_the_exported_encoder(exported
 def test_hidden_states_and_attentions_match_megakds_layers(exported):
     """Every hidden state is the megakd layer's input/output, and probs·V reproduces its attention."""
     disc_dir, _, disc, _ = exported
-    x = _inputs()
+    x = padded_inputs()
     hf = AutoModel.from_pretrained(disc_dir, **LOAD).eval()
     with torch.no_grad():
         out = hf(**x, output_hidden_states=True, output_attentions=True)
@@ -114,7 +106,7 @@ def test_hidden_states_and_attentions_match_megakds_layers(exported):
 
 def test_resize_token_embeddings_keeps_the_tie_and_the_old_logits(exported, tmp_path):
     _, gen_dir, _, gen = exported
-    x = _inputs()
+    x = padded_inputs()
     hf = AutoModelForMaskedLM.from_pretrained(gen_dir, **LOAD).eval()
     hf.resize_token_embeddings(TINY_VOCAB + 8)
     assert hf.head.decoder_weight.data_ptr() == hf.encoder.embeddings.word_embeddings.weight.data_ptr()
@@ -131,7 +123,7 @@ def test_resize_token_embeddings_keeps_the_tie_and_the_old_logits(exported, tmp_
 
 def test_gradient_checkpointing_recomputes_layers_and_keeps_gradients(exported):
     disc_dir, _, _, _ = exported
-    x = _inputs()
+    x = padded_inputs()
     labels = torch.randint(0, 3, (2, 40), generator=torch.Generator().manual_seed(1))
 
     def grads(checkpointing: bool) -> tuple[dict, int]:
@@ -180,7 +172,7 @@ class _Rows(torch.utils.data.Dataset):
 def test_one_hf_trainer_step_on_each_head(exported, tmp_path, head):
     """Trainer's logged loss is the head's loss on the batch, and the step moves the weights."""
     disc_dir, _, _, _ = exported
-    x = _inputs()
+    x = padded_inputs()
     if head == "token_classification":
         model = AutoModelForTokenClassification.from_pretrained(disc_dir, num_labels=3, **LOAD)
         targets = {"labels": torch.randint(0, 3, (2, 40), generator=torch.Generator().manual_seed(2))}

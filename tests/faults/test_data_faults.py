@@ -96,6 +96,15 @@ FAULTS = [
 ]
 
 
+def damaged_copy(tiny_data, tmp_path: Path, damage) -> tuple[Path, str]:
+    """(a copy of the tiny shards with `damage` applied to its first shard, that shard's name)."""
+    shards = tmp_path / "shards"
+    shutil.copytree(tiny_data[1], shards)
+    name = first_shard(shards)
+    damage(shards, name)
+    return shards, name
+
+
 @pytest.fixture(scope="module")
 def run_with_checkpoint(tiny_data, tmp_path_factory) -> Path:
     """A 2-step run with its checkpoint: what every row resumes from (and must leave untouched)."""
@@ -109,11 +118,8 @@ def run_with_checkpoint(tiny_data, tmp_path_factory) -> Path:
 @pytest.mark.parametrize(("damage", "pattern"), [f[1:] for f in FAULTS], ids=[f[0] for f in FAULTS])
 def test_damaged_data_stops_with_one_line_and_loses_nothing(tiny_data, run_with_checkpoint, tmp_path,
                                                             damage, pattern):
-    tokenizer, clean = tiny_data
-    shards = tmp_path / "shards"
-    shutil.copytree(clean, shards)
-    name = first_shard(shards)
-    damage(shards, name)
+    tokenizer = tiny_data[0]
+    shards, name = damaged_copy(tiny_data, tmp_path, damage)
     run = tmp_path / "run"
     # A resealed shard changes the data fingerprint, which a resume refuses first: start fresh.
     resume = "reseal" not in damage.__name__
@@ -135,11 +141,8 @@ def test_damaged_data_stops_with_one_line_and_loses_nothing(tiny_data, run_with_
 def test_flipped_bit_with_skip_bad_shards_trains_on_and_counts_it(tiny_data, tmp_path):
     """`data.skip_bad_shards=true`: the sha256 mismatch is logged and the shard skipped whole. The
     shard is read completely before any of its samples is used, so none of it was trained on."""
-    tokenizer, clean = tiny_data
-    shards = tmp_path / "shards"
-    shutil.copytree(clean, shards)
-    name = first_shard(shards)
-    flip_bit(shards, name)
+    tokenizer = tiny_data[0]
+    shards, name = damaged_copy(tiny_data, tmp_path, flip_bit)
     run = tmp_path / "run"
     out = megakd("pretrain", "-c", "configs/electra-tiny.yaml",
                  *tiny_overrides((tokenizer, shards), run, **{"train.max_steps": 2, "run.export_hf": "false",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import tempfile
@@ -39,3 +40,12 @@ def atomic_output_dir(out: str | Path, *, force: bool = False, error: type[Excep
     tmp.rename(out)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    """Hex sha256 of a file, read in chunks."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()

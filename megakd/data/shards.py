@@ -250,14 +250,6 @@ class _ShardWriter:
         self.pending = []
 
 
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def write_shards(
     inputs: list[str | Path],
     tokenizer: Tokenizer,
@@ -407,15 +399,4 @@ def _check_shard_entry(manifest: Path, entry: Any) -> None:
     if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest) or not digest.strip("0"):
         raise UserError(f"{manifest}: shard {name!r} has sha256={digest!r}, expected 64 lowercase hex digits "
                         f"(not all zero)")
-
-
-def verify_shards(shards_dir: str | Path) -> None:
-    """Check every shard's size and sha256 against the manifest (a full read of the data)."""
-    m = read_manifest(shards_dir)
-    for s in m["shards"]:
-        path = Path(shards_dir) / s["file"]
-        if not path.is_file():
-            raise FileNotFoundError(f"shard {path}: missing (listed in manifest)")
-        if path.stat().st_size != s["bytes"] or file_sha256(path) != s["sha256"]:
-            raise UserError(f"shard {path}: size or sha256 differs from {MANIFEST}")
 

@@ -18,7 +18,8 @@ import shutil
 import time
 from pathlib import Path
 
-from megakd.store.files import StoreError, fsync_dir, fsync_tree, load_state, save_state, sha256_file
+from megakd.fsutil import sha256_file
+from megakd.store.files import StoreError, fsync_dir, fsync_tree, load_state, save_state
 
 log = logging.getLogger(__name__)
 

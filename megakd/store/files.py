@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -154,14 +153,6 @@ def _fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def tree_bytes(root: Path) -> int:

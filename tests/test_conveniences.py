@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from megakd.cli import main
-from megakd.config import ConfigError, load_config
+from megakd.config import ConfigError, config_to_dict, load_config
 from megakd.data.tokenizer import Tokenizer
 from megakd.engine.pretrain import resolve_config
 from megakd.store.checkpoint import latest_checkpoint
@@ -59,7 +59,8 @@ def test_print_config_prints_the_resolved_config_and_writes_nothing(tiny_data, t
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["train"]["max_steps"] == 17
     assert printed["model"]["discriminator"]["vocab_size"] == TINY_VOCAB  # auto, resolved
-    assert load_config(None, [f"{k}={json.dumps(v)}" for k, v in _flat(printed).items()]) is not None
+    reloaded = load_config(None, [f"{k}={json.dumps(v)}" for k, v in _flat(printed).items()])
+    assert _flat(config_to_dict(reloaded)) == _flat(printed)  # the printed config is complete and valid
     assert not run.exists()
 
 

@@ -306,8 +306,9 @@ class Trainer:
             seed = self.cfg.train.seed * 1_000_003 + b.rank + 104_729 * mine["step"]
             torch.manual_seed(seed)
             self.rng.manual_seed(seed)
-            rng = {"torch": torch.get_rng_state(), "cuda": None, "sampling": self.rng.get_state(),
-                   "python": random.getstate(), "numpy": _numpy_state_to_plain(np.random.get_state())}
+            random.seed(seed)
+            np.random.seed(seed % 2**32)
+            rng = self.rank_state()["rng"]
         self.load_rank_state({**mine, "interval": dict(interval), "rng": rng})
         log.warning("elastic resume: %d -> %d processes at step %d, global sample position %d",
                     saved_world, b.world_size, self.step, self.loader.position)

@@ -62,7 +62,7 @@ class Validator:
                     if "discriminator" in self.units:
                         corrupted = corrupt(batch["input_ids"], batch["mlm_mask"], gen_out["samples"])
                         disc_out = b.forward(self.units["discriminator"], corrupted, batch["input_ids"],
-                                             batch["attention_mask"])
+                                             batch["attention_mask"], batch.get("segment_ids"))
                 for key, value in gen_out["stats"].items():
                     sums[key] = sums.get(key, 0.0) + float(value)
                 if self.kd is not None:

@@ -8,7 +8,7 @@ directory stops at once and names the holder. The kernel drops the lock when the
 however it dies, so a stale lock file never blocks a resume.
 
 At resume the checkpoint's config is compared with the current one key by key (see
-`classify_changes`): steering keys change freely; a state-bearing key must be named with
+`state_changes`): steering keys change freely; a state-bearing key must be named with
 `--allow-change KEY`, and then the run directory keeps the earlier config as
 `config_history/step_NNNNNNNN.yaml` (the config that applied up to that step).
 """
@@ -130,20 +130,16 @@ def _is_steering(key: str, old: Any, new: Any) -> bool:
     return key.startswith(STEERING)
 
 
-def classify_changes(saved: dict, current: dict) -> tuple[dict, dict]:
-    """({key: (old, new)} of state-bearing changes, {key: (old, new)} of steering changes)."""
+def state_changes(saved: dict, current: dict) -> dict:
+    """{key: (old, new)} of every state-bearing key that differs (steering keys may change freely)."""
     old, new = flatten(saved), flatten(current)
-    state, steering = {}, {}
-    for key in sorted(set(old) | set(new)):
-        if old.get(key) != new.get(key):
-            target = steering if _is_steering(key, old.get(key), new.get(key)) else state
-            target[key] = (old.get(key), new.get(key))
-    return state, steering
+    return {key: (old.get(key), new.get(key)) for key in sorted(set(old) | set(new))
+            if old.get(key) != new.get(key) and not _is_steering(key, old.get(key), new.get(key))}
 
 
 def check_changes(checkpoint: Path, saved: dict, current: dict, allowed: tuple[str, ...]) -> dict:
     """Refuse unnamed or unchangeable state-bearing changes in one line; returns the allowed ones."""
-    state, _ = classify_changes(saved, current)
+    state = state_changes(saved, current)
     unknown = sorted(set(allowed) - set(flatten(current)))
     if unknown:
         raise StoreError(f"--allow-change {unknown[0]}: not a config key")

@@ -57,6 +57,10 @@ class DataConfig:
     cache_dir: str = ""  # where the bundled-corpus default is built once; "" = $MEGAKD_CACHE or ~/.cache/megakd
     mask_prob: float = 0.15
     num_workers: int = 0
+    # Shards whose samples are interleaved in one seeded permutation (held in memory together, per
+    # rank and per worker): shards are written in input order, so with 1 a batch is a few pages of
+    # one book, and a masked LM on the bundled corpus left its unigram plateau ~200 steps later.
+    shuffle_shards: int = 16
     skip_bad_shards: bool = False
     # Held-out shards for train.eval_every; "auto" = <data.shards>/valid when it exists
     # (`megakd data shards --valid-fraction`), "" = none.
@@ -243,6 +247,8 @@ class Config:
                     raise ConfigError(f"train.{key}: expected a positive integer, got {getattr(self.train, key)}")
         if not 0.0 < self.data.mask_prob < 1.0:
             raise ConfigError(f"data.mask_prob: expected a value in (0, 1), got {self.data.mask_prob}")
+        if self.data.shuffle_shards < 1:
+            raise ConfigError(f"data.shuffle_shards: expected a positive integer, got {self.data.shuffle_shards}")
         if self.electra.loss_weight <= 0:
             raise ConfigError(f"electra.loss_weight: expected > 0, got {self.electra.loss_weight}")
         for name in ("generator", "discriminator"):

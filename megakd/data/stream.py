@@ -2,9 +2,11 @@
 
 Order (a pure function of the seed, never of timing or of the world layout):
 
-1. Epoch ``e`` has one global sequence of all N samples: shards in a seeded permutation, and
-   inside each shard its samples in a seeded permutation. Epochs follow each other, so global
-   position ``p`` is sample ``p mod N`` of epoch ``p div N``'s sequence.
+1. Epoch ``e`` has one global sequence of all N samples: shards in a seeded permutation, cut
+   into groups of ``shuffle_shards`` consecutive shards, and inside each group all its samples in
+   one seeded permutation (shards are written in input order, so a single shard is a few pages of
+   one source; interleaving a group's shards makes every batch a mix). Epochs follow each other,
+   so global position ``p`` is sample ``p mod N`` of epoch ``p div N``'s sequence.
 2. Micro-batches are consecutive slices of that global sequence, dealt to ranks in turn: a rank's
    ``m``-th micro-batch is positions ``[(m*W + r)*B, (m*W + r + 1)*B)`` for rank ``r`` of ``W``
    with micro-batch size ``B``. An optimizer step of ``A`` accumulation rounds thus consumes the
@@ -20,9 +22,10 @@ Order (a pure function of the seed, never of timing or of the world layout):
    ``W*B`` divides the global batch). Nothing is replayed or skipped, and nothing before the
    position is read.
 
-Each rank reads the shards that hold its slices; consecutive positions share a shard, so a shard
-is opened once per rank while the global order passes through it (every rank reads every shard
-once per epoch: the price of a layout-free order; decoding is cheap next to a training step).
+Each rank reads the shard groups that hold its slices; a group's shards are read together and kept
+in memory while the global order passes through it (``shuffle_shards`` shards per rank and per
+DataLoader worker), so every rank reads every shard once per epoch: the price of a layout-free
+order; decoding is cheap next to a training step.
 Masks are pure functions of (seed, epoch, index) too (:mod:`megakd.data.masking`).
 """
 
@@ -75,8 +78,8 @@ def epoch_shard_order(num_shards: int, seed: int, epoch: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch, 0]).permutation(num_shards)
 
 
-def in_shard_order(num_samples: int, seed: int, epoch: int, shard: int) -> np.ndarray:
-    return np.random.default_rng([seed, epoch, 1, shard]).permutation(num_samples)
+def in_group_order(num_samples: int, seed: int, epoch: int, group: int) -> np.ndarray:
+    return np.random.default_rng([seed, epoch, 1, group]).permutation(num_samples)
 
 
 def _decode_npy(data: bytes, headers: dict[bytes, tuple[np.dtype, tuple[int, ...]]]) -> np.ndarray:
@@ -209,6 +212,7 @@ class _Plan:
     mask_id: int
     special_ids: tuple[int, ...]
     segment_start_id: int | None  # [CLS] for packed shards (see megakd.data.shards), else None
+    shuffle_shards: int  # shards whose samples are interleaved (one seeded permutation per group)
     skip_bad_shards: bool
     known_bad: frozenset[str]
     vocab_size: int
@@ -222,7 +226,7 @@ class _Plan:
 
 
 class _SampleReader:
-    """Samples by global position; keeps the current shard while consecutive positions stay in it."""
+    """Samples by global position; keeps the current shard group in memory while positions stay in it."""
 
     def __init__(self, plan: _Plan, bad: list[tuple[str, str]]) -> None:
         self.plan = plan
@@ -231,44 +235,55 @@ class _SampleReader:
         self.counts = np.asarray(plan.counts)
         self.first_index = np.asarray([e["first_index"] for e in plan.entries])
         self.epoch = -1
-        self.shard = -1
+        self.group = -1
 
     def _open_epoch(self, epoch: int) -> None:
-        self.epoch, self.shard = epoch, -1
-        self.order = epoch_shard_order(len(self.counts), self.plan.seed, epoch)
-        self.ends = np.cumsum(self.counts[self.order])
+        self.epoch, self.group = epoch, -1
+        order = epoch_shard_order(len(self.counts), self.plan.seed, epoch)
+        size = self.plan.shuffle_shards
+        self.groups = [order[i:i + size] for i in range(0, len(order), size)]
+        self.group_ends = np.cumsum([self.counts[g].sum() for g in self.groups])
 
-    def _open_shard(self, shard: int) -> None:
+    def _load_shard(self, shard: int) -> list[np.ndarray] | None:
         p = self.plan
-        self.shard, self.samples = shard, None
         name = p.files[shard]
         if name in self.known_bad:
-            return
+            return None
         try:
-            self.samples = read_shard(Path(p.shards_dir) / name, p.entries[shard], p.dtype,
-                                      vocab_size=p.vocab_size, seq_len=p.seq_len, verify=p.verify)
+            return read_shard(Path(p.shards_dir) / name, p.entries[shard], p.dtype,
+                              vocab_size=p.vocab_size, seq_len=p.seq_len, verify=p.verify)
         except ShardError as e:
             if not p.skip_bad_shards:
                 raise
             logger.warning("skipping bad shard (skip_bad_shards=True): %s", e)
             self.known_bad.add(name)
             self.bad.append((name, str(e)))
-            return
-        self.perm = in_shard_order(len(self.samples), p.seed, self.epoch, shard)
+            return None
+
+    def _open_group(self, group: int) -> None:
+        """Read the group's shards (in epoch order) and draw its seeded sample permutation."""
+        self.group = group
+        shards = self.groups[group]
+        self.loaded = [self._load_shard(int(shard)) for shard in shards]
+        self.shard_ends = np.cumsum(self.counts[shards])
+        self.perm = in_group_order(int(self.shard_ends[-1]), self.plan.seed, self.epoch, group)
 
     def sample(self, position: int) -> tuple[int, int, np.ndarray] | None:
         """(epoch, global index, ids) at ``position``, or None if its shard is bad (and skipped)."""
         epoch, offset = divmod(position, self.plan.total)
         if epoch != self.epoch:
             self._open_epoch(epoch)
-        k = int(np.searchsorted(self.ends, offset, side="right"))
-        shard = int(self.order[k])
-        if shard != self.shard:
-            self._open_shard(shard)
-        if self.samples is None:
+        k = int(np.searchsorted(self.group_ends, offset, side="right"))
+        if k != self.group:
+            self._open_group(k)
+        j = int(self.perm[offset - (int(self.group_ends[k]) - int(self.shard_ends[-1]))])
+        i = int(np.searchsorted(self.shard_ends, j, side="right"))
+        samples = self.loaded[i]
+        if samples is None:
             return None
-        j = int(self.perm[offset - (int(self.ends[k]) - int(self.counts[shard]))])
-        return epoch, int(self.first_index[shard] + j), self.samples[j]
+        shard = int(self.groups[k][i])
+        j -= int(self.shard_ends[i]) - int(self.counts[shard])
+        return epoch, int(self.first_index[shard] + j), samples[j]
 
 
 class _RankDataset(IterableDataset):
@@ -377,6 +392,7 @@ class PretrainingLoader:
         skip_bad_shards: bool = False,
         pin_memory: bool = False,
         verify: bool = True,
+        shuffle_shards: int = 16,
     ) -> None:
         self.shards_dir = Path(shards_dir)
         manifest = read_manifest(self.shards_dir)
@@ -386,9 +402,10 @@ class PretrainingLoader:
                              f"{tokenizer.vocab_hash}")
         if not 0 <= rank < world_size:
             raise UserError(f"rank={rank}, world_size={world_size}: expected 0 <= rank < world_size")
-        if micro_batch_size < 1 or num_workers < 0 or not 0.0 <= mask_prob <= 1.0:
+        if micro_batch_size < 1 or num_workers < 0 or not 0.0 <= mask_prob <= 1.0 or shuffle_shards < 1:
             raise UserError(f"micro_batch_size={micro_batch_size}, num_workers={num_workers}, "
-                             f"mask_prob={mask_prob}: expected ≥ 1, ≥ 0, in [0, 1]")
+                             f"mask_prob={mask_prob}, shuffle_shards={shuffle_shards}: expected ≥ 1, ≥ 0, "
+                             "in [0, 1], ≥ 1")
         self.num_workers = num_workers
         self.pin_memory = pin_memory
         total = manifest["num_samples"]
@@ -422,6 +439,7 @@ class PretrainingLoader:
             vocab_size=tokenizer.vocab_size,
             seq_len=manifest["seq_len"],
             verify=verify,
+            shuffle_shards=shuffle_shards,
         )
         self.seq_len: int = manifest["seq_len"]
         self.packed: bool = bool(manifest.get("packed", False))

@@ -139,7 +139,8 @@ def admin_profile(cfg: Config, models: list[MaskedLM | Discriminator | None], sh
     if not admin:
         return
     loader = PretrainingLoader(shards_dir, tokenizer, micro_batch_size=cfg.train.micro_batch_size,
-                               seed=cfg.train.seed, mask_prob=cfg.data.mask_prob)
+                               seed=cfg.train.seed, mask_prob=cfg.data.mask_prob,
+                               shuffle_shards=cfg.data.shuffle_shards)
     batch = next(iter(loader))
     for model in admin:
         ids = batch["masked_input_ids"] if isinstance(model, MaskedLM) else batch["input_ids"]
@@ -170,6 +171,7 @@ def build_loader(cfg: Config, tokenizer: Tokenizer, shards_dir: Path, micro_batc
         shards_dir, tokenizer, micro_batch_size=micro_batch_size, rank=rank, world_size=world_size,
         num_workers=cfg.data.num_workers, seed=cfg.train.seed, mask_prob=cfg.data.mask_prob,
         skip_bad_shards=cfg.data.skip_bad_shards, pin_memory=torch.cuda.is_available(),
+        shuffle_shards=cfg.data.shuffle_shards,
     )
 
 

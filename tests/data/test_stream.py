@@ -68,6 +68,31 @@ def test_order_is_shuffled_and_changes_per_epoch(small_shards, tokenizer):
     assert torch.cat([b["index"] for b in take(other_seed, 4)]).tolist() != idx[:20].tolist()
 
 
+@pytest.mark.parametrize("group", [1, 3, 16])
+def test_shuffle_shards_interleaves_exactly_the_groups_shards(small_shards, tokenizer, group):
+    """Epoch order = the seeded shard permutation cut into groups of `shuffle_shards`, each group's
+    samples in one permutation: position ranges hold exactly their group's samples, and a batch
+    mixes shards whenever a group has more than one."""
+    from megakd.data.stream import epoch_shard_order
+
+    m = read_manifest(small_shards)
+    counts = [e["samples"] for e in m["shards"]]
+    shard_of = {e["first_index"] + j: k for k, e in enumerate(m["shards"]) for j in range(e["samples"])}
+    loader = PretrainingLoader(small_shards, tokenizer, micro_batch_size=5, seed=1, shuffle_shards=group)
+    n = loader.num_samples
+    idx = torch.cat([b["index"] for b in take(loader, n // 5 + 1)])[:n].tolist()
+    assert sorted(idx) == list(range(n))
+    order = epoch_shard_order(len(counts), 1, 0).tolist()
+    start = 0
+    for g in range(0, len(order), group):
+        shards = order[g:g + group]
+        end = start + sum(counts[k] for k in shards)
+        assert {shard_of[i] for i in idx[start:end]} == set(shards)
+        start = end
+    mixed = [len({shard_of[i] for i in idx[b:b + 5]}) > 1 for b in range(0, counts[order[0]] - 5, 5)]
+    assert all(not x for x in mixed) if group == 1 else any(mixed)
+
+
 def test_batch_format(small_shards, tokenizer):
     b = take(PretrainingLoader(small_shards, tokenizer, micro_batch_size=6), 1)[0]
     assert b["input_ids"].dtype == b["masked_input_ids"].dtype == b["index"].dtype == torch.int64

@@ -221,9 +221,9 @@ class RelativePositionBias(nn.Module):
 
         With the usual N(0, 0.02) table every head starts attending uniformly, so its output is
         the same bag of words at every position; starting head 0 on the token and its neighbours
-        and later heads ever broader gives each position its own context from step 0. An option,
-        not a cure: in short CPU screens it did not shorten the masked-LM unigram plateau (README,
-        "Does pretraining pay off here?").
+        and later heads ever broader gives each position its own context from step 0. At CPU
+        scale it is what lets a small masked LM leave the unigram plateau within a few hundred
+        steps (docs/recipes.md).
         """
         offsets = torch.arange(-self.max_distance, self.max_distance + 1)
         buckets = relative_position_bucket(offsets, self.num_buckets, self.max_distance)

@@ -16,11 +16,14 @@ from megakd.finetune.config import FinetuneConfig
 from megakd.repro.report import FindingReport, mean_std, pyplot, save_figure
 from megakd.repro.runs import (
     FINETUNE_RT,
+    FULL_FINETUNE,
+    FULL_NOTE,
     PRETRAIN_RECIPE,
     QUICK_FINETUNE,
     QUICK_NOTE,
     Costs,
     base_encoder,
+    base_steps_to_run,
     finetune,
     recipe_value,
     seed_values,
@@ -38,7 +41,7 @@ METHODS = {
     "self-KD": ("labelreg.target=selfkd", "labelreg.alpha=0.5", "labelreg.temperature=1"),
 }
 TEACHER_SEED = 1000  # the teachers' fine-tuning seed, apart from the students' seeds
-FULL = {"seeds": (42, 549, 1237, 230, 805), "finetune": ()}  # the paper's five seeds
+FULL = {"seeds": (42, 549, 1237, 230, 805), "finetune": FULL_FINETUNE}  # the paper's five seeds
 QUICK = {"seeds": (0, 1), "finetune": QUICK_FINETUNE}
 PAPER = ("Kobyzev, Jafari et al., GLUE dev Score (mean ± std of 5 runs). Pretrained DistilRoBERTa (Table 1): "
          "fine-tune 82.64 ± 0.11, LS 82.78 ± 0.15, TF-reg 82.78 ± 0.29, self-KD 82.81 ± 0.19, KD 83.08 ± 0.14; "
@@ -54,8 +57,9 @@ def run(out_dir: Path, work: Path, quick: bool = False, seeds: tuple[int, ...] |
     seeds = tuple(seeds or settings["seeds"])
     work.mkdir(parents=True, exist_ok=True)
     epochs = int(recipe_value(FINETUNE_RT, "finetune.epochs", settings["finetune"], FinetuneConfig))
-    costs = Costs("labelreg", {"fine-tuning epoch": epochs * (2 + 2 * (len(METHODS) - 1) * len(seeds))})
-    encoder = base_encoder(recipe, quick, work)
+    costs = Costs("labelreg", {"pretraining step": base_steps_to_run(recipe, quick, work),
+                            "fine-tuning epoch": epochs * (2 + (2 * len(METHODS) - 1) * len(seeds))})
+    encoder = base_encoder(recipe, quick, work, costs)
     inits = {"pretrained": (f"model.path={encoder}", "model.init=pretrained"),
              "random init": (f"model.path={encoder}", "model.init=random")}
     common = [*settings["finetune"]]
@@ -65,14 +69,15 @@ def run(out_dir: Path, work: Path, quick: bool = False, seeds: tuple[int, ...] |
     measured: dict[str, dict[str, list[float]]] = {}
     try:
         for init, init_overrides in inits.items():
-            by_config: dict[tuple[str, ...], list[float]] = {}
+            by_method = measured.setdefault(init, {})
             for method, overrides in METHODS.items():
+                if init == "pretrained" and method == "self-KD":  # selfkd is kd with the student's copy as
+                    by_method[method] = by_method["KD"]            # teacher: here the same run as KD
+                    continue
                 teacher = {"KD": teachers["pretrained"], "self-KD": teachers[init]}.get(method)
-                config = (*overrides, *((f"labelreg.teacher={teacher}",) if teacher else ()))
-                if config not in by_config:  # pretrained: KD and self-KD are the same run
-                    by_config[config] = seed_values(finetune([*common, *init_overrides, *config,
-                                                              seeds_override(seeds)], work, costs))
-                measured.setdefault(init, {})[method] = by_config[config]
+                by_method[method] = seed_values(finetune(
+                    [*common, *init_overrides, *overrides, *((f"labelreg.teacher={teacher}",) if teacher else ()),
+                     seeds_override(seeds)], work, costs))
     finally:
         for path in teachers.values():
             shutil.rmtree(path, ignore_errors=True)
@@ -99,7 +104,7 @@ def run(out_dir: Path, work: Path, quick: bool = False, seeds: tuple[int, ...] |
              "half of them help significantly at random init; not reproduced if a method significantly changes "
              "the pretrained student, or if none helps the random-init student while the random-init "
              "differences are significant the other way; inconclusive otherwise."
-             + (QUICK_NOTE if quick else ""))
+             + (QUICK_NOTE if quick else FULL_NOTE))
     return FindingReport(name="labelreg", title="Label regularization: pretrained vs randomly initialised student",
                          paper=PAPER, setup=setup,
                          columns=["student", "method", "RT dev accuracy", "− fine-tune (paired test)"],

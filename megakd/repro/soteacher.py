@@ -15,11 +15,14 @@ from megakd.finetune.config import FinetuneConfig
 from megakd.repro.report import FindingReport, mean_std, pyplot, save_figure
 from megakd.repro.runs import (
     CONFIGS,
+    FULL_FINETUNE,
+    FULL_NOTE,
     PRETRAIN_RECIPE,
     QUICK_FINETUNE,
     QUICK_NOTE,
     Costs,
     base_encoder,
+    base_steps_to_run,
     finetune,
     recipe_value,
     seeds_override,
@@ -28,7 +31,7 @@ from megakd.repro.stats import claims_verdict, compare
 
 SOTEACHER_RT = CONFIGS / "soteacher-rt.yaml"
 TEACHERS = {"standard": ("soteacher.lambda_lr=0", "soteacher.lambda_cr=0"), "SoTeacher": ()}
-FULL = {"seeds": (0, 1, 2), "finetune": ()}
+FULL = {"seeds": (0, 1, 2), "finetune": FULL_FINETUNE}
 QUICK = {"seeds": (0, 1), "finetune": QUICK_FINETUNE}
 # (summary part, metric, higher is better) of the claims the verdict tests.
 CLAIMS = (("teacher", "ece", False), ("teacher", "nll", False), ("student", "agreement", True))
@@ -45,8 +48,9 @@ def run(out_dir: Path, work: Path, quick: bool = False, seeds: tuple[int, ...] |
     seeds = tuple(seeds or settings["seeds"])
     work.mkdir(parents=True, exist_ok=True)
     epochs = int(recipe_value(SOTEACHER_RT, "finetune.epochs", settings["finetune"], FinetuneConfig))
-    costs = Costs("soteacher", {"fine-tuning epoch": len(TEACHERS) * 2 * epochs * len(seeds)})
-    encoder = base_encoder(recipe, quick, work)
+    costs = Costs("soteacher", {"pretraining step": base_steps_to_run(recipe, quick, work),
+                             "fine-tuning epoch": len(TEACHERS) * 2 * epochs * len(seeds)})
+    encoder = base_encoder(recipe, quick, work, costs)
     measured = {}
     for name, overrides in TEACHERS.items():
         summary = finetune([*settings["finetune"], *overrides, f"model.path={encoder}",
@@ -69,7 +73,7 @@ def run(out_dir: Path, work: Path, quick: bool = False, seeds: tuple[int, ...] |
              "teacher NLL lower and agreement higher under SoTeacher is tested by a paired t-test over seeds "
              "(p < 0.05): reproduced if all three hold, not reproduced if any is significantly reversed, "
              "inconclusive otherwise."
-             + (QUICK_NOTE if quick else ""))
+             + (QUICK_NOTE if quick else FULL_NOTE))
     return FindingReport(name="soteacher", title="SoTeacher vs a standard teacher", paper=PAPER, setup=setup,
                          columns=["teacher", "teacher acc", "ECE", "NLL", "ECE+TS", "NLL+TS", "student acc",
                                   "agreement"],

@@ -19,11 +19,14 @@ from megakd.repro.report import FindingReport, mean_std, pyplot, save_figure
 from megakd.repro.runs import (
     CONFIGS,
     FINETUNE_RT,
+    FULL_FINETUNE,
+    FULL_NOTE,
     PRETRAIN_RECIPE,
     QUICK_FINETUNE,
     QUICK_NOTE,
     Costs,
     base_encoder,
+    base_steps_to_run,
     finetune,
     recipe_value,
     seed_values,
@@ -33,7 +36,7 @@ from megakd.repro.stats import claims_verdict, compare
 
 TGT_RT = CONFIGS / "tgt-rt.yaml"
 LABELER_SEED = 1000  # the labeler's fine-tuning seed, apart from the students' seeds
-FULL = {"seeds": (0, 1, 2), "finetune": ()}
+FULL = {"seeds": (0, 1, 2), "finetune": FULL_FINETUNE}
 QUICK = {"seeds": (0, 1), "finetune": QUICK_FINETUNE}
 PAPER = ("TGT (Teacher Guided Training), text classification (Amazon-5, IMDB, MNLI, Yelp-5; BART-base generator, "
          "RoBERTa labeler, DistilBERT student): TGT beats standard distillation, MATE-KD and UDA, and a "
@@ -49,8 +52,9 @@ def run(out_dir: Path, work: Path, quick: bool = False, seeds: tuple[int, ...] |
     seeds = tuple(seeds or settings["seeds"])
     work.mkdir(parents=True, exist_ok=True)
     epochs = int(recipe_value(FINETUNE_RT, "finetune.epochs", settings["finetune"], FinetuneConfig))
-    costs = Costs("tgt", {"fine-tuning epoch": epochs * (1 + 3 * len(seeds))})
-    encoder = base_encoder(recipe, quick, work)
+    costs = Costs("tgt", {"pretraining step": base_steps_to_run(recipe, quick, work),
+                       "fine-tuning epoch": epochs * (1 + 3 * len(seeds))})
+    encoder = base_encoder(recipe, quick, work, costs)
     common = [*settings["finetune"], f"model.path={encoder}"]
     labeler = finetune([*common, f"finetune.seeds=[{LABELER_SEED}]"], work, costs,
                        keep=f"seed_{LABELER_SEED}/model")["kept"]
@@ -79,7 +83,7 @@ def run(out_dir: Path, work: Path, quick: bool = False, seeds: tuple[int, ...] |
              "gradient mode: one ascent step of η 1 on H(labeler, student), straight-through). Rule: TGT random > "
              "KD and TGT gradient > KD, each by a paired t-test over seeds (p < 0.05): reproduced if both hold, "
              "not reproduced if either is significantly reversed, inconclusive otherwise."
-             + (QUICK_NOTE if quick else ""))
+             + (QUICK_NOTE if quick else FULL_NOTE))
     return FindingReport(name="tgt", title="TGT random and gradient modes vs plain KD", paper=PAPER, setup=setup,
                          columns=["student training", "RT dev accuracy", "− KD (paired test)"],
                          rows=table, verdict=verdict, reason=reason, plots=[str(plot.relative_to(out_dir))])

@@ -115,5 +115,7 @@ def _plot(measured: dict, base_lr: float, path: Path) -> Path:
     right.set_ylabel("RT dev accuracy (mean, half range)")
     for ax in (left, right):
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("discriminator LR")
+        ax.set_xticks(lrs, [f"×{m:g}\n{lr:.2g}" for m, lr in zip(MULTIPLIERS, lrs)])
+        ax.minorticks_off()
+        ax.set_xlabel("discriminator LR (× the recipe's)")
     return save_figure(fig, path)

@@ -13,7 +13,6 @@ seed and mode.
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 import tempfile
@@ -22,6 +21,7 @@ from pathlib import Path
 import torch
 
 from megakd.config import load_config
+from megakd.engine.metrics import read_metrics
 from megakd.engine.pretrain import build_trainer
 from megakd.repro.report import FindingReport, mean_std, pyplot, save_figure
 
@@ -63,7 +63,7 @@ def _train(recipe: str | Path, cfg_overrides: list[str], work: Path) -> tuple[di
         after = _named_parameters(trainer)
     finally:
         trainer.backend.close()
-    rows = [json.loads(line) for line in (run_dir / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(run_dir / "run" / "metrics.jsonl")
     shutil.rmtree(run_dir)
     return before, after, rows
 

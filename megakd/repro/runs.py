@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megakd.config import Config, load_config
+from megakd.engine.metrics import read_metrics
 from megakd.engine.pretrain import run_distill, run_pretraining
 from megakd.finetune.config import FinetuneConfig
 
@@ -41,8 +42,6 @@ QUICK_PRETRAIN = (
 # six findings fit the report's 3-hour budget (README, "Reproducing the papers' findings").
 FULL_FINETUNE = ("task.max_train_examples=3000",)
 QUICK_FINETUNE = ("task.max_train_examples=1000", "task.max_dev_examples=500", "finetune.epochs=2")
-
-
 FULL_NOTE = " Fine-tuning used 3,000 of RT's training sentences (an even spread) and the whole dev split."
 QUICK_NOTE = (" Quick mode: a 1-layer, 32-wide encoder pretrained for 12 steps, fine-tuned on 1,000 RT sentences "
               "(500 dev sentences): a structure check rather than a measurement.")
@@ -57,7 +56,7 @@ def recipe_value(recipe: str | Path, key: str, overrides: tuple[str, ...] = (), 
 
 
 def metric_rows(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return read_metrics(run_dir / "metrics.jsonl")
 
 
 def tail_mean(rows: list[dict], key: str, fraction: float = 0.1) -> float:
@@ -65,7 +64,8 @@ def tail_mean(rows: list[dict], key: str, fraction: float = 0.1) -> float:
     values = [r[key] for r in rows if key in r]
     if not values:
         raise KeyError(f"no logged step has {key!r}")
-    return sum(values[-max(1, round(fraction * len(values))):]) / max(1, round(fraction * len(values)))
+    tail = values[-max(1, round(fraction * len(values))):]
+    return sum(tail) / len(tail)
 
 
 def last_value(rows: list[dict], key: str) -> float:
@@ -74,8 +74,8 @@ def last_value(rows: list[dict], key: str) -> float:
 
 @dataclass
 class Costs:
-    """Measured seconds per unit of work (pretraining step at a size, fine-tuning example-epoch) and the
-    finding's planned units, so the log says after every job how long the rest should take."""
+    """Measured seconds per unit of work (a pretraining step, one seed's fine-tuning epoch) and the
+    finding's planned units, so the log says after every job how long the whole finding should take."""
 
     finding: str
     planned: dict[str, float]  # kind -> units the finding will run in total

@@ -69,6 +69,8 @@ class PairedTest:
     def describe(self, unit: str = "") -> str:
         if self.n < 2:
             return f"{self.mean_diff:+.3g}{unit} (one seed: no test)"
+        if math.isinf(self.t):  # a zero-variance difference (e.g. models that predict one class in every seed)
+            return f"{self.mean_diff:+.3g}{unit} (the same in all {self.n} seeds: t = {self.t:.0f}, p = 0)"
         p = f"p = {self.p:.2g}" if self.p >= 1e-4 else "p < 1e-4"
         return f"{self.mean_diff:+.3g}{unit} (paired t = {self.t:.2f}, {p}, {self.n} seeds)"
 

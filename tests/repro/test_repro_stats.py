@@ -55,6 +55,9 @@ def test_directions_and_degenerate_cases():
     assert noisy[0] == 0 and noisy[1].p > 0.05
     same = paired_t_test([0.5, 0.6], [0.5, 0.6])
     assert (same.t, same.p, same.direction()) == (0.0, 1.0, 0)
+    constant = paired_t_test([0.5, 0.6], [0.4, 0.5])
+    assert (constant.t, constant.p, constant.direction()) == (math.inf, 0.0, 1)
+    assert "the same in all 2 seeds" in constant.describe()
     one_seed = paired_t_test([0.9], [0.1])
     assert one_seed.direction() == 0 and "no test" in one_seed.describe()
     with pytest.raises(ValueError, match="equally long"):

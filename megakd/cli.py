@@ -15,6 +15,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from megakd.config import ConfigError, load_config
 from megakd.errors import UserError
+from megakd.repro import FINDINGS
 
 log = logging.getLogger("megakd")
 
@@ -106,11 +107,15 @@ def cmd_eval_rtd(args: argparse.Namespace) -> int:
 
 
 def cmd_repro(args: argparse.Namespace) -> int:
-    from megakd.repro import run_finding
+    from megakd.repro import run_all, run_finding
 
-    report = run_finding(args.name, args.out, args.work, quick=args.quick,
-                         seeds=tuple(args.seeds) if args.seeds else None)
-    log.info("finding %s: %s; section written to %s", args.name, report.verdict, args.out)
+    seeds = tuple(args.seeds) if args.seeds else None
+    if args.name == "all":
+        reports = run_all(args.out, args.work, quick=args.quick, seeds=seeds, recipe=args.recipe)
+    else:
+        reports = [run_finding(args.name, args.out, args.work, quick=args.quick, seeds=seeds, recipe=args.recipe)]
+    for report in reports:
+        log.info("finding %s: %s; section written to %s", report.name, report.verdict, args.out)
     return 0
 
 
@@ -293,9 +298,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("repro", help="re-run one of the papers' findings at CPU scale and write its section of "
                        "docs/REPRODUCTION.md (paper numbers, measured mean ± std over seeds, verdict)")
-    p.add_argument("name", choices=("lambda",), help="the finding")
+    p.add_argument("name", choices=(*FINDINGS, "all"), help="the finding, or all of them in turn")
     p.add_argument("--quick", action="store_true", help="small settings, for tests of the report's structure")
     p.add_argument("--seeds", type=int, nargs="+", help="override the finding's seeds")
+    p.add_argument("--recipe", help="the pretraining recipe the finding trains from (default: the finding's own; "
+                   "with all: replaces configs/electra-mini.yaml in disc_lr, soteacher, labelreg and tgt)")
     p.add_argument("--out", default="docs/REPRODUCTION.md", help="the report (its other sections are kept)")
     p.add_argument("--work", default="runs/repro", help="scratch directory for the runs")
     p.set_defaults(func=cmd_repro)

@@ -13,7 +13,6 @@ seed and mode.
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 import tempfile
@@ -22,8 +21,9 @@ from pathlib import Path
 import torch
 
 from megakd.config import load_config
+from megakd.engine.metrics import read_metrics
 from megakd.engine.pretrain import build_trainer
-from megakd.repro.report import FindingReport, mean_std
+from megakd.repro.report import FindingReport, mean_std, pyplot, save_figure
 
 RECIPE = Path(__file__).parents[2] / "configs" / "electra-tiny.yaml"
 LAMBDAS = (1.0, 10.0, 50.0)
@@ -49,11 +49,11 @@ PAPER = ("Dissertation Ch. 1 (λ under DecoupledOptim vs original ELECTRA): with
          "this: it is an argument, backed by Fig. 1.3 (λ barely changes generator quality at lr 5e-4).")
 
 
-def _train(cfg_overrides: list[str], work: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor],
+def _train(recipe: str | Path, cfg_overrides: list[str], work: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor],
                                                           list[dict]]:
     """(parameters before, after, metrics rows) of one short pretraining run in a scratch dir under `work`."""
     run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=work))
-    cfg = load_config(RECIPE, [*cfg_overrides, f"run.dir={run_dir / 'run'}", "run.export_hf=false", "run.plots=false",
+    cfg = load_config(recipe, [*cfg_overrides, f"run.dir={run_dir / 'run'}", "run.export_hf=false", "run.plots=false",
                        "run.tensorboard=false", "run.progress_bar=false", "train.log_every=1",
                        "train.save_every=0", "train.precision=fp32"])
     trainer = build_trainer(cfg)
@@ -63,7 +63,7 @@ def _train(cfg_overrides: list[str], work: Path) -> tuple[dict[str, torch.Tensor
         after = _named_parameters(trainer)
     finally:
         trainer.backend.close()
-    rows = [json.loads(line) for line in (run_dir / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(run_dir / "run" / "metrics.jsonl")
     shutil.rmtree(run_dir)
     return before, after, rows
 
@@ -95,7 +95,8 @@ def _max_loss_difference(a: list[dict], b: list[dict], key: str) -> float:
     return max(abs(x[key] - y[key]) for x, y in zip(a, b))
 
 
-def run(out_dir: Path, work: Path, quick: bool = False, seeds: tuple[int, ...] | None = None) -> FindingReport:
+def run(out_dir: Path, work: Path, quick: bool = False, seeds: tuple[int, ...] | None = None,
+        recipe: str | Path = RECIPE) -> FindingReport:
     settings = QUICK if quick else FULL
     seeds = tuple(seeds or settings["seeds"])
     work.mkdir(parents=True, exist_ok=True)
@@ -105,7 +106,7 @@ def run(out_dir: Path, work: Path, quick: bool = False, seeds: tuple[int, ...] |
         for seed in seeds:
             runs = {}
             for lam in LAMBDAS:
-                runs[lam] = _train([*settings["overrides"], *mode_overrides, f"train.max_steps={settings['steps']}",
+                runs[lam] = _train(recipe, [*settings["overrides"], *mode_overrides, f"train.max_steps={settings['steps']}",
                                     f"train.seed={seed}", f"electra.loss_weight={lam}"], work)
             start, reference, ref_rows = runs[1.0]
             for lam in LAMBDAS[1:]:
@@ -122,7 +123,7 @@ def run(out_dir: Path, work: Path, quick: bool = False, seeds: tuple[int, ...] |
     plot = _plot(measured, out_dir / "repro" / "lambda.png")
     verdict, reason = _verdict(measured, finite)
     command = "megakd repro lambda" + (" --quick" if quick else "")
-    setup = (f"`{command}`: `configs/electra-tiny.yaml` on the bundled corpus, fp32, Adam ε 1e-6, clipping 2.0 "
+    setup = (f"`{command}`: `{Path(recipe).name}` on the bundled corpus, fp32, Adam ε 1e-6, clipping 2.0 "
              f"(original ELECTRA: `optim.joint_clip=weighted`), {settings['steps']} steps, seeds "
              f"{', '.join(map(str, seeds))}; each λ ∈ {{10, 50}} against λ = 1 of the same seed and mode. "
              "Parameter columns: ‖θ_λ − θ_1‖ / ‖θ_1 − θ_0‖ (difference relative to how far training moved the "
@@ -169,12 +170,7 @@ def _verdict(measured: dict, finite: bool) -> tuple[str, str]:
 
 
 def _plot(measured: dict, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    path.parent.mkdir(parents=True, exist_ok=True)
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 3.5))
     labels, values, errors = [], [], []
     for (mode, lam), m in measured.items():
@@ -188,7 +184,4 @@ def _plot(measured: dict, path: Path) -> Path:
     ax.set_xticks(range(len(values)), labels, fontsize=8)
     ax.set_ylabel("‖θ_λ − θ_1‖ / ‖θ_1 − θ_0‖")
     ax.set_title("How far λ moves the parameters from the λ = 1 run (mean over seeds)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

@@ -75,3 +75,22 @@ def write_section(report: FindingReport, path: str | Path) -> Path:
     tmp.write_text(text.rstrip("\n") + "\n")
     tmp.replace(path)
     return path
+
+
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend (the findings run headless)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: Path) -> Path:
+    """Write a finding's plot (PNG, beside the report under repro/) and free the figure."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    pyplot().close(fig)
+    return path

@@ -1,0 +1,151 @@
+"""Finding `labelreg`: label regularization helps a randomly initialised student, not a pretrained one.
+
+Kobyzev, Jafari et al., Tables 1, 2 and 7 (and the Wilcoxon tests of Table 8): KD, LS, TF-reg and
+self-KD are statistically indistinguishable from plain fine-tuning for pretrained students, and
+significantly better for the same architecture trained from random init. Here: RT, the pretrained
+encoder vs its architecture at random init, each fine-tuned with plain cross-entropy and with each
+regularizer (the paper's α, a and τ), the paper's five seeds, a paired t-test per method.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from megakd.finetune.config import FinetuneConfig
+from megakd.repro.report import FindingReport, mean_std, pyplot, save_figure
+from megakd.repro.runs import (
+    FINETUNE_RT,
+    FULL_FINETUNE,
+    FULL_NOTE,
+    PRETRAIN_RECIPE,
+    QUICK_FINETUNE,
+    QUICK_NOTE,
+    Costs,
+    base_encoder,
+    base_steps_to_run,
+    finetune,
+    recipe_value,
+    seed_values,
+    seeds_override,
+)
+from megakd.repro.stats import claims_verdict, compare
+
+# The paper's Table 9 settings. kd's teacher is the pretrained encoder fine-tuned (the strongest
+# model at this scale); selfkd's is a fine-tuned copy of the student's own initialisation.
+METHODS = {
+    "fine-tune": ("labelreg.target=onehot",),
+    "KD": ("labelreg.target=kd", "labelreg.alpha=0.5", "labelreg.temperature=1"),
+    "LS": ("labelreg.target=ls", "labelreg.alpha=0.1"),
+    "TF-reg": ("labelreg.target=tfreg", "labelreg.alpha=0.5", "labelreg.a=0.95"),
+    "self-KD": ("labelreg.target=selfkd", "labelreg.alpha=0.5", "labelreg.temperature=1"),
+}
+TEACHER_SEED = 1000  # the teachers' fine-tuning seed, apart from the students' seeds
+FULL = {"seeds": (42, 549, 1237, 230, 805), "finetune": FULL_FINETUNE}  # the paper's five seeds
+QUICK = {"seeds": (0, 1), "finetune": QUICK_FINETUNE}
+PAPER = ("Kobyzev, Jafari et al., GLUE dev Score (mean ± std of 5 runs). Pretrained DistilRoBERTa (Table 1): "
+         "fine-tune 82.64 ± 0.11, LS 82.78 ± 0.15, TF-reg 82.78 ± 0.29, self-KD 82.81 ± 0.19, KD 83.08 ± 0.14; "
+         "the same architecture from random init (Table 7): 61.87 ± 0.21, LS 62.45 ± 0.45, TF-reg 62.35 ± 0.25, "
+         "self-KD 62.39 ± 0.28, KD 62.80 ± 0.45. Table 8 (SST-5, Wilcoxon, 8 seeds): fine-tune vs TF-reg p = 0.46 "
+         "pretrained / 0.01 scratch; vs KD 0.94 / 0.01. Conclusion: for pretrained students the regularizers are "
+         "statistically indistinguishable from fine-tuning; from random init they help significantly.")
+
+
+def run(out_dir: Path, work: Path, quick: bool = False, seeds: tuple[int, ...] | None = None,
+        recipe: str | Path = PRETRAIN_RECIPE) -> FindingReport:
+    settings = QUICK if quick else FULL
+    seeds = tuple(seeds or settings["seeds"])
+    work.mkdir(parents=True, exist_ok=True)
+    epochs = int(recipe_value(FINETUNE_RT, "finetune.epochs", settings["finetune"], FinetuneConfig))
+    costs = Costs("labelreg", {"pretraining step": base_steps_to_run(recipe, quick, work),
+                            "fine-tuning epoch": epochs * (2 + (2 * len(METHODS) - 1) * len(seeds))})
+    encoder = base_encoder(recipe, quick, work, costs)
+    inits = {"pretrained": (f"model.path={encoder}", "model.init=pretrained"),
+             "random init": (f"model.path={encoder}", "model.init=random")}
+    common = [*settings["finetune"]]
+    teachers = {init: finetune([*common, *init_overrides, f"finetune.seeds=[{TEACHER_SEED}]"], work, costs,
+                               keep=f"seed_{TEACHER_SEED}/model")["kept"]
+                for init, init_overrides in inits.items()}
+    measured: dict[str, dict[str, list[float]]] = {}
+    try:
+        for init, init_overrides in inits.items():
+            by_method = measured.setdefault(init, {})
+            for method, overrides in METHODS.items():
+                if init == "pretrained" and method == "self-KD":  # selfkd is kd with the student's copy as
+                    by_method[method] = by_method["KD"]            # teacher: here the same run as KD
+                    continue
+                teacher = {"KD": teachers["pretrained"], "self-KD": teachers[init]}.get(method)
+                by_method[method] = seed_values(finetune(
+                    [*common, *init_overrides, *overrides, *((f"labelreg.teacher={teacher}",) if teacher else ()),
+                     seeds_override(seeds)], work, costs))
+    finally:
+        for path in teachers.values():
+            shutil.rmtree(path, ignore_errors=True)
+    table = []
+    for init, by_method in measured.items():
+        for method, values in by_method.items():
+            if method == "fine-tune":
+                table.append([init, method, mean_std(values), "—"])
+                continue
+            _, test = compare(values, by_method["fine-tune"])
+            table.append([init, method, mean_std(values), test.describe()])
+    verdict, reason = verdict_of(measured)
+    plot = _plot(measured, out_dir / "repro" / "labelreg.png")
+    command = "megakd repro labelreg" + (" --quick" if quick else "")
+    setup = (f"`{command}`: RT, `configs/finetune-rt.yaml` defaults ({epochs} epoch{'s' if epochs > 1 else ''}, "
+             f"`lr: auto`), students = the discriminator of `{Path(recipe).name}` pretrained "
+             f"({'quick sizes' if quick else 'the full recipe'}) and the same architecture at random init; seeds "
+             f"{', '.join(map(str, seeds))}. Methods with the paper's Table 9 settings: KD α 0.5, τ 1 (teacher: the "
+             f"pretrained encoder fine-tuned at seed {TEACHER_SEED}, as no larger model exists at this scale, so "
+             "for the pretrained student KD and self-KD are one run); LS α 0.1; TF-reg α 0.5, a 0.95; self-KD "
+             f"α 0.5 (teacher: the student's own initialisation fine-tuned at seed {TEACHER_SEED}). Each method "
+             "against plain fine-tuning of the same student, paired t-test over seeds. Rule: reproduced if no "
+             "method differs significantly (p < 0.05) from fine-tuning for the pretrained student while at least "
+             "half of them help significantly at random init; not reproduced if a method significantly changes "
+             "the pretrained student, or if none helps the random-init student while the random-init "
+             "differences are significant the other way; inconclusive otherwise."
+             + (QUICK_NOTE if quick else FULL_NOTE))
+    return FindingReport(name="labelreg", title="Label regularization: pretrained vs randomly initialised student",
+                         paper=PAPER, setup=setup,
+                         columns=["student", "method", "RT dev accuracy", "− fine-tune (paired test)"],
+                         rows=table, verdict=verdict, reason=reason, plots=[str(plot.relative_to(out_dir))])
+
+
+def verdict_of(measured: dict[str, dict[str, list[float]]]) -> tuple[str, str]:
+    """The rule stated in the setup, over {student init: {method: per-seed accuracy}}."""
+    effects = {init: {method: compare(values, by_method["fine-tune"])
+                      for method, values in by_method.items() if method != "fine-tune"}
+               for init, by_method in measured.items()}
+    scratch = [o for o, _ in effects["random init"].values()]
+    helped = sum(o == 1 for o in scratch)
+    detail = "; ".join(f"{init}: " + ", ".join(f"{m} {t.describe()}" for m, (_, t) in by.items())
+                       for init, by in effects.items())
+    changed = [m for m, (o, _) in effects["pretrained"].items() if o != 0]
+    if changed:
+        outcome = -1
+        why = f"for the pretrained student {', '.join(changed)} differ(s) significantly from fine-tuning"
+    elif helped * 2 >= len(scratch):
+        outcome = 1
+        why = f"no method changes the pretrained student; {helped} of {len(scratch)} help the random-init one"
+    elif helped == 0 and any(o == -1 for o in scratch):
+        outcome = -1
+        why = "at random init no method helps and some hurt significantly"
+    else:
+        outcome = 0
+        why = (f"no method changes the pretrained student, but only {helped} of {len(scratch)} help the "
+               "random-init one significantly")
+    return claims_verdict([outcome]), f"{why}. Differences in accuracy against fine-tuning — {detail}."
+
+
+def _plot(measured: dict, path: Path) -> Path:
+    fig, axes = pyplot().subplots(1, 2, figsize=(9, 3.2), sharey=False)
+    for ax, (init, by_method) in zip(axes, measured.items()):
+        values = list(by_method.values())
+        ax.bar(range(len(values)), [sum(v) / len(v) for v in values], yerr=[(max(v) - min(v)) / 2 for v in values],
+               capsize=3, color=["tab:gray"] + ["tab:blue"] * (len(values) - 1))
+        ax.set_xticks(range(len(values)), list(by_method), fontsize=8)
+        ax.set_title(f"{init} student")
+        ax.set_ylabel("RT dev accuracy")
+        low = min(min(v) for v in values)
+        ax.set_ylim(max(0.0, low - 0.05), None)
+    return save_figure(fig, path)

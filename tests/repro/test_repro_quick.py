@@ -1,0 +1,62 @@
+"""`megakd repro NAME --quick` end to end for two findings: the report's structure, not its verdicts."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from megakd.cli import main
+from megakd.repro.report import VERDICTS
+
+
+def _section(report: Path, name: str) -> str:
+    match = re.search(rf"<!-- finding:{name} -->(.*)<!-- /finding:{name} -->", report.read_text(), re.DOTALL)
+    assert match, f"no section {name}"
+    return match.group(1)
+
+
+def _table(section: str) -> tuple[list[str], list[list[str]]]:
+    lines = [line for line in section.splitlines() if line.startswith("|")]
+    assert lines[1].startswith("|---")
+    split = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines]
+    return split[0], split[2:]
+
+
+@pytest.mark.slow
+def test_quick_findings_write_their_sections(tmp_path):
+    out, work = tmp_path / "docs" / "REPRODUCTION.md", tmp_path / "work"
+    expected = {
+        "disc_lr": (["η_D", "LR", "RTD F1 (last 10 %)", "gen acc (last 10 %)", "RT dev accuracy"],
+                    ["×0.5", "×1", "×2", "×4"], [4]),
+        "soteacher": (["teacher", "teacher acc", "ECE", "NLL", "ECE+TS", "NLL+TS", "student acc", "agreement"],
+                      ["standard", "SoTeacher"], [1, 2, 3, 4, 5, 6, 7]),
+    }
+    for name in expected:
+        assert main(["repro", name, "--quick", "--seeds", "0", "1", "--out", str(out), "--work", str(work)]) == 0
+    for name, (columns, first_cells, mean_std_columns) in expected.items():
+        section = _section(out, name)
+        for part in ("**Paper.**", "**Setup.**", f"`megakd repro {name} --quick`", "**Measured.**", "seeds 0, 1"):
+            assert part in section, (name, part)
+        header, rows = _table(section)
+        assert header == columns
+        assert [row[0] for row in rows] == first_cells
+        assert all(len(row) == len(columns) for row in rows)
+        assert all(row[i].count("±") == 1 for row in rows for i in mean_std_columns)
+        verdict = re.search(r"\*\*Verdict: (.+?)\.\*\* \S", section).group(1)
+        assert verdict in VERDICTS
+        assert (out.parent / "repro" / f"{name}.png").stat().st_size > 0 and f"![{name}](repro/{name}.png)" in section
+    assert out.read_text().index("finding:disc_lr") < out.read_text().index("finding:soteacher")
+    # The shared encoder soteacher fine-tunes is cached: a second finding reuses it instead of pretraining.
+    cached = sorted((work / "pretrained").iterdir())
+    assert main(["repro", "soteacher", "--quick", "--seeds", "0", "1", "--out", str(out), "--work", str(work)]) == 0
+    assert sorted((work / "pretrained").iterdir()) == cached
+    assert not [p for p in work.iterdir() if p.name != "pretrained"]  # fine-tuning scratch removed
+
+
+def test_unknown_recipe_is_refused_before_anything_runs(tmp_path, capsys):
+    out = tmp_path / "REPRODUCTION.md"
+    assert main(["repro", "disc_lr", "--quick", "--recipe", str(tmp_path / "nope.yaml"), "--out", str(out),
+                 "--work", str(tmp_path / "work")]) == 2
+    assert "nope.yaml" in capsys.readouterr().err and not out.exists() and not (tmp_path / "work").exists()

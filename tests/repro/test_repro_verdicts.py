@@ -1,0 +1,88 @@
+"""Each finding's verdict rule on constructed measurements: every branch of the rule its setup states."""
+
+from __future__ import annotations
+
+from megakd.repro import disc_lr, dwt, labelreg, soteacher, tgt
+from megakd.repro.runs import tail_mean
+
+UP = [0.80, 0.82, 0.81]  # beats BASE in every seed by 0.05–0.07
+BASE = [0.75, 0.76, 0.74]
+DOWN = [0.70, 0.70, 0.68]
+NOISY = [0.80, 0.70, 0.76]  # mean above BASE, but not significantly
+
+
+def _sweep(f1: list[float], acc: list[list[float]], finite: tuple[bool, ...] = (True,) * 4) -> dict:
+    return {m: {"rtd_f1": f, "acc": a, "finite": ok} for m, f, a, ok in zip(disc_lr.MULTIPLIERS, f1, acc, finite)}
+
+
+def test_disc_lr_rule():
+    rising = _sweep([0.20, 0.25, 0.30, 0.32], [BASE, BASE, UP, NOISY])
+    assert disc_lr.verdict_of(rising)[0] == "reproduced"
+    assert "×2 against ×0.5" in disc_lr.verdict_of(rising)[1]  # the better high-LR arm by accuracy
+    assert disc_lr.verdict_of(_sweep([0.30, 0.25, 0.20, 0.22], [BASE, BASE, UP, UP]))[0] == \
+        "not reproduced at this scale"  # F1 falls
+    assert disc_lr.verdict_of(_sweep([0.20, 0.25, 0.30, 0.32], [BASE, BASE, DOWN, DOWN]))[0] == \
+        "not reproduced at this scale"  # accuracy falls
+    assert disc_lr.verdict_of(_sweep([0.20, 0.25, 0.30, 0.32], [BASE, BASE, NOISY, BASE]))[0] == "inconclusive"
+    plateau = disc_lr.verdict_of(_sweep([0.0, 0.01, 0.0, 0.02], [BASE, BASE, UP, UP]))
+    assert plateau[0] == "inconclusive" and "plateau" in plateau[1]
+    assert disc_lr.verdict_of(_sweep([0.2, 0.3, 0.3, 0.3], [BASE, BASE, UP, UP], (True, False, True, True)))[0] == \
+        "inconclusive"
+    unstable = _sweep([0.2, 0.3, 0.3, 0.3], [BASE, BASE, UP, UP], (True, True, False, False))
+    assert disc_lr.verdict_of(unstable)[0] == "not reproduced at this scale"
+
+
+def _dwt(losses: dict[str, list[float]]) -> dict:
+    return {arm: {"loss": values} for arm, values in losses.items()}
+
+
+def test_dwt_rule():
+    ordered = {"weak": [5.00, 5.01, 5.02], "none": [5.10, 5.12, 5.11], "very weak": [5.20, 5.21, 5.23],
+               "extremely weak": [5.30, 5.33, 5.31], "weak, remapped": [5.15, 5.16, 5.15]}
+    assert dwt.verdict_of(_dwt(ordered))[0] == "reproduced"
+    assert dwt.verdict_of(_dwt({**ordered, "weak, remapped": [4.90, 4.91, 4.90]}))[0] == \
+        "not reproduced at this scale"  # remapping wins
+    assert dwt.verdict_of(_dwt({**ordered, "weak": [5.05, 5.20, 5.11]}))[0] == "inconclusive"  # within noise
+
+
+def _sot(ece: list[float], nll: list[float], agreement: list[float]) -> dict:
+    standard = {"teacher.ece": [0.10, 0.11, 0.12], "teacher.nll": [0.60, 0.61, 0.62],
+                "student.agreement": [0.80, 0.81, 0.82]}
+    return {"standard": standard, "SoTeacher": {"teacher.ece": ece, "teacher.nll": nll, "student.agreement": agreement}}
+
+
+def test_soteacher_rule():
+    assert soteacher.verdict_of(_sot([0.05, 0.06, 0.06], [0.50, 0.52, 0.51], [0.85, 0.86, 0.88]))[0] == "reproduced"
+    assert soteacher.verdict_of(_sot([0.15, 0.17, 0.18], [0.50, 0.52, 0.51], [0.85, 0.86, 0.88]))[0] == \
+        "not reproduced at this scale"  # ECE worse
+    assert soteacher.verdict_of(_sot([0.05, 0.06, 0.06], [0.50, 0.52, 0.51], [0.90, 0.75, 0.83]))[0] == \
+        "inconclusive"  # agreement within noise
+
+
+def _labelreg(pretrained: dict[str, list[float]], scratch: dict[str, list[float]]) -> dict:
+    return {"pretrained": {"fine-tune": BASE, **pretrained}, "random init": {"fine-tune": BASE, **scratch}}
+
+
+def test_labelreg_rule():
+    methods = ("KD", "LS", "TF-reg", "self-KD")
+    neutral = {m: NOISY for m in methods}
+    verdict, reason = labelreg.verdict_of(_labelreg(neutral, {"KD": UP, "LS": UP, "TF-reg": NOISY, "self-KD": NOISY}))
+    assert verdict == "reproduced" and "2 of 4" in reason
+    assert labelreg.verdict_of(_labelreg({**neutral, "LS": UP}, {m: UP for m in methods}))[0] == \
+        "not reproduced at this scale"  # a regularizer changes the pretrained student
+    assert labelreg.verdict_of(_labelreg(neutral, {"KD": UP, "LS": NOISY, "TF-reg": NOISY, "self-KD": NOISY}))[0] \
+        == "inconclusive"  # only 1 of 4 helps from scratch
+    assert labelreg.verdict_of(_labelreg(neutral, {"KD": DOWN, "LS": NOISY, "TF-reg": NOISY, "self-KD": NOISY}))[0] \
+        == "not reproduced at this scale"  # none helps, one hurts
+
+
+def test_tgt_rule():
+    assert tgt.verdict_of({"KD": BASE, "TGT random": UP, "TGT gradient": UP})[0] == "reproduced"
+    assert tgt.verdict_of({"KD": BASE, "TGT random": UP, "TGT gradient": NOISY})[0] == "inconclusive"
+    assert tgt.verdict_of({"KD": BASE, "TGT random": DOWN, "TGT gradient": UP})[0] == "not reproduced at this scale"
+
+
+def test_tail_mean_averages_the_last_tenth_of_logged_steps():
+    rows = [{"step": i, "rtd_f1": float(i)} for i in range(1, 21)] + [{"step": 21, "val": 1.0}]
+    assert tail_mean(rows, "rtd_f1") == (19 + 20) / 2  # 2 of the 20 rows that carry the key
+    assert tail_mean(rows[:3], "rtd_f1") == 3.0  # at least one row

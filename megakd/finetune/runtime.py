@@ -31,9 +31,10 @@ from megakd.store.files import StoreError
 
 log = logging.getLogger(__name__)
 
-# Keys that may differ when a fine-tuning run is resumed: where outputs go and how often, how
-# evaluation is batched, which kernels compute the same values, how the processes talk.
-STEERING = ("run.", "kernels.", "finetune.log_every", "finetune.eval_batch_size", "backend.dist_backend")
+# Besides the keys pretraining treats as steering (run.*, kernels.*, backend.dist_backend; see
+# megakd/store/rundir.py), these may differ when a fine-tuning run resumes: they change no number
+# that a finished seed or a checkpoint holds.
+STEERING = ("finetune.log_every", "finetune.eval_batch_size")
 
 
 class Stopped(Exception):
@@ -135,10 +136,8 @@ class Runtime:
 
     def _check_same_config(self, saved_file: Path) -> None:
         saved = read_yaml_file(saved_file)
-        current = rundir.flatten(config_to_dict(self.cfg))
-        old = rundir.flatten(saved) if isinstance(saved, dict) else {}
-        changed = {k: (old.get(k), current.get(k)) for k in sorted(set(old) | set(current))
-                   if old.get(k) != current.get(k) and not k.startswith(STEERING)}
+        changes = rundir.state_changes(saved if isinstance(saved, dict) else {}, config_to_dict(self.cfg))
+        changed = {k: v for k, v in changes.items() if not k.startswith(STEERING)}
         if changed:
             listed = "; ".join(f"{k}: {o!r} -> {n!r}" for k, (o, n) in changed.items())
             raise StoreError(f"{saved_file}: cannot resume with a different {listed} (finished seeds and checkpoints "

@@ -36,7 +36,7 @@ RTOL, ATOL = 1e-5, 1e-6
 def tiny_finetune(tokenizer: Path, run_dir: Path, *extra: str, config: str = "finetune-rt.yaml") -> list[str]:
     """A seconds-long random-init fine-tuning run (dropout off): an LR choice among two rates, then one seed."""
     encoder = {"vocab_size": 512, "hidden_size": 16, "num_layers": 1, "intermediate_size": 32,
-               "max_position_embeddings": 32}
+               "max_position_embeddings": 32, "attention_dropout": 0.0}  # finetune.dropout=0 sets the others
     return ["finetune", "-c", str(REPO / "configs" / config), f"run.dir={run_dir}", "model.path=",
             "model.init=random", f"model.tokenizer={tokenizer}",
             *(f"model.encoder.{k}={v}" for k, v in encoder.items()),
@@ -120,6 +120,7 @@ def runs(tiny_data, tmp_path_factory):
            "soteacher.student.path=", f"soteacher.student.tokenizer={tok}", "soteacher.student.encoder.vocab_size=512",
            "soteacher.student.encoder.hidden_size=8", "soteacher.student.encoder.num_layers=1",
            "soteacher.student.encoder.intermediate_size=16", "soteacher.student.encoder.max_position_embeddings=32",
+           "soteacher.student.encoder.attention_dropout=0.0",
            "finetune.lr=3e-3"]
     launches = {name: start([str(LAUNCH / "torchrun.sh"), "2", *tiny_finetune(tok, root / name, "backend.name=ddp",
                                                                                   *extra)], root / f"{name}.log")

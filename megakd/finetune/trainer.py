@@ -394,8 +394,8 @@ def train_seed(cfg: FinetuneConfig, seed: int, model: SequenceClassifier, tokeni
     if runtime.is_main:
         if model_dir is not None:
             np.save(out_dir / "dev_logits.npy", dev_logits)
-            save_classifier(model.eval(), tokenizer, model_dir, {"task": cfg.task.name, "seed": seed, "lr": lr,
-                                                                  "dev": p.metrics})
+            save_classifier(standalone_copy(model), tokenizer, model_dir, {"task": cfg.task.name, "seed": seed,
+                                                                             "lr": lr, "dev": p.metrics})
         result = {"seed": seed, "lr": lr, eval_split: p.metrics, "train_loss": p.epoch_losses, "curve": p.curve}
         tmp = out_dir / f".{RESULT_FILE}.tmp"
         tmp.write_text(json.dumps(result, indent=2) + "\n")
@@ -403,6 +403,17 @@ def train_seed(cfg: FinetuneConfig, seed: int, model: SequenceClassifier, tokeni
         shutil.rmtree(checkpoint.checkpoints_root(out_dir), ignore_errors=True)
     runtime.barrier()  # the model directory is complete before any rank reads it (a KD student's teacher)
     return SeedResult(seed, p.metrics, dev_logits, p.epoch_losses, p.curve, model_dir)
+
+
+def standalone_copy(model: SequenceClassifier) -> SequenceClassifier:
+    """`model` on the CPU in eval mode, with tensors that own their storage.
+
+    DeepSpeed's ZeRO optimizers keep the module's parameters as views into flat buffers, which
+    safetensors refuses to save.
+    """
+    copy = SequenceClassifier(model.config, model.num_labels)
+    copy.load_state_dict(model.state_dict())
+    return copy.eval()
 
 
 ObjectiveFactory = Callable[[int, SequenceClassifier, Tokenizer, EncodedTask, Path], Objective]

@@ -36,3 +36,23 @@ run_forwarding_signals() {
     trap - TERM USR1 INT
     return "$status"
 }
+
+# is_command_word ARG: whether ARG names a megakd command (pretrain, finetune, bench, ...) rather
+# than an option or a key=value. Launch scripts run `pretrain` when their arguments start with
+# neither, so older command lines ("-c CONFIG ...") keep working.
+is_command_word() {
+    case "$1" in
+        -*|*=*) return 1 ;;
+        *) return 0 ;;
+    esac
+}
+
+# free_port: a TCP port the OS reports free on this machine right now.
+free_port() {
+    python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+# takes_backend COMMAND: whether COMMAND reads backend.name (commands that train).
+takes_backend() {
+    case "$1" in pretrain|distill|finetune|bench) return 0 ;; *) return 1 ;; esac
+}

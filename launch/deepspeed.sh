@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # Launch with the `deepspeed` launcher, on this machine or on the hosts of a hostfile.
 #
-#   launch/deepspeed.sh [--hostfile launch/hostfile] [--num_gpus N] -c CONFIG [--resume auto] [key=value ...]
+#   launch/deepspeed.sh [--hostfile launch/hostfile] [--num_gpus N] [COMMAND] [ARGS...]
+#   launch/deepspeed.sh --num_gpus 2 finetune -c configs/finetune-rt.yaml backend.zero_stage=1
+#   launch/deepspeed.sh --num_gpus 2 -c configs/electra-tiny.yaml    (no COMMAND: pretrain, as before)
 #
-# The hostfile lists "hostname slots=N" per line (see hostfile.example); the launcher reaches the
-# hosts over passwordless ssh (pdsh) and starts N ranks on each. backend.name=deepspeed is added
-# unless the arguments set backend.name. On CPU use --num_gpus to choose the number of ranks.
-# SIGTERM/SIGUSR1 to this script make the local ranks checkpoint and exit (remote ranks get the
-# scheduler's signal on their own node).
+# COMMAND is any megakd command (pretrain, distill, finetune, bench, ...). The hostfile lists
+# "hostname slots=N" per line (see hostfile.example); the launcher reaches the hosts over
+# passwordless ssh (pdsh) and starts N ranks on each. For commands that train, backend.name=deepspeed
+# is added unless the arguments set backend.name. On CPU use --num_gpus to choose the number of
+# ranks. Without --master_port the rendezvous takes a port that is free now (the launcher's fixed
+# default would collide with a second job on the same machine). SIGTERM/SIGUSR1 to this script
+# make the local ranks checkpoint and exit (remote ranks get the scheduler's signal on their own node).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 . "$here/common.sh"
@@ -22,9 +26,12 @@ while [ $# -gt 0 ]; do
         *) break ;;
     esac
 done
+[[ " ${launcher[*]-} " == *" --master_port"* ]] || launcher+=(--master_port "$(free_port)")
+command=pretrain
+if [ $# -gt 0 ] && is_command_word "$1"; then command=$1; shift; fi
 extra=()
-[[ " $* " == *" backend.name="* ]] || extra+=(backend.name=deepspeed)
+if takes_backend "$command" && [[ " $* " != *" backend.name="* ]]; then extra+=(backend.name=deepspeed); fi
 : "${OMP_NUM_THREADS:=1}"  # the deepspeed launcher does not set it
 export OMP_NUM_THREADS
 # deepspeed runner -> deepspeed.launcher.launch -> ranks: the ranks are two levels down.
-run_forwarding_signals 2 deepspeed "${launcher[@]}" --no_local_rank --module megakd.cli pretrain "$@" "${extra[@]}"
+run_forwarding_signals 2 deepspeed "${launcher[@]}" --no_local_rank --module megakd.cli "$command" "$@" "${extra[@]}"

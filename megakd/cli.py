@@ -72,7 +72,10 @@ def _train(args: argparse.Namespace, run) -> int:
 
 
 def cmd_finetune(args: argparse.Namespace) -> int:
+    """Fine-tune on the configured backend; exit codes as for pretraining (0 also when stopped by
+    SIGTERM/SIGUSR1 after a checkpoint, 130 on SIGINT, 1 after too many non-finite losses)."""
     from megakd.finetune.config import FinetuneConfig
+    from megakd.finetune.runtime import Runtime, Stopped, describe
 
     cfg = load_config(args.config, args.overrides, cls=FinetuneConfig)
     if cfg.soteacher.enabled:
@@ -81,11 +84,19 @@ def cmd_finetune(args: argparse.Namespace) -> int:
         from megakd.finetune.tgt import run_tgt as run
     else:
         from megakd.finetune.trainer import run_finetune as run
+    runtime = Runtime(cfg, resume=args.resume)
     try:
-        run(cfg)
+        runtime.open()
+        log.info("fine-tuning on %s", describe(runtime))
+        run(cfg, runtime)
+    except Stopped as stop:
+        log.warning("stopped on a signal after a checkpoint; run the same command with --resume auto to continue")
+        return EXIT_INTERRUPTED if stop.interrupted else 0
     except FloatingPointError as err:
         print(f"megakd: error: {err}", file=sys.stderr)
         return 1
+    finally:
+        runtime.close()
     log.info("fine-tuning finished; summary in %s/summary.json", cfg.run.dir)
     return 0
 
@@ -268,6 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("finetune", help="sequence (pair) classification/regression: fine-tuning, label "
                        "regularisation, SoTeacher, TGT")
     p.add_argument("-c", "--config", required=True, help="YAML recipe, e.g. configs/finetune-rt.yaml")
+    p.add_argument("--resume", choices=["auto"], help="'auto': reuse finished seeds in run.dir and continue the "
+                   "unfinished one from its newest intact checkpoint")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. finetune.seeds=[1,2,3]")
     p.set_defaults(func=cmd_finetune)
 

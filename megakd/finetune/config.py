@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from megakd.config import ConfigError, KernelsConfig, TaskConfig, check_literals
+from megakd.config import BackendConfig, ConfigError, KernelsConfig, TaskConfig, check_literals
 from megakd.models.encoder import EncoderConfig
 from megakd.objectives.label_reg import TARGETS
 from megakd.objectives.soteacher import CR_SCHEDULES
@@ -20,6 +20,13 @@ from megakd.objectives.soteacher import CR_SCHEDULES
 class FinetuneRunConfig:
     dir: str = "runs/finetune"
     progress_bar: bool = True
+    overwrite: bool = False  # a new run into a used run.dir moves its contents to <run.dir>.old-<time>/
+    tensorboard: bool = True  # <seed dir>/tb/
+    wandb: bool = False  # one wandb run per seed directory (its id kept there, resumed on requeue)
+    wandb_project: str = "megakd"
+    wandb_mode: Literal["offline", "online"] = "offline"
+    save_every: int = 0  # also checkpoint every N optimizer steps (0 = at the end of every epoch only)
+    keep_last: int = 2  # checkpoints kept per seed while it trains (removed once the seed is finished)
 
 
 @dataclass
@@ -79,6 +86,8 @@ class OptimConfig:
     max_seq_len: int = 256
     seeds: list[int] = field(default_factory=lambda: [0])
     log_every: int = 50
+    precision: Literal["fp32", "bf16"] = "fp32"  # bf16 = torch.autocast on the device (CPU or CUDA)
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: the rank's GPU if there is one
 
 
 @dataclass
@@ -132,6 +141,7 @@ class FinetuneConfig:
     labelreg: LabelRegConfig = field(default_factory=LabelRegConfig)
     soteacher: SoTeacherConfig = field(default_factory=SoTeacherConfig)
     tgt: TGTConfig = field(default_factory=TGTConfig)
+    backend: BackendConfig = field(default_factory=BackendConfig)  # single | ddp | deepspeed (ZeRO 0-2)
     kernels: KernelsConfig = field(default_factory=KernelsConfig)  # backend of the Lipschitz / sampling kernels
 
     @property
@@ -149,6 +159,10 @@ class FinetuneConfig:
                 raise ConfigError(f"finetune.{key}: expected a positive integer, got {getattr(f, key)}")
         if f.max_seq_len < 3:
             raise ConfigError(f"finetune.max_seq_len: expected >= 3 ([CLS] x [SEP]), got {f.max_seq_len}")
+        if self.run.save_every < 0 or self.run.keep_last < 1:
+            raise ConfigError(f"run.save_every={self.run.save_every}, run.keep_last={self.run.keep_last}: expected "
+                              ">= 0 and >= 1")
+        self._validate_backend()
         if not f.seeds or len(set(f.seeds)) != len(f.seeds):
             raise ConfigError(f"finetune.seeds: expected distinct seeds (a non-empty list), got {f.seeds}")
         if not 0.0 <= f.warmup_frac < 1.0:
@@ -204,3 +218,26 @@ class FinetuneConfig:
                 except ValueError as err:
                     raise ConfigError(str(err).replace("model.", "model.encoder.", 1)) from None
         return self
+
+    def _validate_backend(self) -> None:
+        """What fine-tuning runs on: single, ddp, or DeepSpeed ZeRO 0-2 (fp32) for plain and label-reg runs."""
+        b = self.backend
+        if b.pipeline_stages != 1:
+            raise ConfigError(f"backend.pipeline_stages: fine-tuning has no pipeline parallelism, got {b.pipeline_stages}")
+        if b.name != "deepspeed":
+            if b.zero_stage or b.deepspeed_config:
+                raise ConfigError(f"backend.zero_stage and backend.deepspeed_config need backend.name=deepspeed, "
+                                  f"got {b.name!r}")
+            return
+        if b.zero_stage not in (0, 1, 2):
+            raise ConfigError(f"backend.zero_stage: fine-tuning supports DeepSpeed ZeRO 0, 1 or 2 (evaluation and "
+                              f"the saved model need whole parameters on every rank), got {b.zero_stage}")
+        if b.deepspeed_config:
+            raise ConfigError("backend.deepspeed_config: not supported by megakd finetune (its AdaMax has no "
+                              "DeepSpeed offload counterpart); remove it")
+        if self.finetune.precision != "fp32":
+            raise ConfigError("finetune.precision=bf16 with backend.name=deepspeed: not supported; use backend.name=ddp "
+                              "(bf16 autocast) or finetune.precision=fp32")
+        if self.soteacher.enabled or self.tgt.enabled:
+            raise ConfigError("backend.name=deepspeed: SoTeacher and TGT fine-tuning run on the single and ddp "
+                              "backends only; use backend.name=ddp")

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -37,14 +38,8 @@ from megakd.data.tasks import EncodedTask
 from megakd.data.tokenizer import Tokenizer
 from megakd.finetune.config import FinetuneConfig, SoTeacherConfig
 from megakd.finetune.metrics import agreement, calibration_report
-from megakd.finetune.trainer import (
-    LabelRegObjective,
-    SeedResult,
-    open_run_dir,
-    run_seeds,
-    summarize,
-    teacher_logits_for,
-)
+from megakd.finetune.runtime import Runtime
+from megakd.finetune.trainer import LabelRegObjective, SeedResult, run_seeds, summarize, teacher_logits_for
 from megakd.models.electra import SequenceClassifier
 from megakd.objectives.soteacher import consistency_loss, cr_weight_for_epoch, lipschitz_penalty
 
@@ -55,10 +50,15 @@ class ConsistencyStore:
     """Per-example running mean of predicted probabilities, in memory-mapped files under `directory`.
 
     `create=True` starts an empty store (replacing an old one); `create=False` reopens an existing
-    one and checks its shape.
+    one and checks its shape. `directory=None` keeps the arrays in memory (the copies that ranks
+    other than 0 keep under data parallelism).
     """
 
-    def __init__(self, directory: str | Path, num_examples: int, num_classes: int, create: bool = True):
+    def __init__(self, directory: str | Path | None, num_examples: int, num_classes: int, create: bool = True):
+        if directory is None:
+            self.mean = np.zeros((num_examples, num_classes), dtype=np.float64)
+            self.count = np.zeros(num_examples, dtype=np.int64)
+            return
         self.directory = Path(directory)
         mean_path, count_path = self.directory / "mean.npy", self.directory / "count.npy"
         if create:
@@ -87,15 +87,30 @@ class ConsistencyStore:
         self.count[idx] = count + 1
 
     def flush(self) -> None:
-        self.mean.flush()
-        self.count.flush()
+        if isinstance(self.mean, np.memmap):
+            self.mean.flush()
+            self.count.flush()
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return {"mean": torch.from_numpy(np.array(self.mean)), "count": torch.from_numpy(np.array(self.count))}
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        self.mean[:] = state["mean"].numpy()
+        self.count[:] = state["count"].numpy()
 
 
 class SoTeacherObjective:
-    """CE + λ_LR·Lipschitz penalty + λ_CR(t)·consistency, recording predictions into the store."""
+    """CE + λ_LR·Lipschitz penalty + λ_CR(t)·consistency, recording predictions into the store.
 
-    def __init__(self, cfg: SoTeacherConfig, store: ConsistencyStore, num_epochs: int, kernels_backend: str = "auto"):
+    `gather(batch, probs)` returns the stable indices and predictions of every row of the step's
+    global batch (data parallelism: each rank keeps a whole store, since an example's earlier
+    predictions may have been made on another rank); by default the batch is the global batch.
+    """
+
+    def __init__(self, cfg: SoTeacherConfig, store: ConsistencyStore, num_epochs: int, kernels_backend: str = "auto",
+                 gather: Callable[[dict[str, Tensor], Tensor], tuple[Tensor, Tensor]] | None = None):
         self.cfg, self.store, self.num_epochs, self.backend = cfg, store, num_epochs, kernels_backend
+        self.gather = gather or (lambda batch, probs: (batch["index"], probs))
 
     def loss(self, model: SequenceClassifier, batch: dict[str, Tensor], epoch: int
              ) -> tuple[Tensor, Tensor, dict[str, float]]:
@@ -110,12 +125,19 @@ class SoTeacherObjective:
         probs = F.softmax(logits, dim=-1)
         lam = cr_weight_for_epoch(self.cfg.cr_schedule, epoch, self.num_epochs, self.cfg.lambda_cr)
         if epoch > 0 and lam > 0:
-            targets, has = self.store.targets(batch["index"])
-            cr = consistency_loss(probs, targets, has)
+            targets, has = self.store.targets(batch["index"].cpu())
+            cr = consistency_loss(probs, targets.to(probs.device), has.to(probs.device))
             loss = loss + lam * cr
             logs.update(cr=cr.item(), lambda_cr=lam)
-        self.store.update(batch["index"], probs)
+        index, all_probs = self.gather(batch, probs.detach())
+        self.store.update(index.cpu(), all_probs.cpu())
         return loss, logits, logs
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return self.store.state_dict()
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        self.store.load_state_dict(state)
 
 
 def _calibration(results: list[SeedResult], dev: EncodedTask) -> dict[str, list[float]]:
@@ -125,21 +147,43 @@ def _calibration(results: list[SeedResult], dev: EncodedTask) -> dict[str, list[
     return {k: [rep[k] for rep in reports] for k in reports[0]}
 
 
-def run_soteacher(cfg: FinetuneConfig) -> dict:
+def gather_rows(runtime: Runtime) -> Callable[[dict[str, Tensor], Tensor], tuple[Tensor, Tensor]]:
+    """`SoTeacherObjective.gather` over the data-parallel ranks: every rank gets the whole global batch.
+
+    Rank r's real rows go to their place in the global batch (`offset`, `real`) of a zero tensor,
+    and a sum over ranks assembles the batch in its one-process order (float64; indices are exact).
+    """
+    if runtime.world_size == 1:
+        return lambda batch, probs: (batch["index"], probs)
+
+    def gather(batch: dict[str, Tensor], probs: Tensor) -> tuple[Tensor, Tensor]:
+        offset, real, rows = int(batch["offset"]), int(batch["real"]), int(batch["batch_rows"])
+        full = torch.zeros(rows, 1 + probs.shape[1], dtype=torch.float64)
+        full[offset: offset + real, 0] = batch["index"][:real].cpu().double()
+        full[offset: offset + real, 1:] = probs[:real].cpu().double()
+        full = runtime.sum(full)
+        return full[:, 0].long(), full[:, 1:]
+
+    return gather
+
+
+def run_soteacher(cfg: FinetuneConfig, runtime: Runtime) -> dict:
     """Teacher (SoTeacher loss) for every seed, then (unless disabled) a KD student per teacher."""
-    run_dir = open_run_dir(cfg)
+    run_dir = runtime.run_dir
     s = cfg.soteacher
     stores: list[ConsistencyStore] = []
 
     def make_teacher_objective(seed: int, model: SequenceClassifier, tokenizer: Tokenizer, train: EncodedTask,
                                out_dir: Path) -> SoTeacherObjective:
-        stores.append(ConsistencyStore(out_dir / "cr_store", int(train.indices.max()) + 1, cfg.task.num_labels))
-        return SoTeacherObjective(s, stores[-1], cfg.finetune.epochs, cfg.kernels.backend)
+        stores.append(ConsistencyStore(out_dir / "cr_store" if runtime.is_main else None,
+                                       int(train.indices.max()) + 1, cfg.task.num_labels))
+        return SoTeacherObjective(s, stores[-1], cfg.finetune.epochs, cfg.kernels.backend, gather_rows(runtime))
 
-    teachers, _, dev, teacher_lr = run_seeds(cfg, run_dir / "teacher", cfg.model, make_teacher_objective)
+    teachers, _, dev, teacher_lr = run_seeds(cfg, run_dir / "teacher", cfg.model, make_teacher_objective, runtime)
     for store in stores:
         store.flush()
-    summary = {"teacher": summarize(teachers, run_dir / "teacher", cfg.metric, _calibration(teachers, dev), teacher_lr)}
+    summary = {"teacher": summarize(teachers, run_dir / "teacher", cfg.metric, _calibration(teachers, dev), teacher_lr,
+                                    write=runtime.is_main)}
     if s.distill_student:
         teacher_dirs = {r.seed: r.model_dir for r in teachers}
         kd = dataclasses.replace(cfg.labelreg, target="kd", alpha=1 - s.student_alpha,
@@ -148,12 +192,14 @@ def run_soteacher(cfg: FinetuneConfig) -> dict:
         def make_student_objective(seed: int, model: SequenceClassifier, tokenizer: Tokenizer,
                                    train: EncodedTask, out_dir: Path) -> LabelRegObjective:
             logits = teacher_logits_for(str(teacher_dirs[seed]), "soteacher teacher", tokenizer, train,
-                                        cfg.task.num_labels, cfg.finetune.eval_batch_size)
+                                        cfg.task.num_labels, cfg.finetune.eval_batch_size, runtime)
             return LabelRegObjective(kd, cfg.task.num_labels, logits)
 
-        students, _, _, student_lr = run_seeds(cfg, run_dir / "student", s.student, make_student_objective)
+        students, _, _, student_lr = run_seeds(cfg, run_dir / "student", s.student, make_student_objective, runtime)
         by_seed = {r.seed: r for r in teachers}
         agree = [agreement(r.dev_logits, by_seed[r.seed].dev_logits) for r in students]
-        summary["student"] = summarize(students, run_dir / "student", cfg.metric, {"agreement": agree}, student_lr)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        summary["student"] = summarize(students, run_dir / "student", cfg.metric, {"agreement": agree}, student_lr,
+                                       write=runtime.is_main)
+    if runtime.is_main:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

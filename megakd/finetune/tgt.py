@@ -45,7 +45,8 @@ from megakd.data.masking import mlm_mask
 from megakd.data.tasks import EncodedTask
 from megakd.data.tokenizer import Tokenizer
 from megakd.finetune.config import FinetuneConfig, TGTConfig
-from megakd.finetune.trainer import open_run_dir, run_seeds, summarize
+from megakd.finetune.runtime import Runtime
+from megakd.finetune.trainer import run_seeds, summarize
 from megakd.models.electra import MaskedLM, SequenceClassifier
 from megakd.objectives.electra import corrupt, sample_replacements
 from megakd.objectives.label_reg import kl_divergence, soft_cross_entropy
@@ -57,23 +58,27 @@ log = logging.getLogger(__name__)
 class TeacherGenerator:
     """Generates x̃ from a batch with a frozen MLM (random or gradient mode, see module docstring)."""
 
-    def __init__(self, mlm: MaskedLM, tokenizer: Tokenizer, cfg: TGTConfig, seed: int, kernels_backend: str = "auto"):
+    def __init__(self, mlm: MaskedLM, tokenizer: Tokenizer, cfg: TGTConfig, seed: int, kernels_backend: str = "auto",
+                 stream: int = 0):
+        """`stream` (the data-parallel rank) gives each rank its own noise and sampling draws."""
         self.mlm, self.tokenizer, self.cfg, self.seed, self.backend = freeze(mlm), tokenizer, cfg, seed, kernels_backend
-        self.rng = torch.Generator().manual_seed(seed)
+        device = next(mlm.parameters()).device
+        self.rng = torch.Generator(device=device).manual_seed(seed + 1_000_003 * stream)
 
     def mask(self, batch: dict[str, Tensor], epoch: int) -> Tensor:
         """Boolean [B, L]: exactly round(p·n) of each example's n non-special tokens (at least 1)."""
-        ids = batch["input_ids"].numpy()
+        ids = batch["input_ids"].cpu().numpy()
         return torch.from_numpy(mlm_mask(
-            ids, batch["attention_mask"].bool().numpy(), np.full(len(ids), epoch), batch["index"].numpy(),
-            seed=self.seed, mask_prob=self.cfg.mask_prob, special_ids=sorted(self.tokenizer.special_ids)))
+            ids, batch["attention_mask"].bool().cpu().numpy(), np.full(len(ids), epoch), batch["index"].cpu().numpy(),
+            seed=self.seed, mask_prob=self.cfg.mask_prob, special_ids=sorted(self.tokenizer.special_ids)
+        )).to(batch["input_ids"].device)
 
     def start_embeddings(self, batch: dict[str, Tensor], mask: Tensor) -> Tensor:
         """The MLM's input embeddings of the masked sequence, plus N(0, σ²) noise when σ > 0."""
         masked = torch.where(mask, self.tokenizer.mask_id, batch["input_ids"])
         e = self.mlm.encoder.embed(masked)
         if self.cfg.noise_std > 0:
-            e = e + self.cfg.noise_std * torch.randn(e.shape, generator=self.rng, dtype=e.dtype)
+            e = e + self.cfg.noise_std * torch.randn(e.shape, generator=self.rng, dtype=e.dtype, device=e.device)
         return e
 
     def _hidden(self, e: Tensor, batch: dict[str, Tensor], mask: Tensor) -> Tensor:
@@ -158,6 +163,12 @@ class TGTObjective:
     def __init__(self, generator: TeacherGenerator, labeler: SequenceClassifier):
         self.generator, self.labeler = generator, freeze(labeler)
 
+    def state_dict(self) -> dict[str, Tensor]:
+        return {"rng": self.generator.rng.get_state()}
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        self.generator.rng.set_state(state["rng"])
+
     def loss(self, model: SequenceClassifier, batch: dict[str, Tensor], epoch: int
              ) -> tuple[Tensor, Tensor, dict[str, float]]:
         if self.generator.cfg.mode == "random":
@@ -177,13 +188,13 @@ class TGTObjective:
                                                "changed_frac": changed}
 
 
-def run_tgt(cfg: FinetuneConfig) -> dict:
+def run_tgt(cfg: FinetuneConfig, runtime: Runtime) -> dict:
     """`megakd finetune` with `tgt.enabled`: a TGT student for every seed."""
-    run_dir = open_run_dir(cfg)
+    run_dir = runtime.run_dir
     generator = load_model(cfg.tgt.generator, "tgt.generator")
-    mlm, gen_tokenizer = freeze(generator.get("masked_lm")), generator.tokenizer()
+    mlm, gen_tokenizer = freeze(generator.get("masked_lm")).to(runtime.device), generator.tokenizer()
     stored_labeler = load_model(cfg.tgt.labeler, "tgt.labeler")
-    labeler, lab_tokenizer = stored_labeler.get("classifier"), stored_labeler.tokenizer()
+    labeler, lab_tokenizer = stored_labeler.get("classifier").to(runtime.device), stored_labeler.tokenizer()
     if labeler.num_labels != cfg.task.num_labels:
         raise ConfigError(f"tgt.labeler: {cfg.tgt.labeler} has {labeler.num_labels} labels, the task "
                           f"{cfg.task.num_labels}")
@@ -192,7 +203,7 @@ def run_tgt(cfg: FinetuneConfig) -> dict:
                        out_dir: Path) -> TGTObjective:
         check_same_tokenizer(tokenizer, gen_tokenizer, "tgt.generator")
         check_same_tokenizer(tokenizer, lab_tokenizer, "tgt.labeler")
-        return TGTObjective(TeacherGenerator(mlm, tokenizer, cfg.tgt, seed, cfg.kernels.backend), labeler)
+        return TGTObjective(TeacherGenerator(mlm, tokenizer, cfg.tgt, seed, cfg.kernels.backend, runtime.rank), labeler)
 
-    results, _, _, lr_record = run_seeds(cfg, run_dir, cfg.model, make_objective)
-    return summarize(results, run_dir, cfg.metric, lr_record=lr_record)
+    results, _, _, lr_record = run_seeds(cfg, run_dir, cfg.model, make_objective, runtime)
+    return summarize(results, run_dir, cfg.metric, lr_record=lr_record, write=runtime.is_main)

@@ -5,51 +5,69 @@ or a list of rates. A list is decided before dev is read: every candidate trains
 on the training split minus a fixed held-out slice (`finetune.lr_select_frac` of it, chosen by a
 permutation seeded with 0), the candidate with the best headline metric on that slice wins (ties:
 the earlier candidate), and every seed then trains with it on the full training split. All
-candidates' slice scores go to `summary.json`.
+candidates' slice scores go to `summary.json`. Under data parallelism every rank trains every
+trial together and takes rank 0's scores, so all ranks choose the same rate.
 
 One seed: AdaMax (β (0.9, 0.98), ε 1e-6, coupled L2 weight decay on matrices only, as torch's
 Adamax implements it), linear warm-up over `warmup_frac` of the optimizer steps then linear decay
 to 0 (`megakd.engine.optim.build_scheduler`), gradient clipping at 1.0, dropout 0.1, dev evaluation
 after every epoch. The batch order of epoch e is `randperm` from a generator seeded with
-(seed, e), so a seed reproduces bit-for-bit on CPU.
+(seed, e), so a seed reproduces bit-for-bit on CPU. `finetune.batch_size` is the global batch,
+split over the data-parallel ranks of the backend (megakd/finetune/runtime.py).
 
 Objectives see the batch (with the examples' stable `index` and their `row` in the train split)
 and the epoch, and return (loss, logits, logs). `LabelRegObjective` is plain fine-tuning and every
 label-regularisation target; SoTeacher and TGT (finetune/soteacher.py, finetune/tgt.py) supply their own.
+An objective with state that must survive a restart (SoTeacher's store, TGT's sampling generator)
+has `state_dict`/`load_state_dict`.
+
+Resume: each training (a seed, or an LR-selection trial) checkpoints into its own directory
+(`<seed dir>/checkpoints/step_N/`, through megakd.store.checkpoint: atomic, verified) at the end
+of every epoch, every `run.save_every` steps and on a stop signal; a finished one leaves
+`result.json` and drops its checkpoints. `--resume auto` reloads finished trainings and continues
+the unfinished one from its newest intact checkpoint, bit-exact on CPU with the same world size.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
+import shutil
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 from tqdm import tqdm
 
-from megakd.config import ConfigError, ScheduleConfig, save_config
+from megakd.config import ConfigError, ScheduleConfig, config_to_dict, save_config
 from megakd.data.tasks import EncodedTask, load_split
 from megakd.data.tokenizer import Tokenizer
+from megakd.engine.backends import Unit
 from megakd.engine.metrics import MetricsWriter
 from megakd.engine.optim import build_scheduler, param_groups
 from megakd.finetune.config import FinetuneConfig, LabelRegConfig, ModelInitConfig, auto_lr
 from megakd.finetune.metrics import mean_std, task_metrics
 from megakd.finetune.models import Pretrained, build_classifier, load_pretrained
+from megakd.finetune.runtime import Runtime, Stopped, single_process
 from megakd.models.electra import SequenceClassifier
 from megakd.objectives.label_reg import TEACHER_TARGETS, akd_temperature, annealing_kd_loss, label_reg_loss
-from megakd.store import check_same_tokenizer, freeze
+from megakd.store import check_same_tokenizer, checkpoint, freeze
+from megakd.store.files import StoreError
 from megakd.store.model_dir import load_classifier, save_classifier
 
 log = logging.getLogger(__name__)
 
 MAX_BAD_STEPS = 10  # non-finite losses in a row before the run stops
+RESULT_FILE = "result.json"  # written last: a training directory with it is finished
+UNIT = "classifier"  # the backend unit's name: checkpoint files classifier.safetensors, classifier.optim.pt
 
 
 class Objective(Protocol):
@@ -57,17 +75,46 @@ class Objective(Protocol):
              ) -> tuple[Tensor, Tensor, dict[str, float]]: ...
 
 
+class ClassifierTask(nn.Module):
+    """What the backend wraps: the classifier, with the objective's loss as its forward.
+
+    Every forward pass an objective makes (TGT's generated batch, SoTeacher's penalty) then runs
+    inside one DDP/DeepSpeed forward, so gradients are synchronised once per step.
+    """
+
+    def __init__(self, model: SequenceClassifier, objective: Objective):
+        super().__init__()
+        self.model = model
+        self.objective = objective
+
+    def forward(self, batch: dict[str, Tensor], epoch: int) -> dict:
+        loss, logits, logs = self.objective.loss(self.model, batch, epoch)
+        return {"loss": loss, "logits": logits, "logs": logs}
+
+
 @torch.no_grad()
-def predict(model: SequenceClassifier, data: EncodedTask, batch_size: int) -> np.ndarray:
-    """Logits [N, K] (eval mode, in order) for every example of `data`."""
+def predict(model: SequenceClassifier, data: EncodedTask, batch_size: int, runtime: Runtime | None = None
+            ) -> np.ndarray:
+    """Logits [N, K] (eval mode, in order) for every example of `data`, on every rank.
+
+    With several ranks each predicts every world-th batch (the same batches as one process, so the
+    same values) and a sum over ranks assembles them.
+    """
     was_training = model.training
     model.eval()
-    out = []
-    for start in range(0, len(data), batch_size):
-        b = data.batch(range(start, min(start + batch_size, len(data))))
-        out.append(model(b["input_ids"], b["attention_mask"], b["token_type_ids"]).float())
+    device = next(model.parameters()).device
+    starts = range(0, len(data), batch_size)
+    mine = starts if runtime is None else [starts[i] for i in runtime.shard_batches(len(starts))]
+    logits = torch.zeros(len(data), model.num_labels)
+    for start in mine:
+        rows = range(start, min(start + batch_size, len(data)))
+        b = {k: v.to(device) for k, v in data.batch(rows).items()}
+        with runtime.backend.autocast() if runtime is not None else contextlib.nullcontext():
+            logits[start: rows.stop] = model(b["input_ids"], b["attention_mask"], b["token_type_ids"]).float().cpu()
     model.train(was_training)
-    return torch.cat(out).numpy()
+    if runtime is not None and runtime.world_size > 1:
+        logits = runtime.sum(logits)
+    return logits.numpy()
 
 
 class LabelRegObjective:
@@ -89,7 +136,7 @@ class LabelRegObjective:
         if self.num_labels == 1:
             return F.mse_loss(logits.squeeze(-1), batch["labels"])
         c = self.cfg
-        teacher = None if self.teacher_logits is None else self.teacher_logits[batch["row"]]
+        teacher = None if self.teacher_logits is None else self.teacher_logits[batch["row"].cpu()].to(logits.device)
         if c.target == "akd":
             temperature = akd_temperature(epoch, c.akd_phase1_epochs, c.temperature)
             if temperature is None:  # phase II
@@ -100,13 +147,15 @@ class LabelRegObjective:
 
 
 def teacher_logits_for(path: str, key: str, student_tokenizer: Tokenizer, train: EncodedTask, num_labels: int,
-                       batch_size: int) -> Tensor:
+                       batch_size: int, runtime: Runtime | None = None) -> Tensor:
     """Logits of a fine-tuned classifier directory on every train example (checked to share the tokenizer)."""
     teacher, tokenizer = load_classifier(path)
     check_same_tokenizer(student_tokenizer, tokenizer, key)
     if teacher.num_labels != num_labels:
         raise ConfigError(f"{key}: {path} has {teacher.num_labels} labels, the task {num_labels}")
-    return torch.from_numpy(predict(freeze(teacher), train, batch_size))
+    if runtime is not None:
+        teacher.to(runtime.device)
+    return torch.from_numpy(predict(freeze(teacher), train, batch_size, runtime))
 
 
 @dataclass
@@ -119,89 +168,259 @@ class SeedResult:
     model_dir: Path | None
 
 
+def finished_result(out_dir: Path, seed: int, eval_split: str, runtime: Runtime) -> SeedResult | None:
+    """The result of a training that finished before this `--resume auto` run (None if it did not)."""
+    path = out_dir / RESULT_FILE
+    if not (runtime.resume and path.is_file()):
+        return None
+    try:
+        result = json.loads(path.read_text())
+        dev_logits = np.load(out_dir / "dev_logits.npy") if eval_split == "dev" else np.zeros((0, 0))
+        metrics, losses, curve = result[eval_split], result["train_loss"], result["curve"]
+    except (OSError, ValueError, KeyError) as err:
+        raise StoreError(f"{path}: cannot reuse this finished training ({err}); move {out_dir} aside to retrain "
+                         "it") from None
+    log.info("%s: finished before, reusing its result", out_dir)
+    return SeedResult(seed, metrics, dev_logits, losses, curve, out_dir / "model" if eval_split == "dev" else None)
+
+
+@dataclass
+class Progress:
+    """What one training has done so far: everything in a rank's checkpoint besides weights and RNG."""
+
+    step: int = 0
+    bad_steps: int = 0
+    epoch_sum: float = 0.0  # summed global-batch losses of the current epoch
+    epoch_losses: list[float] = field(default_factory=list)
+    curve: list[dict[str, float]] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)  # eval-split metrics of the last finished epoch
+    interval: dict[str, float] = field(default_factory=dict)  # sums since the last log line
+    interval_steps: int = 0
+    interval_samples: int = 0
+
+
+class SeedTraining:
+    """One training of `model` with `objective` (a seed, or an LR-selection trial) on `runtime`'s backend."""
+
+    def __init__(self, cfg: FinetuneConfig, seed: int, model: SequenceClassifier, objective: Objective,
+                 out_dir: Path, lr: float, runtime: Runtime, steps_per_epoch: int):
+        f = cfg.finetune
+        self.cfg, self.seed, self.model, self.objective = cfg, seed, model, objective
+        self.out_dir, self.runtime, self.steps_per_epoch = out_dir, runtime, steps_per_epoch
+        self.total = steps_per_epoch * f.epochs
+        model.to(runtime.device)
+        optimizer = torch.optim.Adamax(param_groups(model.named_parameters(), f.weight_decay), lr=lr,
+                                       betas=tuple(f.betas), eps=f.eps)
+        schedule = ScheduleConfig(warmup_steps=round(f.warmup_frac * self.total), decay="linear")
+        self.unit = Unit(name=UNIT, task=ClassifierTask(model, objective), model=model, optimizer=optimizer,
+                         scheduler=build_scheduler(optimizer, schedule, self.total), clip_norm=f.clip_norm)
+        runtime.backend.prepare([self.unit], accumulation_steps=1)
+        self.progress = Progress()
+        # Dropout: rank 0 draws the seed's one-process stream, other ranks their own.
+        torch.manual_seed(seed + 1_000_003 * runtime.rank)
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    def rank_state(self) -> dict:
+        return {"progress": vars(self.progress).copy(), "torch_rng": torch.get_rng_state(),
+                "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+                "objective": self.objective.state_dict() if hasattr(self.objective, "state_dict") else {}}
+
+    def save(self) -> None:
+        """Every rank writes its part into a temporary step directory; rank 0 publishes it atomically."""
+        rt = self.runtime
+        tmp, final = checkpoint.begin(self.out_dir, self.progress.step, rt.is_main)
+        rt.barrier()
+        if rt.is_main:
+            save_config(self.cfg, tmp / "config.yaml")
+        rt.backend.save_units([self.unit], tmp)
+        checkpoint.save_rank_state(tmp, rt.rank, self.rank_state())
+        rt.barrier()
+        if rt.is_main:
+            checkpoint.commit(tmp, final, self.progress.step, self.cfg.run.keep_last)
+        rt.barrier()
+
+    def resume(self) -> None:
+        """Continue from the newest intact checkpoint of this training, if `--resume auto` and there is one."""
+        rt = self.runtime
+        step = -1
+        if rt.resume and rt.is_main:
+            checkpoint.remove_stale_temp_dirs(self.out_dir)
+            found = checkpoint.newest_intact(self.out_dir)
+            step = checkpoint.step_of(found) if found is not None else -1
+        step = int(rt.sum(torch.tensor([step + 1.0], dtype=torch.float64)).item()) - 1
+        if step < 0:
+            return
+        path = checkpoint.checkpoints_root(self.out_dir) / f"step_{step:08d}"
+        saved_world = len(list(path.glob("trainer_state_rank*.pt")))
+        if saved_world != rt.world_size:
+            raise StoreError(f"{path}: written by {saved_world} processes, this run has {rt.world_size}; resume a "
+                             "fine-tuning run with the world size it was started with")
+        rt.backend.load_units([self.unit], path)
+        state = checkpoint.load_rank_state(path, rt.rank)
+        self.progress = Progress(**state["progress"])
+        torch.set_rng_state(state["torch_rng"])
+        if state["cuda_rng"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
+        if state["objective"]:
+            self.objective.load_state_dict(state["objective"])
+        log.info("%s: resumed at step %d of %d", self.out_dir, step, self.total)
+
+    # -- one step ----------------------------------------------------------------------------------
+    def step(self, train: EncodedTask, rows: Tensor, epoch: int) -> tuple[dict[str, float] | None, bool, bool]:
+        """One optimizer step on the global batch `rows`: (global-batch means of the logs, or None if the
+        update was skipped; stop requested; by SIGINT)."""
+        rt, backend, unit = self.runtime, self.runtime.backend, self.unit
+        local, offset, real, weight = rt.local_rows(rows)
+        batch = {**train.batch(local), "row": local, "offset": torch.tensor(offset), "real": torch.tensor(real),
+                 "batch_rows": torch.tensor(len(rows))}
+        batch = {k: v.to(rt.device) for k, v in batch.items()}
+        out = backend.forward(unit, batch, epoch)
+        backend.backward(unit, out["loss"] * weight)
+        logs = {"loss": out["loss"].detach(), **out["logs"]}
+        keys = sorted(logs)
+        share = weight / rt.world_size  # this rank's part of a global-batch mean
+        flags = [float(torch.isfinite(out["loss"]).item()), *rt.stop_flags(),
+                 *(share * float(logs[k]) if share else 0.0 for k in keys)]
+        totals = rt.sum(torch.tensor(flags, dtype=torch.float64)).tolist()
+        finite, stop, interrupted = totals[0] == rt.world_size, totals[1] > 0, totals[2] > 0
+        norms = None
+        if finite:
+            norms = backend.step([unit])
+        else:
+            backend.skip_step(unit)
+        self.progress.step += 1
+        if norms is None:
+            p = self.progress
+            p.bad_steps += 1
+            log.warning("seed %d step %d: non-finite %s, update skipped", self.seed, p.step,
+                        "loss" if not finite else "gradient norm")
+            if p.bad_steps >= MAX_BAD_STEPS:
+                raise FloatingPointError(f"seed {self.seed}: {p.bad_steps} non-finite losses in a row at step "
+                                         f"{p.step}; lower finetune.lr or check the data")
+            return None, stop, interrupted
+        self.progress.bad_steps = 0
+        return {**dict(zip(keys, totals[3:])), "grad_norm": norms[UNIT]}, stop, interrupted
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def run(self, train: EncodedTask, dev: EncodedTask, eval_split: str) -> np.ndarray | None:
+        """Train to the last step; returns the eval split's logits of the last epoch (None if it ended
+        before this process started, on a checkpoint at the very end)."""
+        cfg, f, rt, p = self.cfg, self.cfg.finetune, self.runtime, self.progress
+        writer = None
+        if rt.is_main:
+            writer = MetricsWriter(self.out_dir, tensorboard=cfg.run.tensorboard, wandb=cfg.run.wandb,
+                                   wandb_project=cfg.run.wandb_project, wandb_mode=cfg.run.wandb_mode,
+                                   config=config_to_dict(cfg), resume_step=p.step)
+        bar = tqdm(total=self.total, initial=p.step, desc=f"seed {self.seed}", dynamic_ncols=True,
+                   disable=not (cfg.run.progress_bar and rt.is_main))
+        dev_logits = None
+        self.model.train()
+        try:
+            first_epoch, first_batch = divmod(p.step, self.steps_per_epoch)
+            tick = time.perf_counter()
+            for epoch in range(first_epoch, f.epochs):
+                order = torch.randperm(len(train), generator=torch.Generator().manual_seed(self.seed * 1_000_003 + epoch))
+                for b in range(first_batch if epoch == first_epoch else 0, self.steps_per_epoch):
+                    rows = order[b * f.batch_size: (b + 1) * f.batch_size]
+                    step_lr = self.unit.lr  # the rate this step uses
+                    logs, stop, interrupted = self.step(train, rows, epoch)
+                    bar.update(1)
+                    if logs is not None:
+                        bar.set_postfix(epoch=epoch, loss=f"{logs['loss']:.4f}")
+                        p.epoch_sum += logs["loss"]
+                        for k, v in logs.items():
+                            p.interval[k] = p.interval.get(k, 0.0) + v
+                        p.interval_steps += 1
+                        p.interval_samples += len(rows)
+                        if p.step % f.log_every == 0 or p.step == self.total:
+                            seconds = time.perf_counter() - tick
+                            if writer is not None:
+                                writer.write({"step": p.step, "epoch": epoch, "lr": step_lr,
+                                              **{k: v / p.interval_steps for k, v in p.interval.items()},
+                                              "samples_per_s": p.interval_samples / max(seconds, 1e-9)})
+                            p.interval, p.interval_steps, p.interval_samples = {}, 0, 0
+                            tick = time.perf_counter()
+                    epoch_end = b == self.steps_per_epoch - 1
+                    if epoch_end:
+                        started = time.perf_counter()
+                        dev_logits = self.end_epoch(epoch, dev, eval_split, writer)
+                        tick += time.perf_counter() - started  # samples_per_s counts training time only
+                    if stop:
+                        self.save()
+                        raise Stopped(interrupted)
+                    if (epoch_end and p.step < self.total) or (cfg.run.save_every and p.step % cfg.run.save_every == 0):
+                        self.save()
+        finally:
+            bar.close()
+            if writer is not None:
+                writer.close()
+        return dev_logits
+
+    def end_epoch(self, epoch: int, dev: EncodedTask, eval_split: str, writer: MetricsWriter | None) -> np.ndarray:
+        p = self.progress
+        p.epoch_losses.append(p.epoch_sum / self.steps_per_epoch)
+        p.epoch_sum = 0.0
+        dev_logits = predict(self.model, dev, self.cfg.finetune.eval_batch_size, self.runtime)
+        p.metrics = task_metrics(dev_logits, dev.labels.numpy(), self.cfg.task.num_labels)
+        p.curve.append({"epoch": epoch, "train_loss": p.epoch_losses[-1], **p.metrics})
+        if writer is not None:
+            writer.write({"step": p.step, "epoch": epoch, "train_loss": p.epoch_losses[-1],
+                          **{f"{eval_split}_{k}": v for k, v in p.metrics.items()}})
+        log.info("seed %d epoch %d: train loss %.4f, %s %s", self.seed, epoch, p.epoch_losses[-1], eval_split,
+                 ", ".join(f"{k} {v:.4f}" for k, v in p.metrics.items()))
+        return dev_logits
+
+
 def train_seed(cfg: FinetuneConfig, seed: int, model: SequenceClassifier, tokenizer: Tokenizer,
                train: EncodedTask, dev: EncodedTask, objective: Objective, out_dir: Path,
-               lr: float, eval_split: str = "dev") -> SeedResult:
+               lr: float, eval_split: str = "dev", runtime: Runtime | None = None) -> SeedResult:
     """Train `model` with `objective` for `finetune.epochs` epochs at peak rate `lr` (see `run_seeds`).
 
     Evaluates on `dev` after every epoch; its metrics are logged as `<eval_split>_<metric>`. For the
     real dev split this writes the dev logits and the model; an LR-selection trial
-    (`eval_split="slice"`, `dev` a slice of train) writes only its metrics.
+    (`eval_split="slice"`, `dev` a slice of train) writes only its metrics. Without a `runtime`
+    it trains in this process on the CPU.
     """
-    f = cfg.finetune
+    runtime = runtime or single_process(cfg)
     out_dir.mkdir(parents=True, exist_ok=True)
-    steps_per_epoch = math.ceil(len(train) / f.batch_size)
-    total = steps_per_epoch * f.epochs
-    schedule = ScheduleConfig(warmup_steps=round(f.warmup_frac * total), decay="linear")
-    optimizer = torch.optim.Adamax(param_groups(model.named_parameters(), f.weight_decay), lr=lr,
-                                   betas=tuple(f.betas), eps=f.eps)
-    scheduler = build_scheduler(optimizer, schedule, total)
-    writer = MetricsWriter(out_dir, tensorboard=False, wandb=False, wandb_project="", wandb_mode="offline", config={})
-    params = [p for p in model.parameters() if p.requires_grad]
-    step, bad_steps, epoch_losses, metrics, curve = 0, 0, [], {}, []
-    torch.manual_seed(seed)  # dropout stream
-    model.train()
-    bar = tqdm(total=total, desc=f"seed {seed}", disable=not cfg.run.progress_bar, dynamic_ncols=True)
-    try:
-        for epoch in range(f.epochs):
-            order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
-            sums: dict[str, float] = {}
-            count, epoch_sum = 0, 0.0
-            for start in range(0, len(train), f.batch_size):
-                rows = order[start: start + f.batch_size]
-                batch = {**train.batch(rows), "row": rows}
-                loss, _, logs = objective.loss(model, batch, epoch)
-                step_lr = scheduler.get_last_lr()[0]  # the rate this step used
-                optimizer.zero_grad(set_to_none=True)
-                step += 1
-                bar.update(1)
-                if not torch.isfinite(loss):  # skip the update, as the pretraining trainer does
-                    bad_steps += 1
-                    log.warning("seed %d step %d: non-finite loss %s, update skipped", seed, step, loss.item())
-                    if bad_steps >= MAX_BAD_STEPS:
-                        raise FloatingPointError(f"seed {seed}: {bad_steps} non-finite losses in a row at step "
-                                                 f"{step}; lower finetune.lr or check the data")
-                    continue
-                bad_steps = 0
-                loss.backward()
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, f.clip_norm if f.clip_norm > 0 else math.inf)
-                optimizer.step()
-                scheduler.step()
-                bar.set_postfix(epoch=epoch, loss=f"{loss.item():.4f}")
-                epoch_sum += loss.item()
-                for k, v in {"loss": loss.item(), "grad_norm": float(grad_norm), **logs}.items():
-                    sums[k] = sums.get(k, 0.0) + v
-                count += 1
-                if step % f.log_every == 0 or step == total:
-                    writer.write({"step": step, "epoch": epoch, "lr": step_lr,
-                                  **{k: v / count for k, v in sums.items()}})
-                    sums, count = {}, 0
-            epoch_losses.append(epoch_sum / steps_per_epoch)
-            dev_logits = predict(model, dev, f.eval_batch_size)
-            metrics = task_metrics(dev_logits, dev.labels.numpy(), cfg.task.num_labels)
-            curve.append({"epoch": epoch, "train_loss": epoch_losses[-1], **metrics})
-            writer.write({"step": step, "epoch": epoch, "train_loss": epoch_losses[-1],
-                          **{f"{eval_split}_{k}": v for k, v in metrics.items()}})
-            log.info("seed %d lr %g epoch %d: train loss %.4f, %s %s", seed, lr, epoch, epoch_losses[-1], eval_split,
-                     ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-    finally:
-        bar.close()
-        writer.close()
-    model_dir = None
-    if eval_split == "dev":
-        np.save(out_dir / "dev_logits.npy", dev_logits)
-        model_dir = save_classifier(model.eval(), tokenizer, out_dir / "model",
-                                    {"task": cfg.task.name, "seed": seed, "lr": lr, "dev": metrics})
-    (out_dir / "result.json").write_text(json.dumps({"seed": seed, "lr": lr, eval_split: metrics,
-                                                     "train_loss": epoch_losses, "curve": curve}, indent=2) + "\n")
-    return SeedResult(seed, metrics, dev_logits, epoch_losses, curve, model_dir)
+    training = SeedTraining(cfg, seed, model, objective, out_dir, lr, runtime,
+                            steps_per_epoch=math.ceil(len(train) / cfg.finetune.batch_size))
+    training.resume()
+    dev_logits = training.run(train, dev, eval_split)
+    if dev_logits is None:
+        dev_logits = predict(model, dev, cfg.finetune.eval_batch_size, runtime)
+    p = training.progress
+    model_dir = out_dir / "model" if eval_split == "dev" else None
+    if runtime.is_main:
+        if model_dir is not None:
+            np.save(out_dir / "dev_logits.npy", dev_logits)
+            save_classifier(standalone_copy(model), tokenizer, model_dir, {"task": cfg.task.name, "seed": seed,
+                                                                             "lr": lr, "dev": p.metrics})
+        result = {"seed": seed, "lr": lr, eval_split: p.metrics, "train_loss": p.epoch_losses, "curve": p.curve}
+        tmp = out_dir / f".{RESULT_FILE}.tmp"
+        tmp.write_text(json.dumps(result, indent=2) + "\n")
+        tmp.replace(out_dir / RESULT_FILE)
+        shutil.rmtree(checkpoint.checkpoints_root(out_dir), ignore_errors=True)
+    runtime.barrier()  # the model directory is complete before any rank reads it (a KD student's teacher)
+    return SeedResult(seed, p.metrics, dev_logits, p.epoch_losses, p.curve, model_dir)
+
+
+def standalone_copy(model: SequenceClassifier) -> SequenceClassifier:
+    """`model` on the CPU in eval mode, with tensors that own their storage.
+
+    DeepSpeed's ZeRO optimizers keep the module's parameters as views into flat buffers, which
+    safetensors refuses to save.
+    """
+    copy = SequenceClassifier(model.config, model.num_labels)
+    copy.load_state_dict(model.state_dict())
+    return copy.eval()
 
 
 ObjectiveFactory = Callable[[int, SequenceClassifier, Tokenizer, EncodedTask, Path], Objective]
 
 
-def run_seeds(cfg: FinetuneConfig, run_dir: Path, init: ModelInitConfig, make_objective: ObjectiveFactory
-              ) -> tuple[list[SeedResult], EncodedTask, EncodedTask, dict]:
+def run_seeds(cfg: FinetuneConfig, run_dir: Path, init: ModelInitConfig, make_objective: ObjectiveFactory,
+              runtime: Runtime) -> tuple[list[SeedResult], EncodedTask, EncodedTask, dict]:
     """Every seed of `finetune.seeds` into `run_dir/seed_<s>/`.
 
     Returns the results, the encoded splits and the LR record (`lr_record`). The dev split is read
@@ -219,16 +438,21 @@ def run_seeds(cfg: FinetuneConfig, run_dir: Path, init: ModelInitConfig, make_ob
     candidates = candidate_lrs(cfg.finetune.lr, encoder.hidden_size)
     record = {"setting": cfg.finetune.lr, "candidates": candidates, "lr": candidates[0]}
     if len(candidates) > 1:
-        record = select_lr(cfg, run_dir / "lr_select", init, pretrained, train, make_objective, candidates)
+        record = select_lr(cfg, run_dir / "lr_select", init, pretrained, train, make_objective, candidates, runtime)
     dev = EncodedTask(load_split(cfg.task, "dev"), tokenizer, max_len, regression)
     log.info("task %s: %d dev examples; lr %g", cfg.task.name, len(dev), record["lr"])
     results = []
     for seed in cfg.finetune.seeds:
+        seed_dir = run_dir / f"seed_{seed}"
+        done = finished_result(seed_dir, seed, "dev", runtime)
+        if done is not None:
+            results.append(done)
+            continue
         model, tokenizer = build_classifier(init, cfg.task.num_labels, cfg.finetune.dropout, seed,
                                             pretrained)
-        seed_dir = run_dir / f"seed_{seed}"
         results.append(train_seed(cfg, seed, model, tokenizer, train, dev,
-                                  make_objective(seed, model, tokenizer, train, seed_dir), seed_dir, lr=record["lr"]))
+                                  make_objective(seed, model, tokenizer, train, seed_dir), seed_dir, lr=record["lr"],
+                                  runtime=runtime))
     return results, train, dev, record
 
 
@@ -256,7 +480,7 @@ def selection_rows(n: int, frac: float) -> tuple[list[int], list[int]]:
 
 
 def select_lr(cfg: FinetuneConfig, out_dir: Path, init: ModelInitConfig, pretrained: Pretrained | None,
-              train: EncodedTask, make_objective: ObjectiveFactory, candidates: list[float]) -> dict:
+              train: EncodedTask, make_objective: ObjectiveFactory, candidates: list[float], runtime: Runtime) -> dict:
     """Train the first seed at every candidate on train minus a held-out slice; the best slice score wins."""
     if len(train) < 2:
         raise ConfigError(f"finetune.lr: choosing among {candidates} needs at least 2 train examples")
@@ -265,11 +489,17 @@ def select_lr(cfg: FinetuneConfig, out_dir: Path, init: ModelInitConfig, pretrai
     seed, metric = cfg.finetune.seeds[0], cfg.metric
     scores = []
     for lr in candidates:
-        model, tokenizer = build_classifier(init, cfg.task.num_labels, cfg.finetune.dropout, seed, pretrained)
         trial_dir = out_dir / f"lr_{lr:g}"
-        objective = make_objective(seed, model, tokenizer, fit, trial_dir)
-        result = train_seed(cfg, seed, model, tokenizer, fit, held, objective, trial_dir, lr=lr, eval_split="slice")
+        result = finished_result(trial_dir, seed, "slice", runtime)
+        if result is None:
+            model, tokenizer = build_classifier(init, cfg.task.num_labels, cfg.finetune.dropout, seed, pretrained)
+            objective = make_objective(seed, model, tokenizer, fit, trial_dir)
+            result = train_seed(cfg, seed, model, tokenizer, fit, held, objective, trial_dir, lr=lr,
+                                eval_split="slice", runtime=runtime)
         scores.append(result.metrics[metric])
+    # Rank 0's scores decide on every rank (they agree already: the same weights predict the same slice).
+    mine = torch.tensor(scores if runtime.is_main else [0.0] * len(scores), dtype=torch.float64)
+    scores = runtime.sum(mine).tolist()
     best = max(range(len(candidates)), key=lambda i: (scores[i], -i))  # ties: the earlier candidate
     log.info("finetune.lr: %s on a held-out slice of %d train examples (seed %d): %s; using %g", metric, len(held),
              seed, ", ".join(f"{lr:g} → {v:.4f}" for lr, v in zip(candidates, scores)), candidates[best])
@@ -280,9 +510,9 @@ def select_lr(cfg: FinetuneConfig, out_dir: Path, init: ModelInitConfig, pretrai
 
 
 def summarize(results: list[SeedResult], run_dir: Path, headline: str,
-              extra: dict[str, list[float]] | None = None, lr_record: dict | None = None) -> dict:
+              extra: dict[str, list[float]] | None = None, lr_record: dict | None = None, write: bool = True) -> dict:
     """summary.json (mean ± std over seeds of every dev metric and `extra`, the LR record, the per-epoch
-    dev curve of every seed) and summary.md (a table)."""
+    dev curve of every seed) and summary.md (a table); `write=False` (ranks other than 0) only returns it."""
     columns: dict[str, list[float]] = {}
     for r in results:
         for k, v in r.metrics.items():
@@ -292,6 +522,8 @@ def summarize(results: list[SeedResult], run_dir: Path, headline: str,
                "metrics": {k: mean_std(v) for k, v in columns.items()},
                **({"lr": lr_record} if lr_record else {}),
                "dev_curve": {str(r.seed): r.curve for r in results}}
+    if not write:
+        return summary
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     lines = ["| metric | mean ± std | per seed |", "|---|---|---|"]
     for k, s in summary["metrics"].items():
@@ -304,17 +536,9 @@ def summarize(results: list[SeedResult], run_dir: Path, headline: str,
     return summary
 
 
-def open_run_dir(cfg: FinetuneConfig) -> Path:
-    """Every fine-tuning command's run directory, created with its resolved config."""
-    run_dir = Path(cfg.run.dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
-    return run_dir
-
-
-def run_finetune(cfg: FinetuneConfig) -> dict:
+def run_finetune(cfg: FinetuneConfig, runtime: Runtime) -> dict:
     """`megakd finetune` without SoTeacher/TGT: plain fine-tuning or a label-regularisation target."""
-    run_dir = open_run_dir(cfg)
+    run_dir = runtime.run_dir
     lr = cfg.labelreg
     # The teacher is frozen: predict once per train set (the full split, and the LR-selection fit rows).
     teacher_logits: dict[EncodedTask, Tensor] = {}
@@ -323,13 +547,13 @@ def run_finetune(cfg: FinetuneConfig) -> dict:
                        out_dir: Path) -> Objective:
         if lr.target in TEACHER_TARGETS and train not in teacher_logits:
             teacher_logits[train] = teacher_logits_for(lr.teacher, "labelreg.teacher", tokenizer, train,
-                                                       cfg.task.num_labels, cfg.finetune.eval_batch_size)
+                                                       cfg.task.num_labels, cfg.finetune.eval_batch_size, runtime)
             if lr.target == "selfkd":
                 check_same_architecture(model, lr.teacher)
         return LabelRegObjective(lr, cfg.task.num_labels, teacher_logits.get(train))
 
-    results, _, _, lr_record = run_seeds(cfg, run_dir, cfg.model, make_objective)
-    return summarize(results, run_dir, cfg.metric, lr_record=lr_record)
+    results, _, _, lr_record = run_seeds(cfg, run_dir, cfg.model, make_objective, runtime)
+    return summarize(results, run_dir, cfg.metric, lr_record=lr_record, write=runtime.is_main)
 
 
 def check_same_architecture(model: SequenceClassifier, teacher_dir: str) -> None:

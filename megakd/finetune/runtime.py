@@ -1,0 +1,196 @@
+"""Where a `megakd finetune` command runs: its backend, device and precision, its run directory, stop signals.
+
+One `Runtime` per command: it joins the process group (torchrun, the deepspeed launcher or Slurm
+variables, through the pretraining backends), owns `run.dir` for the command's life (the same
+refusal, `run.overwrite` and lock as pretraining, megakd/store/rundir.py), catches SIGTERM,
+SIGUSR1 and SIGINT so that the training in progress checkpoints and stops, and splits every global
+batch over the data-parallel ranks.
+
+`finetune.batch_size` is the global batch: rank r trains on the r-th contiguous part of each
+batch (`torch.tensor_split`), and its loss is weighted by its share of the batch (n_r·W/n), so the
+averaged data-parallel gradient is the gradient of the global batch mean even when the last
+batch of an epoch does not divide evenly. A rank left without a row gets the batch's first row
+with weight 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from megakd.config import Config, TrainConfig, config_to_dict, read_yaml_file, save_config
+from megakd.data.stream import STOP_SIGNALS
+from megakd.engine.backends import Backend, DDPBackend
+from megakd.finetune.config import FinetuneConfig
+from megakd.store import rundir
+from megakd.store.files import StoreError
+
+log = logging.getLogger(__name__)
+
+# Besides the keys pretraining treats as steering (run.*, kernels.*, backend.dist_backend; see
+# megakd/store/rundir.py), these may differ when a fine-tuning run resumes: they change no number
+# that a finished seed or a checkpoint holds.
+STEERING = ("finetune.log_every", "finetune.eval_batch_size")
+
+
+class Stopped(Exception):
+    """A stop signal arrived; the training in progress saved a checkpoint (`--resume auto` continues)."""
+
+    def __init__(self, interrupted: bool):
+        super().__init__("stopped on a signal")
+        self.interrupted = interrupted  # SIGINT (the command exits 130) rather than SIGTERM/SIGUSR1 (exit 0)
+
+
+def build_backend(cfg: FinetuneConfig) -> Backend:
+    """The pretraining backend named by `backend.name`, on the device `finetune.device` asks for."""
+    b, f = cfg.backend, cfg.finetune
+    if b.name == "single":
+        backend = Backend(f.precision)
+    elif b.name == "ddp":
+        backend = DDPBackend(f.precision, b.dist_backend)
+    else:
+        from megakd.engine.deepspeed_backend import DeepSpeedBackend
+
+        # The engine config comes from a pretraining config (precision, ZeRO stage); its batch
+        # layout is one micro-batch per step, this rank's share of the global batch.
+        backend = DeepSpeedBackend(Config(train=TrainConfig(precision=f.precision), backend=b))
+        backend.micro_batch_size = f.batch_size // backend.world_size
+    backend.device = _device(f.device, backend.local_rank)
+    return backend
+
+
+def _device(setting: str, local_rank: int) -> torch.device:
+    if setting == "cpu" or (setting == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise StoreError("finetune.device=cuda: no CUDA device is visible to this process")
+    return torch.device("cuda", local_rank)
+
+
+class Runtime:
+    """The backend, run directory and stop signals of one fine-tuning command (see the module docstring)."""
+
+    def __init__(self, cfg: FinetuneConfig, resume: str | None = None, backend: Backend | None = None):
+        if resume not in (None, "auto"):
+            raise StoreError(f"--resume {resume}: megakd finetune resumes with --resume auto (each seed continues "
+                             "from its newest intact checkpoint in run.dir)")
+        self.cfg = cfg
+        self.resume = resume == "auto"
+        self.backend = backend or build_backend(cfg)
+        if cfg.finetune.batch_size % self.world_size:
+            raise StoreError(f"finetune.batch_size={cfg.finetune.batch_size} (the global batch) is not divisible by "
+                             f"the world size {self.world_size}")
+        self.run_dir = Path(cfg.run.dir)
+        self._lock = rundir.RunDirLock(self.run_dir)
+        self._stop_signal: int | None = None
+        self._previous_handlers: dict = {}
+
+    # -- who and where ---------------------------------------------------------------------------
+    @property
+    def is_main(self) -> bool:
+        return self.backend.is_main
+
+    @property
+    def rank(self) -> int:
+        return self.backend.data_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.backend.data_world_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.backend.device
+
+    # -- the run directory -------------------------------------------------------------------------
+    def open(self) -> Path:
+        """Own run.dir: a new run needs an unused one; `--resume auto` needs the same config as before.
+
+        Rank 0 decides; every rank learns the outcome, so a refusal stops all of them with its message.
+        """
+        error: BaseException | None = None
+        if self.is_main:
+            try:
+                self._lock.acquire()
+                saved = self.run_dir / "config.yaml"
+                if self.resume and saved.is_file():
+                    self._check_same_config(saved)
+                elif not self.resume:
+                    aside = rundir.claim_for_new_run(self.run_dir, self.cfg.run.overwrite)
+                    if aside is not None:
+                        log.warning("run.overwrite: moved the old contents of %s to %s", self.run_dir, aside)
+            except (StoreError, OSError) as err:
+                error = err
+                self._lock.release()
+        if self.sum(torch.tensor([float(error is not None)], dtype=torch.float64)).item():
+            raise error if error is not None else StoreError(f"{self.run_dir}: refused on rank 0 (see its message)")
+        if self.is_main:
+            self._lock.announce()
+            save_config(self.cfg, self.run_dir / "config.yaml")
+        self._previous_handlers = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
+        return self.run_dir
+
+    def _check_same_config(self, saved_file: Path) -> None:
+        saved = read_yaml_file(saved_file)
+        changes = rundir.state_changes(saved if isinstance(saved, dict) else {}, config_to_dict(self.cfg))
+        changed = {k: v for k, v in changes.items() if not k.startswith(STEERING)}
+        if changed:
+            listed = "; ".join(f"{k}: {o!r} -> {n!r}" for k, (o, n) in changed.items())
+            raise StoreError(f"{saved_file}: cannot resume with a different {listed} (finished seeds and checkpoints "
+                             "were made with the saved values; start a new run.dir instead)")
+
+    def close(self) -> None:
+        for sig, handler in self._previous_handlers.items():
+            signal.signal(sig, handler)
+        self._previous_handlers = {}
+        self._lock.release()
+        self.backend.close()
+
+    # -- stop signals ----------------------------------------------------------------------------
+    def _on_signal(self, signum, _frame) -> None:
+        if signum == signal.SIGINT and self._stop_signal == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop at once, without a checkpoint
+        if self._stop_signal is None:
+            log.warning("received %s: will save a checkpoint and stop after this step", signal.Signals(signum).name)
+        if self._stop_signal is None or signum == signal.SIGINT:
+            self._stop_signal = signum
+
+    def stop_flags(self) -> list[float]:
+        """[stop requested, by SIGINT] on this rank, to be summed with the step's other flags."""
+        return [float(self._stop_signal is not None), float(self._stop_signal == signal.SIGINT)]
+
+    # -- collectives -------------------------------------------------------------------------------
+    def sum(self, tensor: Tensor) -> Tensor:
+        """Sum over ranks (the identity in one process), returned on the CPU."""
+        return self.backend.all_reduce_sum(tensor.to(self.device)).cpu()
+
+    def barrier(self) -> None:
+        self.backend.barrier()
+
+    def local_rows(self, rows: Tensor) -> tuple[Tensor, int, int, float]:
+        """(this rank's rows, their offset in the global batch, how many are real, loss weight n_r·W/n)."""
+        parts = torch.tensor_split(rows, self.world_size)
+        mine = parts[self.rank]
+        offset = sum(len(p) for p in parts[: self.rank])
+        if len(mine) == 0:
+            return rows[:1], offset, 0, 0.0
+        return mine, offset, len(mine), len(mine) * self.world_size / len(rows)
+
+    def shard_batches(self, num_batches: int) -> range:
+        """The evaluation batches this rank predicts: every world-th, so each batch is the one-process batch."""
+        return range(self.rank, num_batches, self.world_size)
+
+
+def describe(runtime: Runtime) -> str:
+    b = runtime.backend
+    zero = f" ZeRO-{runtime.cfg.backend.zero_stage}" if b.name == "deepspeed" else ""
+    return f"{b.name}{zero}, {runtime.world_size} process(es), {runtime.device}, {runtime.cfg.finetune.precision}"
+
+
+def single_process(cfg: FinetuneConfig) -> Runtime:
+    """A one-process CPU runtime that owns no run directory (for calling `train_seed` directly)."""
+    return Runtime(cfg, backend=Backend(cfg.finetune.precision))

@@ -140,7 +140,7 @@ def test_tokenizer_mismatch_names_both_hashes_and_paths(tiny_data, tmp_path):
     assert str(teacher / "tokenizer") in msg and str(tokenizer_dir) in msg and "\n" not in msg
 
     bare = _teacher_dir(tiny_data, tmp_path / "bare")  # no tokenizer at all: cannot be checked
-    with pytest.raises(StoreError, match="carries no megakd tokenizer"):
+    with pytest.raises(StoreError, match="carries no tokenizer"):
         build_trainer(_student_cfg(tiny_data, tmp_path / "run2", bare))
 
 

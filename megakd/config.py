@@ -48,7 +48,7 @@ class RunConfig:
 
 @dataclass
 class DataConfig:
-    tokenizer: str = ""  # directory from `megakd data tokenizer`; empty = built from the bundled corpus
+    tokenizer: str = ""  # `megakd data tokenizer` dir or an HF tokenizer dir; empty = built from the bundled corpus
     shards: str = ""  # directory from `megakd data shards`; empty = built from the bundled corpus
     corpus: Literal["classic", "mixed"] = "classic"  # bundled corpus when tokenizer/shards are unset: classic (Austen + KJV) | mixed (+ modern text + RT train)
     # Size of the bundled-corpus tokenizer (unused with data.tokenizer); "auto" = the models'

@@ -129,6 +129,7 @@ def test_tokenizer_without_specials_is_refused_in_one_line(tmp_path, capsys):
                                     (tmp_path / "garbage", "cannot load it as an HF tokenizer"),
                                     (tmp_path / "empty", "no spm.model, tokenizer.json or vocab.txt")):
         out = tmp_path / f"shards-{tokenizer_dir.name}"
+        capsys.readouterr()
         assert main(["data", "shards", "--input", str(src), "--tokenizer", str(tokenizer_dir), "--seq-len", "32",
                      "--out", str(out)]) == 2
         err = capsys.readouterr().err.strip().splitlines()

@@ -332,7 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_data_tokenizer)
     s = data_sub.add_parser("shards", help="tokenize and pack documents into WebDataset shards")
     s.add_argument("--input", nargs="+", required=True, help="text/.gz/.jsonl files, directories or HF datasets")
-    s.add_argument("--tokenizer", required=True)
+    s.add_argument("--tokenizer", required=True,
+                   help="a megakd tokenizer dir, or an HF tokenizer/model dir (WordPiece vocab.txt or tokenizer.json)")
     s.add_argument("--seq-len", type=int, required=True)
     s.add_argument("--out", required=True)
     s.add_argument("--samples-per-shard", type=int, default=10_000)

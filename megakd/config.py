@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import keyword
 import math
 import types
 import typing
@@ -47,7 +48,7 @@ class RunConfig:
 
 @dataclass
 class DataConfig:
-    tokenizer: str = ""  # directory from `megakd data tokenizer`; empty = built from the bundled corpus
+    tokenizer: str = ""  # `megakd data tokenizer` dir or an HF tokenizer dir; empty = built from the bundled corpus
     shards: str = ""  # directory from `megakd data shards`; empty = built from the bundled corpus
     corpus: Literal["classic", "mixed"] = "classic"  # bundled corpus when tokenizer/shards are unset: classic (Austen + KJV) | mixed (+ modern text + RT train)
     # Size of the bundled-corpus tokenizer (unused with data.tokenizer); "auto" = the models'
@@ -208,6 +209,25 @@ class DistillConfig:
 
 
 @dataclass
+class InitConfig:
+    """Warm start: the models begin from stored weights instead of random init, with fresh optimizer
+    state, at step 0. A path is a megakd run or checkpoint dir, a megakd model dir, or a local HF
+    ELECTRA/BERT dir (`ElectraForPreTraining`, `ElectraForMaskedLM`, `BertForMaskedLM`,
+    `BertForPreTraining`), or a dir with `generator/` and `discriminator/` HF subdirs (`convert to-hf`)."""
+
+    from_: str = ""  # YAML key `from`: every model the path holds (discriminator, masked LM -> generator)
+    generator: str = ""  # the generator / BERT-MLM / DWT student from this path (wins over `from`)
+    discriminator: str = ""  # the discriminator from this path (wins over `from`)
+
+    def source(self, model: str) -> tuple[str, str]:
+        """(path, config key naming it) for `model` ("generator" | "discriminator"); ("", "") if none."""
+        own = getattr(self, model)
+        if own:
+            return own, f"init.{model}"
+        return (self.from_, "init.from") if self.from_ else ("", "")
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -218,10 +238,12 @@ class Config:
     backend: BackendConfig = field(default_factory=BackendConfig)
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
+    init: InitConfig = field(default_factory=InitConfig)
 
     def validate(self) -> Config:
         check_literals(self)
         self._validate_distill()
+        self._validate_init()
         if self.data.vocab_size != "auto" and (isinstance(self.data.vocab_size, str) or self.data.vocab_size < 1):
             raise ConfigError(f"data.vocab_size: expected a positive integer or auto, got {self.data.vocab_size!r}")
         if self.backend.zero_stage not in (0, 1, 2, 3):
@@ -313,6 +335,15 @@ class Config:
         if d.init == "remap" and not d.teacher:
             raise ConfigError("distill.init=remap: needs distill.teacher (the model to remap from)")
 
+    def _validate_init(self) -> None:
+        if self.init.discriminator and self.model.objective == "mlm":
+            raise ConfigError(f"init.discriminator={self.init.discriminator}: model.objective=mlm builds no "
+                              "discriminator")
+        path, key = self.init.source("generator")
+        if path and self.distill.init == "remap":
+            raise ConfigError(f"{key}={path} and distill.init=remap both initialize the student (model.generator); "
+                              "choose one")
+
     def batch_layout(self, world_size: int) -> tuple[int, int]:
         """(micro_batch_size, gradient accumulation steps) for `world_size` data-parallel ranks."""
         t = self.train
@@ -336,8 +367,14 @@ def bundled_vocab_size(cfg: Config) -> int:
     return explicit.pop() if explicit else BUNDLED_VOCAB_SIZE
 
 
-def resolve_vocab_sizes(cfg: Config, tokenizer_size: int, tokenizer_name: str) -> None:
-    """Put the tokenizer's size into every `vocab_size: auto`; refuse an explicit size that differs."""
+def resolve_vocab_sizes(cfg: Config, tokenizer_size: int, tokenizer_name: str, pad_id: int = 0) -> None:
+    """Put the tokenizer's size into every `vocab_size: auto`; refuse an explicit size that differs.
+
+    `pad_token_id` (the embedding row that never trains) follows the tokenizer's pad id too: left
+    at its default 0 it takes the tokenizer's (e.g. 1 for a RoBERTa-style BPE); another explicit
+    value that differs is refused.
+    """
+    default_pad = EncoderConfig().pad_token_id
     for name in cfg.model.built_models():
         model = getattr(cfg.model, name)
         if model.vocab_size == "auto":
@@ -345,6 +382,11 @@ def resolve_vocab_sizes(cfg: Config, tokenizer_size: int, tokenizer_name: str) -
         elif model.vocab_size != tokenizer_size:
             raise ConfigError(f"model.{name}.vocab_size={model.vocab_size} but the tokenizer at {tokenizer_name} "
                               f"has {tokenizer_size} pieces (leave it at auto to take the tokenizer's size)")
+        if model.pad_token_id != pad_id:
+            if model.pad_token_id != default_pad:
+                raise ConfigError(f"model.{name}.pad_token_id={model.pad_token_id} but the tokenizer at "
+                                  f"{tokenizer_name} pads with id {pad_id}")
+            model.pad_token_id = pad_id
     if cfg.model.objective == "mlm" and cfg.model.discriminator.vocab_size == "auto":
         cfg.model.discriminator.vocab_size = tokenizer_size  # unused by MLM; keeps the saved config numeric
 
@@ -440,6 +482,12 @@ def _coerce(value: Any, tp: Any, key: str, default: Any = None) -> Any:
     raise ConfigError(f"{key}: unsupported type {tp}")
 
 
+def config_key(field_name: str) -> str:
+    """The config key of a dataclass field: a Python keyword is spelled with a trailing _ (`from_` → `from`)."""
+    bare = field_name.removesuffix("_")
+    return bare if bare != field_name and keyword.iskeyword(bare) else field_name
+
+
 def _build(cls: type, data: dict, prefix: str = "", base: Any = None) -> Any:
     """Instantiate `cls` from `data`, starting from `base` (or the class defaults) field by field.
 
@@ -447,15 +495,16 @@ def _build(cls: type, data: dict, prefix: str = "", base: Any = None) -> Any:
     generator's own peak LR) when an override touches only one key of that section.
     """
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
+    fields = {config_key(f.name): f.name for f in dataclasses.fields(cls)}
     obj = copy.deepcopy(base) if base is not None else cls()
     for name, value in data.items():
         key = f"{prefix}.{name}" if prefix else str(name)
-        if name not in names:
-            close = difflib.get_close_matches(str(name), names, n=1)
+        if name not in fields:
+            close = difflib.get_close_matches(str(name), list(fields), n=1)
             hint = f"; did you mean '{prefix + '.' if prefix else ''}{close[0]}'?" if close else ""
             raise ConfigError(f"unknown config key '{key}'{hint}")
-        setattr(obj, name, _coerce(value, hints[name], key, getattr(obj, name)))
+        attr = fields[name]
+        setattr(obj, attr, _coerce(value, hints[attr], key, getattr(obj, attr)))
     return obj
 
 
@@ -517,13 +566,15 @@ def parse_override(text: str) -> dict:
 
 def config_to_dict(cfg: Any) -> dict:
     def plain(v: Any) -> Any:
-        if isinstance(v, tuple):
+        if dataclasses.is_dataclass(v):
+            return {config_key(f.name): plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+        if isinstance(v, (tuple, list)):
             return [plain(x) for x in v]
         if isinstance(v, dict):
             return {k: plain(x) for k, x in v.items()}
         return v
 
-    return plain(dataclasses.asdict(cfg))
+    return plain(cfg)
 
 
 def load_config(

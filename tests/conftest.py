@@ -46,3 +46,36 @@ def tiny_electra_run(tiny_data, tmp_path_factory):
     config = Path(__file__).parents[1] / "configs" / "electra-tiny.yaml"
     assert main(["pretrain", "-c", str(config), *tiny_overrides(tiny_data, run, **{"train.max_steps": 2})]) == 0
     return run
+
+
+@pytest.fixture(scope="session")
+def wordpiece_data(tiny_data, tmp_path_factory):
+    """(tokenizer_dir, shards_dir): an HF WordPiece `vocab.txt` (BERT's special layout) and seq-64 shards
+    of the same Austen slice as `tiny_data`."""
+    import json
+
+    from megakd.data.shards import write_shards
+    from megakd.data.tokenizer import Tokenizer
+    from tests.helpers import wordpiece_vocab
+
+    text = tiny_data[0].parent / "slice.jsonl"
+    docs = [json.loads(line)["text"] for line in text.read_text(encoding="utf-8").splitlines()]
+    root = tmp_path_factory.mktemp("wordpiece_data")
+    (root / "tokenizer").mkdir()
+    (root / "tokenizer" / "vocab.txt").write_text("\n".join(wordpiece_vocab(docs, 400)) + "\n", encoding="utf-8")
+    write_shards([text], Tokenizer.load(root / "tokenizer"), TINY_SEQ_LEN, root / "shards", samples_per_shard=256)
+    return root / "tokenizer", root / "shards"
+
+
+@pytest.fixture(scope="session")
+def wordpiece_electra_run(wordpiece_data, tmp_path_factory):
+    """A 2-step ELECTRA run on the WordPiece data (checkpoint + hf/ export), shared read-only."""
+    from pathlib import Path
+
+    from megakd.cli import main
+    from tests.helpers import auto_vocab_overrides
+
+    run = tmp_path_factory.mktemp("wordpiece_electra_run") / "run"
+    config = Path(__file__).parents[1] / "configs" / "electra-tiny.yaml"
+    assert main(["pretrain", "-c", str(config), *auto_vocab_overrides(wordpiece_data, run, **{"train.max_steps": 2})]) == 0
+    return run

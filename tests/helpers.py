@@ -34,3 +34,60 @@ def padded_inputs(length: int = 40) -> dict:
     mask = torch.ones(2, length, dtype=torch.long)
     mask[0, 30:] = 0
     return {"input_ids": ids, "attention_mask": mask}
+
+
+# The tiny models of `tiny_overrides` as HF configs: (layers, hidden, embedding size) per model.
+TINY_ARCH = {"generator": (1, 32, 32), "discriminator": (2, 48, 32)}
+
+
+def auto_vocab_overrides(data, run_dir, **extra) -> list[str]:
+    """`tiny_overrides` with `vocab_size: auto`, for data whose tokenizer is not the 512-piece one."""
+    return [o for o in tiny_overrides(data, run_dir, **extra) if ".vocab_size=" not in o]
+
+
+def save_tiny_hf_model(architecture: str, out, tokenizer_dir, seed: int = 0, model: str | None = None,
+                  dropout: float = 0.1):
+    """An HF ELECTRA/BERT model with `tiny_overrides`' shapes for `model` (generator or discriminator),
+    its LayerNorms and biases moved off their init, saved with the tokenizer files of `tokenizer_dir`."""
+    import shutil
+    from pathlib import Path
+
+    import torch
+    import transformers
+
+    from megakd.data.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.load(tokenizer_dir)
+    model = model or ("discriminator" if architecture == "ElectraForPreTraining" else "generator")
+    layers, hidden, embedding = TINY_ARCH[model]
+    common = dict(vocab_size=tokenizer.vocab_size, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=2,
+                  intermediate_size=4 * hidden, max_position_embeddings=TINY_SEQ_LEN, hidden_dropout_prob=dropout,
+                  attention_probs_dropout_prob=0.0, pad_token_id=tokenizer.pad_id)
+    if architecture.startswith("Bert"):
+        config = transformers.BertConfig(**common)
+    else:
+        config = transformers.ElectraConfig(embedding_size=embedding, **common)
+    torch.manual_seed(seed)
+    hf = getattr(transformers, architecture)(config)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "LayerNorm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    out = Path(out)
+    hf.save_pretrained(out)
+    for name in tokenizer.FILES:
+        if (tokenizer.path / name).is_file():
+            shutil.copyfile(tokenizer.path / name, out / name)
+    return hf.eval()
+
+
+def wordpiece_vocab(docs: list[str], vocab_size: int) -> list[str]:
+    """A lowercase WordPiece vocabulary trained on `docs`, laid out like BERT's: [PAD] first, unused
+    slots, then [UNK] [CLS] [SEP] [MASK] (ids 0, 4, 5, 6, 7: not megakd's SentencePiece layout)."""
+    from tokenizers import BertWordPieceTokenizer
+
+    trainer = BertWordPieceTokenizer(lowercase=True)
+    trainer.train_from_iterator(docs, vocab_size=vocab_size, show_progress=False,
+                                special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])
+    tokens = [t for t, _ in sorted(trainer.get_vocab().items(), key=lambda kv: kv[1])]
+    return ["[PAD]", "[unused0]", "[unused1]", "[unused2]", *tokens[1:]]

@@ -24,7 +24,6 @@ from safetensors.torch import save_file
 import megakd.models.encoder as encoder_module
 import megakd.models.heads as heads_module
 from megakd.convert.common import ConversionError, atomic_output_dir
-from megakd.data.hf_tokenizer import write_hf_tokenizer
 from megakd.data.tokenizer import Tokenizer
 from megakd.models.electra import Discriminator, MaskedLM
 from megakd.models.encoder import EncoderConfig
@@ -96,7 +95,7 @@ def save_hf_model(model: MaskedLM | Discriminator, kind: str, out: str | Path,
         if tokenizer.vocab_size != config.vocab_size:
             raise ConversionError(f"{tokenizer_dir}: tokenizer has {tokenizer.vocab_size} pieces but the model's "
                                   f"vocab_size is {config.vocab_size}")
-        write_hf_tokenizer(tokenizer.path / "spm.model", out, config.max_position_embeddings)
+        tokenizer.save_hf(out, config.max_position_embeddings)
     else:
         log.warning("%s: no tokenizer to export; the HF directory will hold the model only", out)
     if needs_remote_code(config):

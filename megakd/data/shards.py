@@ -10,8 +10,8 @@ With ``pack=True`` consecutive pieces (in corpus order) share a sample while the
 ``seq_len`` (next-fit), so a short-document corpus fills its samples. Every piece keeps its own
 ``[CLS]`` and ``[SEP]``: a piece in a packed sample is token for token the sample it would be
 unpacked, the model sees each document exactly as alone (the [CLS] feature a classifier reads is
-the document's own), and the boundaries need no extra storage: [CLS] is SentencePiece's BOS, a
-control symbol that never comes out of encoding text, so each [CLS] starts a segment
+the document's own), and the boundaries need no extra storage: [CLS] never comes out of encoding
+text (`Tokenizer.encode` treats literal special-token text as ordinary text), so each [CLS] starts a segment
 (:func:`megakd.data.masking.collate` turns them into ``segment_ids``). A piece of full length
 still fills a sample alone, so a long document is still cut at sample boundaries.
 
@@ -92,7 +92,7 @@ def pack_document(ids: list[int], seq_len: int, cls_id: int, sep_id: int, min_to
     return samples, dropped_chunks, dropped_tokens
 
 
-# Worker-process state: one SentencePiece model per process, loaded once.
+# Worker-process state: one tokenizer per process, loaded once.
 _worker_tok: Tokenizer | None = None
 
 
@@ -324,9 +324,8 @@ def write_shards(
             "mean_fill": round(writer.tokens / (writer.next_index * seq_len), 6),
             "packed": pack,
             "pieces": writer.pieces,  # [CLS] chunk [SEP] pieces; = num_samples unless packed
-            "tokenizer": {"vocab_hash": tokenizer.vocab_hash, "vocab_size": tokenizer.vocab_size,
-                          "pad_id": tokenizer.pad_id, "cls_id": tokenizer.cls_id,
-                          "sep_id": tokenizer.sep_id, "mask_id": tokenizer.mask_id},
+            "tokenizer": {"kind": tokenizer.kind, "vocab_hash": tokenizer.vocab_hash,
+                          "vocab_size": tokenizer.vocab_size, **tokenizer.special_layout()},
             "sources": [{"path": str(s), "documents": doc_counts.get(str(s), 0)} for s in sources],
             **stats,
             "shards": writer.shards,

@@ -1,9 +1,16 @@
-"""Cased SentencePiece BPE tokenizer with DeBERTa-v3's special-token layout.
+"""Tokenizers: megakd's own SentencePiece BPE model, or a user's HuggingFace tokenizer directory.
 
-The ids ``[PAD]=0, [CLS]=1, [SEP]=2, [UNK]=3, [MASK]=4`` match DeBERTa-v3's ``spm.model`` so that
+`Tokenizer.load(DIR)` reads either kind; the rest of megakd (shards, masking, models, fine-tuning,
+exports) sees only the interface below: token ids without specials, the special-token layout
+(pad, cls, sep, unk, mask ids, every special id), `vocab_size` and `vocab_hash`, the identity that
+shards, checkpoints, teachers and students are compared by.
+
+megakd's own model (`megakd data tokenizer`) is cased SentencePiece BPE whose ids
+``[PAD]=0, [CLS]=1, [SEP]=2, [UNK]=3, [MASK]=4`` match DeBERTa-v3's ``spm.model`` so that
 HF ``DebertaV2Tokenizer(vocab_file=.../spm.model)`` reads our model with the same special ids.
 ``[MASK]`` is a control symbol: the literal text "[MASK]" in a corpus is tokenized as ordinary
-characters, never as the mask id.
+characters, never as the mask id. An HF tokenizer directory (WordPiece `vocab.txt` or any
+`tokenizer.json`) brings its own layout: see `megakd.data.hf_tokenizer.HFTokenizer`.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import io
 import json
 import logging
 import re
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -56,7 +64,94 @@ def _vocab_hash(sp: spm.SentencePieceProcessor) -> str:
 
 
 class Tokenizer:
-    """A trained SentencePiece model plus the ids the rest of megakd relies on."""
+    """What megakd relies on in a tokenizer; `Tokenizer.load(DIR)` returns the kind DIR holds."""
+
+    kind: str  # "sentencepiece" | "hf"
+    path: Path
+    vocab_size: int  # every id is below it
+    vocab_hash: str  # identity: equal hashes encode every text to the same ids with the same specials
+    pad_id: int
+    cls_id: int
+    sep_id: int
+    unk_id: int | None
+    mask_id: int
+    special_ids: frozenset[int]  # never masked, never a prediction target
+    FILES: tuple[str, ...] = ()  # the files that make up the tokenizer (copied into checkpoints and exports)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Tokenizer:
+        """The tokenizer in `path`: megakd's `spm.model`, else an HF `tokenizer.json` or WordPiece `vocab.txt`.
+
+        A directory holding both an `spm.model` that is not megakd's layout and HF files (e.g. an HF
+        DeBERTa-v3 export) is read as the HF tokenizer.
+        """
+        from megakd.data.hf_tokenizer import HFTokenizer
+
+        path = Path(path)
+        if not path.is_dir():
+            raise UserError(f"tokenizer {path}: no such directory (expected a megakd tokenizer with {MODEL_FILE}, "
+                            "or an HF tokenizer with tokenizer.json or vocab.txt)")
+        has_hf = HFTokenizer.found_in(path)
+        if (path / MODEL_FILE).is_file():
+            try:
+                return SentencePieceTokenizer(path)
+            except UserError:
+                if not has_hf:
+                    raise
+        if has_hf:
+            return HFTokenizer(path)
+        raise UserError(f"tokenizer {path}: no {MODEL_FILE}, tokenizer.json or vocab.txt (expected a directory "
+                        "from `megakd data tokenizer` or an HF tokenizer directory)")
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids without [CLS]/[SEP]; literal special-token text is ordinary text."""
+        return self.encode_batch([text])[0]
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        raise NotImplementedError
+
+    def decode(self, ids: list[int]) -> str:
+        raise NotImplementedError
+
+    def to_hf(self):
+        """The same tokenizer as a transformers tokenizer (``save_pretrained`` it for AutoTokenizer)."""
+        raise NotImplementedError
+
+    def save_hf(self, out_dir: str | Path, model_max_length: int) -> None:
+        """Write the files `AutoTokenizer.from_pretrained(out_dir)` loads this tokenizer from."""
+        raise NotImplementedError
+
+    def copy_to(self, out_dir: str | Path) -> Path:
+        """Copy the tokenizer's own files (nothing else that shares its directory) into `out_dir`."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        for name in self.FILES:
+            if (self.path / name).is_file():
+                shutil.copyfile(self.path / name, out / name)
+        return out
+
+    def describe(self) -> str:
+        """One phrase naming the tokenizer for error messages: kind, place, size and hash."""
+        return f"{self.kind} tokenizer {self.path} ({self.vocab_size} ids, vocab hash {self.vocab_hash})"
+
+    def special_layout(self) -> dict[str, int | None]:
+        return {"pad_id": self.pad_id, "cls_id": self.cls_id, "sep_id": self.sep_id, "unk_id": self.unk_id,
+                "mask_id": self.mask_id}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({str(self.path)!r}, vocab_size={self.vocab_size}, vocab_hash={self.vocab_hash!r})"
+
+
+def copy_tokenizer(src_dir: str | Path, out_dir: str | Path) -> Path:
+    """Copy the tokenizer files of `src_dir` (of either kind) into `out_dir`, e.g. into a checkpoint."""
+    return Tokenizer.load(src_dir).copy_to(out_dir)
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A trained megakd SentencePiece model plus the ids the rest of megakd relies on."""
+
+    kind = "sentencepiece"
+    FILES = (MODEL_FILE, VOCAB_FILE, META_FILE)
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
@@ -84,10 +179,6 @@ class Tokenizer:
             if stored != self.vocab_hash:
                 raise UserError(f"tokenizer {meta}: vocab_hash {stored} does not match {model} ({self.vocab_hash})")
 
-    @classmethod
-    def load(cls, path: str | Path) -> Tokenizer:
-        return cls(Path(path))
-
     def encode(self, text: str) -> list[int]:
         """Token ids without [CLS]/[SEP]."""
         return self.sp.encode(text, out_type=int)
@@ -113,8 +204,10 @@ class Tokenizer:
             cls_token=SPECIALS["cls"], sep_token=SPECIALS["sep"], unk_token=SPECIALS["unk"],
             mask_token=SPECIALS["mask"], model_max_length=1_000_000)
 
-    def __repr__(self) -> str:
-        return f"Tokenizer({str(self.path)!r}, vocab_size={self.vocab_size}, vocab_hash={self.vocab_hash!r})"
+    def save_hf(self, out_dir: str | Path, model_max_length: int) -> None:
+        from megakd.data.hf_tokenizer import write_hf_tokenizer
+
+        write_hf_tokenizer(self.path / MODEL_FILE, out_dir, model_max_length)
 
 
 def _first_line(err: Exception) -> str:
@@ -179,7 +272,7 @@ def train_tokenizer(
             minloglevel=2,
         )
         (tmp / MODEL_FILE).write_bytes(model.getvalue())
-        tok = Tokenizer(tmp)
+        tok = SentencePieceTokenizer(tmp)
         (tmp / VOCAB_FILE).write_text(
             "".join(f"{tok.sp.id_to_piece(i)}\t{tok.sp.get_score(i):g}\n" for i in range(tok.vocab_size)),
             encoding="utf-8")
@@ -195,4 +288,4 @@ def train_tokenizer(
         }
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     logger.info("trained tokenizer %s: vocab %d, hash %s", out, tok.vocab_size, tok.vocab_hash)
-    return Tokenizer(out)
+    return SentencePieceTokenizer(out)

@@ -25,10 +25,11 @@ from megakd.engine.optim import build_optimizer, build_scheduler
 from megakd.engine.tasks import DiscriminatorTask, GeneratorTask, JointElectraTask, TeacherKD
 from megakd.engine.trainer import Trainer, TrainResult
 from megakd.engine.validation import VALID_SEED, Validator
+from megakd.engine.warm_start import warm_start
 from megakd.models.admin import admin_initialize
 from megakd.models.electra import Discriminator, ElectraPair, MaskedLM
 from megakd.models.remap import remap_masked_lm
-from megakd.store import check_same_tokenizer, freeze, load_model
+from megakd.store import check_same_tokenizer, checkpoint, freeze, load_model
 
 log = logging.getLogger(__name__)
 
@@ -61,12 +62,12 @@ def resolve_data(cfg: Config) -> tuple[Path, Path]:
     return prepare_default_data(cache, vocab_size=bundled_vocab_size(cfg), seq_len=d.seq_len, corpus=d.corpus)
 
 
-def expected_vocab_size(cfg: Config) -> tuple[int, str]:
-    """(size, where from) of the tokenizer this config trains with, without building any data."""
+def expected_vocab_size(cfg: Config) -> tuple[int, str, int]:
+    """(size, where from, pad id) of the tokenizer this config trains with, without building any data."""
     if cfg.data.tokenizer:
         tokenizer = Tokenizer.load(cfg.data.tokenizer)
-        return tokenizer.vocab_size, str(tokenizer.path)
-    return bundled_vocab_size(cfg), "the bundled corpus"
+        return tokenizer.vocab_size, str(tokenizer.path), tokenizer.pad_id
+    return bundled_vocab_size(cfg), "the bundled corpus", 0
 
 
 def resolve_config(cfg: Config) -> Config:
@@ -76,8 +77,8 @@ def resolve_config(cfg: Config) -> Config:
 
 
 def check_vocab(cfg: Config, tokenizer: Tokenizer) -> None:
-    """Fill `vocab_size: auto` from the tokenizer in use; refuse an explicit size that differs."""
-    resolve_vocab_sizes(cfg, tokenizer.vocab_size, str(tokenizer.path))
+    """Fill `vocab_size: auto` (and the pad id) from the tokenizer in use; refuse an explicit size that differs."""
+    resolve_vocab_sizes(cfg, tokenizer.vocab_size, str(tokenizer.path), tokenizer.pad_id)
 
 
 def build_units(cfg: Config, generator: MaskedLM, discriminator: Discriminator | None,
@@ -175,16 +176,24 @@ def build_loader(cfg: Config, tokenizer: Tokenizer, shards_dir: Path, micro_batc
     )
 
 
-def build_trainer(cfg: Config, backend: Backend | None = None) -> Trainer:
+def build_trainer(cfg: Config, backend: Backend | None = None, resume: str | None = None) -> Trainer:
+    """The trainer for `cfg`; `resume` (as given to `Trainer.open_run`) only decides whether `init.*` is read."""
     backend = backend or build_backend(cfg)
     try:
-        return _build_trainer(cfg, backend)
+        return _build_trainer(cfg, backend, resume)
     except BaseException:
         backend.close()  # a config error found while building must not leave a process group behind
         raise
 
 
-def _build_trainer(cfg: Config, backend: Backend) -> Trainer:
+def resumes_from_checkpoint(cfg: Config, resume: str | None) -> bool:
+    """Whether `open_run(resume)` will load a checkpoint (then the models' init is overwritten anyway)."""
+    if resume is None:
+        return False
+    return resume != "auto" or bool(checkpoint.list_checkpoints(Path(cfg.run.dir)))
+
+
+def _build_trainer(cfg: Config, backend: Backend, resume: str | None = None) -> Trainer:
     micro_batch, accumulation = cfg.batch_layout(backend.data_world_size)
     tokenizer_dir, shards_dir = resolve_data(cfg)
     tokenizer = Tokenizer.load(tokenizer_dir)
@@ -199,6 +208,8 @@ def _build_trainer(cfg: Config, backend: Backend) -> Trainer:
                  manifest["seq_len"], tokenizer_dir)
     generator, discriminator = build_models(cfg)
     admin_profile(cfg, [generator, discriminator], shards_dir, tokenizer)
+    if not resumes_from_checkpoint(cfg, resume):
+        warm_start(cfg, tokenizer, generator, discriminator)
     if cfg.train.compile:
         compile_encoders([generator, discriminator])
     kd = attach_teacher(cfg, tokenizer, generator, backend.device) if cfg.distill.teacher else None
@@ -258,7 +269,7 @@ def _millions(model: torch.nn.Module) -> float:
 
 def run_pretraining(cfg: Config, resume: str | None = None, allow_change: tuple[str, ...] = ()) -> TrainResult:
     """Train (or continue) the run `cfg` describes. The HF export at the end is the command's job."""
-    trainer = build_trainer(cfg)
+    trainer = build_trainer(cfg, resume=resume)
     try:
         trainer.open_run(resume, allow_change)
         return trainer.train()

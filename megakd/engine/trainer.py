@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import random
-import shutil
 import signal
 import time
 from collections import defaultdict
@@ -22,6 +21,7 @@ import torch
 
 from megakd.config import Config, config_to_dict, read_yaml_file, save_config
 from megakd.data.stream import STOP_SIGNALS
+from megakd.data.tokenizer import copy_tokenizer
 from megakd.engine.backends import Backend, Unit
 from megakd.engine.metrics import MetricsWriter, plot_metrics
 from megakd.engine.probe import Probe
@@ -150,7 +150,7 @@ class Trainer:
                 if main:
                     save_config(self.cfg, tmp / "config.yaml")
                     # A checkpoint is self-contained: conversion and resumption need no external paths.
-                    shutil.copytree(self.tokenizer_dir, tmp / "tokenizer")
+                    copy_tokenizer(self.tokenizer_dir, tmp / "tokenizer")
                 self.backend.save_units(list(self.units.values()), tmp)
                 checkpoint.save_rank_state(tmp, self.backend.rank, self.rank_state())
             except (OSError, RuntimeError) as err:

@@ -37,7 +37,7 @@ class StoredModels:
     source: Path
     role: str  # the setting or option that named the source, for error messages
     models: dict[str, nn.Module]  # kind → model ("masked_lm", "discriminator", "encoder", "classifier")
-    tokenizer_dir: Path | None  # a megakd SentencePiece tokenizer dir; None if the source has none
+    tokenizer_dir: Path | None  # the tokenizer the models read (megakd SentencePiece or HF); None if none
     hf_kinds: dict[str, str] = field(default_factory=dict)  # kind → native HF flavour to export it as
 
     def get(self, kind: str) -> nn.Module:
@@ -58,7 +58,7 @@ class StoredModels:
         if override:
             return Tokenizer.load(override)
         if self.tokenizer_dir is None:
-            raise StoreError(f"{self._name()}: carries no megakd SentencePiece tokenizer (tokenizer/spm.model); "
+            raise StoreError(f"{self._name()}: carries no tokenizer (megakd's tokenizer/ or HF tokenizer files); "
                              "name one explicitly")
         return Tokenizer.load(self.tokenizer_dir)
 
@@ -106,14 +106,15 @@ def check_same_tokenizer(expected: Tokenizer, other: Tokenizer | Path | None, wh
     """Refuse a model whose tokenizer (or model vocabulary) is not `expected`'s.
 
     A token-level KL, an RTD label or a soft label between models with different vocabularies is
-    silently meaningless, so every pairing of models checks this (by vocabulary hash).
+    silently meaningless, so every pairing of models checks this (by vocabulary hash, which for an
+    HF tokenizer also covers its normalizer and special-token roles).
     """
     if other is None:
-        raise StoreError(f"{what}: carries no megakd tokenizer (tokenizer/ or spm.model), so it cannot be checked "
-                         f"against {expected.path} (vocab hash {expected.vocab_hash}); the models must share a tokenizer")
+        raise StoreError(f"{what}: carries no tokenizer (megakd's tokenizer/ or HF tokenizer files), so it cannot be "
+                         f"checked against the {expected.describe()}; the models must share a tokenizer")
     own = other if isinstance(other, Tokenizer) else Tokenizer.load(other)
     if own.vocab_hash != expected.vocab_hash:
-        raise StoreError(f"{what}: tokenizer {own.path} has vocab hash {own.vocab_hash}, but {expected.path} has "
-                         f"{expected.vocab_hash}; the models must share a tokenizer")
+        raise StoreError(f"{what}: its {own.describe()} is not the {expected.describe()}; "
+                         "the models must share a tokenizer")
     if vocab_size is not None and vocab_size != expected.vocab_size:
         raise StoreError(f"{what}: model vocab_size {vocab_size} != {expected.vocab_size} pieces of {expected.path}")

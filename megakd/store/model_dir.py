@@ -4,8 +4,9 @@ Format ("megakd-model/1"), written by `save_model_dir` and `megakd convert from-
 
     model.yaml          format, kind, the EncoderConfig fields, tokenizer location, provenance
     model.safetensors   the megakd state dict (tied output matrix stored once)
-    tokenizer/          a megakd SentencePiece tokenizer dir (spm.model), when the source had one
-    hf_tokenizer/       otherwise the source's HF tokenizer files, for reference (e.g. BERT WordPiece)
+    tokenizer/          the tokenizer the model reads, when the source had a usable one: megakd's
+                        SentencePiece (spm.model) or an HF tokenizer (tokenizer.json / vocab.txt)
+    hf_tokenizer/       otherwise the source's HF tokenizer files, for reference (e.g. no [MASK] token)
 
 kind: "masked_lm" (`MaskedLM`: ELECTRA generator or BERT-MLM, e.g. a DWT teacher),
 "discriminator" (`Discriminator`) or "encoder" (a bare `Encoder`, e.g. from `BertModel`).
@@ -16,7 +17,7 @@ teachers, self-KD copies and TGT labelers are loaded from:
 
     classifier.yaml     format, encoder fields, num_labels, task, provenance
     model.safetensors   the SequenceClassifier state dict
-    tokenizer/spm.model the megakd SentencePiece tokenizer the model reads
+    tokenizer/          the tokenizer the model reads (either kind, as above)
 
 Local HuggingFace BERT/ELECTRA directories are read through the same mapping `convert from-hf`
 uses (`read_hf_dir`). Everything here is read with safetensors or transformers' weights-only
@@ -37,7 +38,8 @@ import yaml
 from safetensors.torch import load_model, save_model
 from torch import Tensor, nn
 
-from megakd.data.tokenizer import Tokenizer
+from megakd.data.hf_tokenizer import HF_TOKENIZER_FILES, HFTokenizer
+from megakd.data.tokenizer import Tokenizer, copy_tokenizer
 from megakd.fsutil import atomic_output_dir
 from megakd.models.electra import Discriminator, MaskedLM, SequenceClassifier
 from megakd.models.encoder import Encoder, EncoderConfig
@@ -60,8 +62,7 @@ HF_ARCHITECTURES: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
     "BertForPreTraining": ("masked_lm", "bert_mlm", "", ("cls.seq_relationship.", "bert.pooler.")),  # NSP dropped
     "BertModel": ("encoder", "bert_mlm", "bert.", ("bert.pooler.",)),
 }
-_HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt",
-                       "added_tokens.json", "spm.model")
+_HF_TOKENIZER_FILES = (*HF_TOKENIZER_FILES, "spm.model")
 
 
 def save_model_dir(model: nn.Module, kind: str, out: str | Path, *, tokenizer_dir: str | Path | None = None,
@@ -76,8 +77,7 @@ def save_model_dir(model: nn.Module, kind: str, out: str | Path, *, tokenizer_di
                                 "encoder": dataclasses.asdict(model.config), "tokenizer": None,
                                 "hf_tokenizer": None, "source": source or {}}
         if tokenizer_dir is not None:
-            (tmp / "tokenizer").mkdir()
-            shutil.copyfile(Path(tokenizer_dir) / "spm.model", tmp / "tokenizer" / "spm.model")
+            copy_tokenizer(tokenizer_dir, tmp / "tokenizer")
             info["tokenizer"] = "tokenizer"
         elif hf_tokenizer_dir is not None:
             files = [f for f in _HF_TOKENIZER_FILES if (Path(hf_tokenizer_dir) / f).is_file()]
@@ -160,14 +160,15 @@ def _hf_architecture(src: Path) -> tuple[str, dict]:
                           f"{raw.get('model_type')!r}); expected one of {', '.join(HF_ARCHITECTURES)}")
 
 
-def _megakd_tokenizer_in(src: Path) -> Path | None:
-    """`src` itself when it carries a SentencePiece model with megakd's special-token layout."""
-    if not (src / "spm.model").is_file():
+def _tokenizer_in(src: Path) -> Path | None:
+    """`src` itself when it carries a tokenizer megakd can use (its SentencePiece model or an HF tokenizer)."""
+    if not ((src / "spm.model").is_file() or HFTokenizer.found_in(src)):
         return None
     try:
         Tokenizer.load(src)
     except (ValueError, RuntimeError, OSError) as err:
-        log.info("%s/spm.model is not a megakd tokenizer (%s); keeping the HF tokenizer files", src, err)
+        log.warning("%s: its tokenizer files are not usable by megakd (%s); keeping them for reference only",
+                    src, first_line(err))
         return None
     return src
 
@@ -196,7 +197,7 @@ class HFModel:
     kind: str
     model: nn.Module
     hf_kind: str | None  # the native flavour to export back to (None for a bare encoder)
-    tokenizer_dir: Path | None  # the source itself when it carries a megakd SentencePiece model
+    tokenizer_dir: Path | None  # the source itself when it carries a usable tokenizer (either kind)
     source: dict[str, Any]
 
 
@@ -230,7 +231,7 @@ def read_hf_dir(src: str | Path) -> HFModel:
     model = MODEL_KINDS[kind](config)
     load_state_checked(model, sd, str(src), f"{src / 'config.json'}")
     source = {"path": str(src.resolve()), "architecture": architecture, "model_type": raw.get("model_type")}
-    return HFModel(kind, model.eval(), None if kind == "encoder" else mapping_kind, _megakd_tokenizer_in(src),
+    return HFModel(kind, model.eval(), None if kind == "encoder" else mapping_kind, _tokenizer_in(src),
                    source)
 
 
@@ -244,8 +245,7 @@ def save_classifier(model: SequenceClassifier, tokenizer: Tokenizer, out: str | 
                     extra: dict[str, Any] | None = None) -> Path:
     """Write a fine-tuned classifier directory atomically (replacing an older one)."""
     with atomic_output_dir(out, force=True, error=StoreError) as tmp:
-        (tmp / "tokenizer").mkdir()
-        shutil.copyfile(tokenizer.path / "spm.model", tmp / "tokenizer" / "spm.model")
+        tokenizer.copy_to(tmp / "tokenizer")
         save_model(model, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         info = {"format": CLASSIFIER_FORMAT, "num_labels": model.num_labels,
                 "encoder": dataclasses.asdict(model.config), **(extra or {})}

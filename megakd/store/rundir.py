@@ -32,10 +32,11 @@ HISTORY_DIR = "config_history"
 
 # Keys that only steer the run: how long, how often to log/save/evaluate, where outputs go, and
 # how the same global batch is laid out (micro-batch size and loader workers: the data position is
-# global, so an elastic resume continues the same sample order). The saved state holds nothing
-# that depends on them, so they may differ at resume without being named.
+# global, so an elastic resume continues the same sample order), and init.* (where step 0's weights
+# came from: a resumed run reads its checkpoint, never the init again). The saved state holds
+# nothing that depends on them, so they may differ at resume without being named.
 STEERING = ("run.", "train.max_steps", "train.log_every", "train.save_every", "train.max_bad_steps",
-            "train.eval_every", "train.eval_samples", "train.probe_", "train.micro_batch_size",
+            "train.eval_every", "train.eval_samples", "train.probe_", "train.micro_batch_size", "init.",
             "data.num_workers", "data.cache_dir", "kernels.", "backend.dist_backend")
 # State-bearing keys that cannot change within a run even when named: the saved tensors, data
 # cursors or engine layout would not fit the new value. Start a new run from a model directory

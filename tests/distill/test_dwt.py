@@ -140,7 +140,7 @@ def test_tokenizer_mismatch_names_both_hashes_and_paths(tiny_data, tmp_path):
     assert str(teacher / "tokenizer") in msg and str(tokenizer_dir) in msg and "\n" not in msg
 
     bare = _teacher_dir(tiny_data, tmp_path / "bare")  # no tokenizer at all: cannot be checked
-    with pytest.raises(StoreError, match="carries no megakd tokenizer"):
+    with pytest.raises(StoreError, match="carries no tokenizer"):
         build_trainer(_student_cfg(tiny_data, tmp_path / "run2", bare))
 
 
@@ -259,3 +259,17 @@ def test_dwt_recipes_use_the_papers_loss_weights(recipe, teacher_layers, alpha_s
     assert (schedule[0], schedule[-1]) == alpha_soft
     assert schedule == sorted(schedule, reverse=True)  # constant or decaying, never rising
     assert cfg.model.generator.num_layers == 6 and cfg.model.objective == "mlm"  # the 6-layer student
+
+
+def test_hf_teacher_with_another_tokenizer_is_named_in_one_line(tiny_data, wordpiece_data, tmp_path):
+    from tests.helpers import save_tiny_hf_model
+
+    teacher = tmp_path / "bert"
+    save_tiny_hf_model("BertForMaskedLM", teacher, wordpiece_data[0])  # a stock HF BERT with its WordPiece vocab
+    cfg = load_config("configs/electra-tiny.yaml", tiny_overrides(
+        tiny_data, tmp_path / "run", **{"model.objective": "mlm", "distill.teacher": str(teacher)}))
+    with pytest.raises(StoreError) as err:
+        build_trainer(cfg)
+    msg = str(err.value)
+    assert f"distill.teacher={teacher}: its hf tokenizer {teacher} (403 ids" in msg and "\n" not in msg
+    assert f"is not the sentencepiece tokenizer {tiny_data[0]} (512 ids" in msg

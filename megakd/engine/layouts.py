@@ -7,7 +7,8 @@ backend, validation, the pipeline stages and the benchmark ask the layout; none 
 on unit names. Adding an objective means adding a layout here (and its tests).
 
     DecoupledElectra  units generator + discriminator: two optimizers, λ folded into the
-                      discriminator's clipping (docs/decisions.md § λ is folded into ...)
+                      discriminator's clipping (docs/decisions.md § λ is folded into the
+                      discriminator's clipping threshold)
     JointElectra      unit electra: one ElectraPair with shared embeddings, one optimizer on
                       L_MLM + λ·L_RTD (original ELECTRA)
     MaskedLMOnly      unit generator: BERT-MLM
@@ -144,7 +145,7 @@ class MaskedLMOnly(Layout):
         return self.generator, None
 
 
-class DecoupledElectra(MaskedLMOnly):
+class DecoupledElectra(Layout):
     """DecoupledOptim ELECTRA: generator and discriminator units, each with its own backward and AdamW.
 
     The discriminator's loss is scaled by λ before backward and clipped at λ·clip_norm, so λ
@@ -160,6 +161,10 @@ class DecoupledElectra(MaskedLMOnly):
             _unit(cfg, "discriminator", DiscriminatorTask(discriminator, cfg.kernels.backend), discriminator,
                   cfg.optim.discriminator, loss_scale=cfg.electra.loss_weight),
         ], kd)
+
+    @property
+    def generator(self) -> Unit:
+        return self.units["generator"]
 
     @property
     def discriminator(self) -> Unit:

@@ -5,7 +5,7 @@ gradient clipping and loss scale; a layout (`megakd.engine.layouts`) owns its un
 backend implements one contract, `train_step(layout, micro_batches, step)`: one optimizer step
 over `accumulation_steps` micro-batches, returning the gradient norms (or None when the step was
 skipped), the summed statistics and the stop decision all ranks agreed on. `single`, `ddp` and
-`deepspeed` share the micro-batch loop of `SingleBackend` and differ in how a unit's forward,
+`deepspeed` share the micro-batch loop of `Backend` (the single-process one) and differ in how a unit's forward,
 backward and optimizer step run; the pipeline backend hands the whole step to DeepSpeed's
 pipeline engine. Models never import a backend.
 """
@@ -122,7 +122,7 @@ def stat_sums(device: torch.device) -> defaultdict[str, torch.Tensor]:
     return defaultdict(lambda: torch.zeros((), dtype=torch.float64, device=device))
 
 
-class Backend:
+class TrainingBackend:
     """The contract every backend implements, and what all of them share (ranks, collectives)."""
 
     name = "base"
@@ -192,7 +192,7 @@ class MicroBatch:
     micro-batch); inside it `forward` and `backward` run through the backend and the step's timer.
     """
 
-    def __init__(self, backend: SingleBackend, last: bool, timer: Callable[[str], contextlib.AbstractContextManager]):
+    def __init__(self, backend: Backend, last: bool, timer: Callable[[str], contextlib.AbstractContextManager]):
         self.backend = backend
         self.last = last
         self.timer = timer
@@ -209,7 +209,7 @@ class MicroBatch:
             self.backend.backward(unit, loss)
 
 
-class SingleBackend(Backend):
+class Backend(TrainingBackend):
     """One process; the micro-batch loop that the ddp and deepspeed backends share.
 
     Subclasses change how a unit is wrapped, how its gradients sync, and how it steps.
@@ -219,8 +219,12 @@ class SingleBackend(Backend):
 
     # -- setup -------------------------------------------------------------------------------
     def prepare(self, layout: Layout, accumulation_steps: int) -> None:
+        self.wrap_units(list(layout.units.values()), accumulation_steps)
+
+    def wrap_units(self, units: list[Unit], accumulation_steps: int) -> None:
+        """Wrap each unit for this backend (its own gradient sync, precision, engine)."""
         self.accumulation_steps = accumulation_steps
-        for unit in layout.units.values():
+        for unit in units:
             unit.wrapped = unit.task
             if self.precision == "fp16":
                 unit.scaler = torch.amp.GradScaler(self.device.type)
@@ -236,7 +240,7 @@ class SingleBackend(Backend):
         """The micro-batch loop; then all ranks agree (one all-reduce) on finiteness and stopping.
 
         A non-finite loss on any rank skips every unit's update; so does a non-finite gradient norm
-        (`step_units`). The stop flags ride on the same all-reduce.
+        (`step`). The stop flags ride on the same all-reduce.
         """
         stats = stat_sums(self.device)
         losses: list[torch.Tensor] = []
@@ -258,7 +262,7 @@ class SingleBackend(Backend):
                 self.skip_step(unit)
             return StepResult(None, dict(stats), "non-finite loss", stop, interrupted)
         with step.timer("optimizer"), phase("optimizer"):
-            norms = self.step_units(units)
+            norms = self.step(units)
         return StepResult(norms, dict(stats), None if norms is not None else "non-finite gradient norm",
                           stop, interrupted)
 
@@ -278,7 +282,7 @@ class SingleBackend(Backend):
         loss.backward()
 
     # -- the optimizer step --------------------------------------------------------------------
-    def step_units(self, units: list[Unit]) -> dict[str, float] | None:
+    def step(self, units: list[Unit]) -> dict[str, float] | None:
         """Clip and step every unit, or none of them. Returns each unit's gradient norm of the
         unweighted loss, or None when some norm is non-finite and the whole step was skipped.
 
@@ -344,7 +348,7 @@ def leave_process_group() -> None:
         dist.destroy_process_group()
 
 
-class DDPBackend(SingleBackend):
+class DDPBackend(Backend):
     """torch DistributedDataParallel over gloo (CPU) or nccl (GPU); one DDP wrapper per unit."""
 
     name = "ddp"
@@ -360,11 +364,11 @@ class DDPBackend(SingleBackend):
         """Join the launcher's process group: (rank, world_size, local_rank)."""
         return init_distributed(dist_backend)
 
-    def prepare(self, layout: Layout, accumulation_steps: int) -> None:
-        super().prepare(layout, accumulation_steps)
+    def wrap_units(self, units: list[Unit], accumulation_steps: int) -> None:
+        super().wrap_units(units, accumulation_steps)
         if self.world_size == 1:
             return
-        for unit in layout.units.values():
+        for unit in units:
             unit.task.to(self.device)
             unit.wrapped = nn.parallel.DistributedDataParallel(
                 unit.task, device_ids=[self.local_rank] if self.device.type == "cuda" else None

@@ -7,10 +7,10 @@ and clipping; original ELECTRA and BERT-MLM have one unit and so one engine. The
 objective touches (e.g. the tied decoder weight used by the fused MLM loss) is read inside the
 engine's forward, where ZeRO-3 gathers it on access.
 
-Within the shared micro-batch loop (`SingleBackend.train_step`): `backward` gets the
-per-micro-batch mean loss, and `step_units` runs once per optimizer step. DeepSpeed divides by the accumulation steps itself and
+Within the shared micro-batch loop (`Backend.train_step`): `backward` gets the
+per-micro-batch mean loss, and `step` runs once per optimizer step. DeepSpeed divides by the accumulation steps itself and
 counts micro-batches in `engine.step()`, so `backward` advances that counter off the boundary and
-`step_units` is the boundary call. Clipping is DeepSpeed's (`gradient_clipping`, always set explicitly:
+`step` is the boundary call. Clipping is DeepSpeed's (`gradient_clipping`, always set explicitly:
 DeepSpeed 0.19 clips at 1.0 by default) at `clip_norm * loss_scale`, i.e. on the unweighted
 gradient, exactly as the single-process backend does.
 
@@ -37,7 +37,6 @@ import math
 import os
 import socket
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -48,9 +47,6 @@ from megakd.engine.optim import build_scheduler
 from megakd.store.checkpoint import DEEPSPEED_TAG
 from megakd.store.checkpoint_models import WEIGHTS_SUFFIX
 from megakd.store.files import deepspeed_safe_loading
-
-if TYPE_CHECKING:
-    from megakd.engine.layouts import Layout
 
 log = logging.getLogger(__name__)
 
@@ -192,11 +188,11 @@ class DeepSpeedBackend(DDPBackend):
     def join(dist_backend: str) -> tuple[int, int, int]:
         return init_deepspeed(dist_backend)
 
-    def prepare(self, layout: Layout, accumulation_steps: int) -> None:
+    def wrap_units(self, units: list[Unit], accumulation_steps: int) -> None:
         import deepspeed
 
         self.accumulation_steps = accumulation_steps
-        for unit in layout.units.values():
+        for unit in units:
             unit.task.to(self.device)
             ds_config = self.engine_configs.for_engine(unit.clip_norm * unit.loss_scale, accumulation_steps,
                                                        self.world_size)
@@ -226,8 +222,8 @@ class DeepSpeedBackend(DDPBackend):
             engine.step()  # off the boundary this only counts the micro-batch
 
     # -- the optimizer step --------------------------------------------------------------------
-    def step_units(self, units: list[Unit]) -> dict[str, float] | None:
-        """`SingleBackend.step_units` on DeepSpeed engines: every unit's update, or None if a norm is non-finite.
+    def step(self, units: list[Unit]) -> dict[str, float] | None:
+        """`Backend.step` on DeepSpeed engines: every unit's update, or None if a norm is non-finite.
 
         On the plain fp32 path (ZeRO-0) every rank holds the full, reduced gradients, so the norms
         are known before any engine steps and a non-finite one skips every unit. The ZeRO, bf16 and
@@ -252,7 +248,7 @@ class DeepSpeedBackend(DDPBackend):
                 unit.wrapped.step()
                 norms[unit.name] = float(unit.wrapped.get_global_grad_norm())
             if self.precision != "fp16" and not all(math.isfinite(n) for n in norms.values()):
-                # (fp16: an overflow is the dynamic loss scaler's business, as in `SingleBackend.step_units`)
+                # (fp16: an overflow is the dynamic loss scaler's business, as in `Backend.step`)
                 applied = [u.name for u in units if u.wrapped.was_step_applied()]
                 if applied:
                     log.warning("non-finite gradient norm: DeepSpeed skipped that unit's update, but %s "

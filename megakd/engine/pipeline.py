@@ -51,7 +51,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from megakd.config import Config, ConfigError
-from megakd.engine.backends import Backend, StepContext, StepResult, Unit, leave_process_group
+from megakd.engine.backends import StepContext, StepResult, TrainingBackend, Unit, leave_process_group
 from megakd.engine.deepspeed_backend import EngineConfigs, init_deepspeed
 from megakd.engine.layouts import Layout
 from megakd.engine.tasks import DiscriminatorTask, GeneratorTask
@@ -373,7 +373,7 @@ class _MicroBatches:
         return tuple(batch[k].to(self.device) for k in DATA_KEYS), None
 
 
-class PipelineBackend(Backend):
+class PipelineBackend(TrainingBackend):
     """All units in one DeepSpeed `PipelineEngine` over `backend.pipeline_stages` stages.
 
     Ranks form a (pipe × data) grid, rank = stage · D + d (DeepSpeed's layout): the stages of one

@@ -12,7 +12,7 @@ from megakd.config import Config, ConfigError, bundled_vocab_size, resolve_vocab
 from megakd.data.shards import read_manifest
 from megakd.data.stream import PretrainingLoader
 from megakd.data.tokenizer import Tokenizer
-from megakd.engine.backends import Backend, DDPBackend, SingleBackend, Unit
+from megakd.engine.backends import Backend, DDPBackend, TrainingBackend, Unit
 from megakd.engine.layouts import Layout, build_layout
 from megakd.engine.tasks import TeacherKD
 from megakd.engine.trainer import Trainer, TrainResult
@@ -25,10 +25,10 @@ from megakd.store import check_same_tokenizer, freeze, load_model
 log = logging.getLogger(__name__)
 
 
-def build_backend(cfg: Config) -> Backend:
+def build_backend(cfg: Config) -> TrainingBackend:
     name = cfg.backend.name
     if name == "single":
-        return SingleBackend(cfg.train.precision)
+        return Backend(cfg.train.precision)
     if name == "ddp":
         return DDPBackend(cfg.train.precision, cfg.backend.dist_backend)
     if cfg.backend.pipeline_stages > 1:
@@ -135,7 +135,7 @@ def build_loader(cfg: Config, tokenizer: Tokenizer, shards_dir: Path, micro_batc
     )
 
 
-def build_trainer(cfg: Config, backend: Backend | None = None) -> Trainer:
+def build_trainer(cfg: Config, backend: TrainingBackend | None = None) -> Trainer:
     backend = backend or build_backend(cfg)
     try:
         return _build_trainer(cfg, backend)
@@ -144,7 +144,7 @@ def build_trainer(cfg: Config, backend: Backend | None = None) -> Trainer:
         raise
 
 
-def _build_trainer(cfg: Config, backend: Backend) -> Trainer:
+def _build_trainer(cfg: Config, backend: TrainingBackend) -> Trainer:
     micro_batch, accumulation = cfg.batch_layout(backend.data_world_size)
     tokenizer_dir, shards_dir = resolve_data(cfg)
     tokenizer = Tokenizer.load(tokenizer_dir)
@@ -179,7 +179,7 @@ def valid_shards_dir(cfg: Config, shards_dir: Path) -> Path | None:
     return Path(cfg.data.valid_shards) if cfg.data.valid_shards else None
 
 
-def build_validator(cfg: Config, tokenizer: Tokenizer, shards_dir: Path, micro_batch: int, backend: Backend,
+def build_validator(cfg: Config, tokenizer: Tokenizer, shards_dir: Path, micro_batch: int, backend: TrainingBackend,
                     layout: Layout) -> Validator | None:
     if not cfg.train.eval_every:
         return None

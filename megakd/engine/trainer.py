@@ -23,7 +23,7 @@ import torch
 
 from megakd.config import Config, config_to_dict, read_yaml_file, save_config
 from megakd.data.stream import STOP_SIGNALS
-from megakd.engine.backends import Backend, StepContext, StepResult, Unit, stat_sums
+from megakd.engine.backends import StepContext, StepResult, TrainingBackend, Unit, stat_sums
 from megakd.engine.layouts import Layout
 from megakd.engine.metrics import MetricsWriter, plot_metrics
 from megakd.engine.probe import Probe
@@ -48,7 +48,7 @@ class TooManyBadSteps(UserError):
 
 
 class Trainer:
-    def __init__(self, cfg: Config, backend: Backend, layout: Layout, loader, *, tokenizer_dir: Path,
+    def __init__(self, cfg: Config, backend: TrainingBackend, layout: Layout, loader, *, tokenizer_dir: Path,
                  validator: Validator | None = None):
         self.cfg = cfg
         self.validator = validator  # scores held-out shards every train.eval_every steps

@@ -21,7 +21,7 @@ import contextlib
 import torch
 
 from megakd.data.stream import PretrainingLoader
-from megakd.engine.backends import Backend, StepContext, Unit
+from megakd.engine.backends import StepContext, TrainingBackend, Unit
 from megakd.engine.layouts import Layout
 from megakd.objectives.electra import roc_auc, rtd_labels
 
@@ -31,7 +31,7 @@ VALID_SEED = 0
 class ForwardOnly:
     """A micro-batch run for scoring: the layout's forward passes through the backend, no backward."""
 
-    def __init__(self, backend: Backend):
+    def __init__(self, backend: TrainingBackend):
         self.backend = backend
 
     def unit(self, _unit: Unit) -> contextlib.nullcontext:
@@ -45,7 +45,7 @@ class ForwardOnly:
 
 
 class Validator:
-    def __init__(self, loader: PretrainingLoader, num_samples: int, backend: Backend, layout: Layout):
+    def __init__(self, loader: PretrainingLoader, num_samples: int, backend: TrainingBackend, layout: Layout):
         self.loader = loader
         self.num_batches = max(1, min(num_samples, loader.num_samples) // loader.plan.micro_batch_size)
         self.batches: list[dict[str, torch.Tensor]] | None = None  # read once, then kept (they never change)

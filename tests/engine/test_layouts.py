@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megakd.config import load_config
-from megakd.engine.backends import SingleBackend, StepContext
+from megakd.engine.backends import Backend, StepContext
 from megakd.engine.layouts import DecoupledElectra, JointElectra, MaskedLMOnly, layout_class
 from megakd.engine.pretrain import build_trainer
 from megakd.store import StoreError
@@ -21,7 +21,7 @@ LAYOUTS = {"decoupled": ({}, DecoupledElectra, ["generator", "discriminator"]),
            "mlm": ({"model.objective": "mlm"}, MaskedLMOnly, ["generator"])}
 
 
-class _CountingBackend(SingleBackend):
+class _CountingBackend(Backend):
     """The single backend, counting the all-reduces a step issues."""
 
     def __init__(self, precision: str):

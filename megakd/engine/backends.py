@@ -5,9 +5,9 @@ gradient clipping and loss scale; a layout (`megakd.engine.layouts`) owns its un
 backend implements one contract, `train_step(layout, micro_batches, step)`: one optimizer step
 over `accumulation_steps` micro-batches, returning the gradient norms (or None when the step was
 skipped), the summed statistics and the stop decision all ranks agreed on. `single`, `ddp` and
-`deepspeed` share the micro-batch loop of `Backend` (the single-process one) and differ in how a unit's forward,
-backward and optimizer step run; the pipeline backend hands the whole step to DeepSpeed's
-pipeline engine. Models never import a backend.
+`deepspeed` share the micro-batch loop of `Backend` (the single-process one) and differ in how a
+unit's forward, backward and optimizer step run; the pipeline backend hands the whole step to
+DeepSpeed's pipeline engine. Models never import a backend.
 """
 
 from __future__ import annotations

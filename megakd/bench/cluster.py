@@ -10,7 +10,6 @@ link speed. Every timing is the slowest rank's (the collective is not done until
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import logging
 import resource
@@ -24,7 +23,7 @@ import torch.distributed as dist
 from megakd.bench.flops import step_flops
 from megakd.bench.roofline import matmul_seconds, phase_seconds
 from megakd.config import Config
-from megakd.engine.backends import init_distributed
+from megakd.engine.backends import StepContext, init_distributed, untimed
 
 log = logging.getLogger(__name__)
 
@@ -115,35 +114,33 @@ def loader_throughput(cfg: Config, batches: int, rank: int, world_size: int) -> 
 
 
 class _PhaseTimer:
-    """Wall time per phase of the trainer's steps, measured on the real backend's calls.
+    """Wall time per phase of real training steps, through the backend contract's timing hook.
 
-    Forward, backward and the optimizer step are timed around the backend's own methods. Under
-    DDP the gradient all-reduce is made synchronous through a comm hook (a real `all_reduce` of
-    each bucket), so its time is measured and taken out of backward; elsewhere it stays inside
-    backward (and `communication` is None).
+    `StepContext.timer` wraps every forward, backward and optimizer phase of a step. Under DDP the
+    gradient all-reduce is made synchronous through a comm hook (a real `all_reduce` of each
+    bucket), so its time is measured and taken out of backward; elsewhere it stays inside backward
+    (and `communication` is None). The pipeline backend reports no phases (DeepSpeed interleaves
+    them over the stages).
     """
 
-    def __init__(self, trainer) -> None:
+    def __init__(self, units, device: torch.device) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         self.comm_measured = False
-        backend = trainer.backend
-        self.device = backend.device
-        for phase, name in (("forward", "forward"), ("backward", "backward"), ("optimizer", "step")):
-            setattr(backend, name, self._timed(phase, getattr(backend, name)))
-        for unit in trainer.units.values():
+        self.device = device
+        for unit in units:
             if isinstance(unit.wrapped, torch.nn.parallel.DistributedDataParallel):
                 unit.wrapped.register_comm_hook(None, self._allreduce_hook)
                 self.comm_measured = True
 
-    def _timed(self, phase: str, fn: Callable) -> Callable:
-        def run(*args, **kwargs):
-            _sync(self.device)
-            start = time.perf_counter()
-            out = fn(*args, **kwargs)
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        _sync(self.device)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
             _sync(self.device)
             self.seconds[phase] += time.perf_counter() - start
-            return out
-        return run
 
     def _allreduce_hook(self, _state, bucket):  # no annotations: DDP compares them as objects, not strings
         start = time.perf_counter()
@@ -169,22 +166,30 @@ def training_throughput(cfg: Config, steps: int, warmup: int, peak_tflops: float
     from megakd.engine.pretrain import build_trainer
 
     trainer = build_trainer(cfg)
-    backend = trainer.backend
+    backend, layout, rng = trainer.backend, trainer.layout, trainer.rng
     batches: Iterator = iter(trainer.loader)
+    step_index = 0
+
+    def train_step(timer=None) -> float:
+        """One step through the backend contract; returns this rank's non-padding tokens."""
+        nonlocal step_index
+        context = StepContext(index=step_index, rng=rng, timer=timer or untimed)
+        result = backend.train_step(layout, batches, context)
+        step_index += result.norms is not None
+        return float(result.stats["tokens"]) if "tokens" in result.stats else 0.0
+
     for _ in range(warmup):
-        trainer.train_step(batches)
-    timer = _PhaseTimer(trainer)
-    tokens_before = float(trainer.interval["tokens"])
+        train_step()
+    timer = _PhaseTimer(layout.units.values(), backend.device)
     if backend.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(backend.device)
     backend.barrier()
     start = time.perf_counter()
-    for _ in range(steps):
-        trainer.train_step(batches)
+    local_tokens = sum(train_step(timer) for _ in range(steps))
     _sync(backend.device)
     elapsed = _slowest(time.perf_counter() - start, backend.device)
     world = backend.world_size
-    tokens = float(backend.all_reduce_sum(torch.tensor(float(trainer.interval["tokens"]) - tokens_before)).item())
+    tokens = float(backend.all_reduce_sum(torch.tensor(local_tokens, dtype=torch.float64)).item())
     per_step = {k: _slowest(v, backend.device) / steps for k, v in timer.seconds.items()}
     if timer.comm_measured:
         per_step["backward"] -= per_step.get("communication", 0.0)
@@ -196,7 +201,7 @@ def training_throughput(cfg: Config, steps: int, warmup: int, peak_tflops: float
         matmul_s = _slowest(matmul_seconds(DTYPES[cfg.train.precision], backend.device, matmul_n), backend.device)
         peak_tflops = 2 * matmul_n**3 / matmul_s / 1e12
         peak_source = f"measured {cfg.train.precision} matmul n={matmul_n}, {torch.get_num_threads()} threads"
-    split = phase_seconds(functools.partial(trainer.train_step, batches), profile_steps, backend.device)
+    split = phase_seconds(train_step, profile_steps, backend.device)
     split = {k: _slowest(v, backend.device) for k, v in split.items()}
     if backend.device.type == "cuda":
         peak_mem = torch.cuda.max_memory_allocated(backend.device)

@@ -1,9 +1,13 @@
-"""Backends: how a set of optimized units runs on one process or many.
+"""Backends: how the units of a training layout run on one process or many.
 
 A *unit* is one optimizer's world: the task module it trains, its optimizer, LR schedule,
-gradient clipping and loss scale. DecoupledOptim has two units (generator, discriminator);
-original ELECTRA and BERT-MLM have one. The trainer only talks to the `Backend` interface, so
-`single`, `ddp` and `deepspeed` take the same model objects (models never import a backend).
+gradient clipping and loss scale; a layout (`megakd.engine.layouts`) owns its units. Every
+backend implements one contract, `train_step(layout, micro_batches, step)`: one optimizer step
+over `accumulation_steps` micro-batches, returning the gradient norms (or None when the step was
+skipped), the summed statistics and the stop decision all ranks agreed on. `single`, `ddp` and
+`deepspeed` share the micro-batch loop of `Backend` (the single-process one) and differ in how a
+unit's forward, backward and optimizer step run; the pipeline backend hands the whole step to
+DeepSpeed's pipeline engine. Models never import a backend.
 """
 
 from __future__ import annotations
@@ -13,15 +17,22 @@ import datetime
 import logging
 import math
 import os
+from collections import defaultdict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from megakd.engine.profiling import phase
 from megakd.store.checkpoint_models import OPTIM_SUFFIX, WEIGHTS_SUFFIX, load_state_checked
 from megakd.store.files import load_state, load_weights, save_state, save_weights
+
+if TYPE_CHECKING:
+    from megakd.engine.layouts import Layout
 
 log = logging.getLogger(__name__)
 
@@ -70,25 +81,57 @@ def init_distributed(dist_backend: str = "auto") -> tuple[int, int, int]:
     return rank, world, local_rank
 
 
-class Backend:
-    """Single process. Subclasses override wrapping, gradient sync and collectives."""
+def untimed(_phase: str) -> contextlib.AbstractContextManager:
+    """The default timing hook: no measurement."""
+    return contextlib.nullcontext()
 
-    name = "single"
-    owns_step = False  # True: `train_step` runs a whole optimizer step (pipeline engines)
+
+def no_stop() -> tuple[bool, bool]:
+    """The default stop flags: no signal received."""
+    return False, False
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What one optimizer step needs besides its batches. Passed down the call, never stored.
+
+    `stop_flags` is this rank's (stop requested, a SIGINT was among the signals), read when the
+    step's one agreement all-reduce runs; `timer(phase)` is a context manager around each
+    "forward", "backward" and "optimizer" phase (`megakd bench` measures through it).
+    """
+
+    index: int  # the 0-based optimizer step being computed (DWT's α_s(t) depends on it)
+    rng: torch.Generator  # this rank's replacement-sampling stream
+    stop_flags: Callable[[], tuple[bool, bool]] = no_stop
+    timer: Callable[[str], contextlib.AbstractContextManager] = untimed
+
+
+@dataclass
+class StepResult:
+    """One optimizer step as every rank agreed on it."""
+
+    norms: dict[str, float] | None  # each unit's gradient norm of its unweighted loss; None = skipped
+    stats: dict[str, torch.Tensor]  # this rank's statistics summed over the micro-batches (incl. "tokens")
+    skipped: str | None = None  # why the update was skipped
+    stop: bool = False  # some rank received a stop signal: save and stop after this step
+    interrupted: bool = False  # that signal was SIGINT on some rank
+
+
+def stat_sums(device: torch.device) -> defaultdict[str, torch.Tensor]:
+    """Running float64 sums on `device`: a micro-batch adds its statistics without a host sync."""
+    return defaultdict(lambda: torch.zeros((), dtype=torch.float64, device=device))
+
+
+class TrainingBackend:
+    """The contract every backend implements, and what all of them share (ranks, collectives)."""
+
+    name = "base"
 
     def __init__(self, precision: str = "fp32"):
         self.rank, self.world_size, self.local_rank = 0, 1, 0
         self.device = torch.device("cpu")
         self.precision = precision
         self.accumulation_steps = 1
-
-    # -- setup -------------------------------------------------------------------------------
-    def prepare(self, units: list[Unit], accumulation_steps: int) -> None:
-        self.accumulation_steps = accumulation_steps
-        for unit in units:
-            unit.wrapped = unit.task
-            if self.precision == "fp16":
-                unit.scaler = torch.amp.GradScaler(self.device.type)
 
     @property
     def is_main(self) -> bool:
@@ -103,13 +146,127 @@ class Backend:
     def data_world_size(self) -> int:
         return self.world_size
 
+    # -- the contract ----------------------------------------------------------------------------
+    def prepare(self, layout: Layout, accumulation_steps: int) -> None:
+        """Wrap the layout's units for this backend; called once, before the first step."""
+        raise NotImplementedError
+
+    def train_step(self, layout: Layout, micro_batches: Iterator[dict], step: StepContext) -> StepResult:
+        """One optimizer step over the next `accumulation_steps` micro-batches of `micro_batches`."""
+        raise NotImplementedError
+
+    def forward(self, unit: Unit, *args, **kwargs) -> dict:
+        """A unit's forward outside training (validation), under the backend's wrapper and precision."""
+        raise NotImplementedError
+
+    def save_units(self, units: list[Unit], directory: Path) -> None:
+        raise NotImplementedError
+
+    def load_units(self, units: list[Unit], directory: Path) -> None:
+        raise NotImplementedError
+
+    def agree(self, *local_flags: bool) -> list[bool]:
+        """Each flag, true on every rank if it is true on any (one all-reduce for all of them)."""
+        total = self.all_reduce_sum(torch.tensor([float(f) for f in local_flags], dtype=torch.float64))
+        return (total > 0).tolist()
+
+    # -- collectives ---------------------------------------------------------------------------
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            tensor = tensor.to(self.device)
+            dist.all_reduce(tensor)
+        return tensor
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+    def close(self) -> None:
+        pass
+
+
+class MicroBatch:
+    """One micro-batch's passes as a layout's `micro_step` drives them.
+
+    `with run.unit(u):` opens unit u's pass (gradient sync held back unless this is the step's last
+    micro-batch); inside it `forward` and `backward` run through the backend and the step's timer.
+    """
+
+    def __init__(self, backend: Backend, last: bool, timer: Callable[[str], contextlib.AbstractContextManager]):
+        self.backend = backend
+        self.last = last
+        self.timer = timer
+
+    def unit(self, unit: Unit) -> contextlib.AbstractContextManager:
+        return self.backend.no_sync(unit, self.last)
+
+    def forward(self, unit: Unit, *args, **kwargs) -> dict:
+        with self.timer("forward"):
+            return self.backend.forward(unit, *args, **kwargs)
+
+    def backward(self, unit: Unit, loss: torch.Tensor) -> None:
+        with self.timer("backward"):
+            self.backend.backward(unit, loss)
+
+
+class Backend(TrainingBackend):
+    """One process; the micro-batch loop that the ddp and deepspeed backends share.
+
+    Subclasses change how a unit is wrapped, how its gradients sync, and how it steps.
+    """
+
+    name = "single"
+
+    # -- setup -------------------------------------------------------------------------------
+    def prepare(self, layout: Layout, accumulation_steps: int) -> None:
+        self.wrap_units(list(layout.units.values()), accumulation_steps)
+
+    def wrap_units(self, units: list[Unit], accumulation_steps: int) -> None:
+        """Wrap each unit for this backend (its own gradient sync, precision, engine)."""
+        self.accumulation_steps = accumulation_steps
+        for unit in units:
+            unit.wrapped = unit.task
+            if self.precision == "fp16":
+                unit.scaler = torch.amp.GradScaler(self.device.type)
+
     def autocast(self):
         if self.precision == "fp32":
             return contextlib.nullcontext()
         dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
         return torch.autocast(self.device.type, dtype=dtype)
 
-    # -- one micro-batch -----------------------------------------------------------------------
+    # -- the step ------------------------------------------------------------------------------
+    def train_step(self, layout: Layout, micro_batches: Iterator[dict], step: StepContext) -> StepResult:
+        """The micro-batch loop; then all ranks agree (one all-reduce) on finiteness and stopping.
+
+        A non-finite loss on any rank skips every unit's update; so does a non-finite gradient norm
+        (`step`). The stop flags ride on the same all-reduce.
+        """
+        stats = stat_sums(self.device)
+        losses: list[torch.Tensor] = []
+        units = list(layout.units.values())
+        for i in range(self.accumulation_steps):
+            with phase("data"):
+                batch = next(micro_batches)
+                stats["tokens"] += float(batch["attention_mask"].sum())
+                batch = {k: v.to(self.device) for k, v in batch.items()}
+            run = MicroBatch(self, last=i == self.accumulation_steps - 1, timer=step.timer)
+            out = layout.micro_step(run, batch, step)
+            losses += out.losses
+            for key, value in out.stats.items():
+                stats[key] += value.detach().double()
+        finite = bool(torch.isfinite(torch.stack([x.float() for x in losses])).all())
+        non_finite, stop, interrupted = self.agree(not finite, *step.stop_flags())
+        if non_finite:
+            for unit in units:
+                self.skip_step(unit)
+            return StepResult(None, dict(stats), "non-finite loss", stop, interrupted)
+        with step.timer("optimizer"), phase("optimizer"):
+            norms = self.step(units)
+        return StepResult(norms, dict(stats), None if norms is not None else "non-finite gradient norm",
+                          stop, interrupted)
+
+    # -- one unit's pass -------------------------------------------------------------------------
     def no_sync(self, unit: Unit, last_micro_batch: bool):
         """Context for forward+backward of a micro-batch that is not the last of its step."""
         return contextlib.nullcontext()
@@ -160,13 +317,6 @@ class Backend:
         """Drop this step's gradients (non-finite loss or norm) without touching optimizer or schedule."""
         unit.optimizer.zero_grad(set_to_none=True)
 
-    # -- collectives ---------------------------------------------------------------------------
-    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
-
-    def barrier(self) -> None:
-        pass
-
     # -- checkpoint state ------------------------------------------------------------------------
     def save_units(self, units: list[Unit], directory: Path) -> None:
         """Every unit's weights (`<unit>.safetensors`) and optimizer/schedule/scaler state (`<unit>.optim.pt`)."""
@@ -192,8 +342,10 @@ class Backend:
             if unit.scaler is not None and "scaler" in state:
                 unit.scaler.load_state_dict(state["scaler"])
 
-    def close(self) -> None:
-        pass
+
+def leave_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 class DDPBackend(Backend):
@@ -203,12 +355,17 @@ class DDPBackend(Backend):
 
     def __init__(self, precision: str = "fp32", dist_backend: str = "auto"):
         super().__init__(precision)
-        self.rank, self.world_size, self.local_rank = init_distributed(dist_backend)
+        self.rank, self.world_size, self.local_rank = self.join(dist_backend)
         if torch.cuda.is_available():
             self.device = torch.device("cuda", self.local_rank)
 
-    def prepare(self, units: list[Unit], accumulation_steps: int) -> None:
-        super().prepare(units, accumulation_steps)
+    @staticmethod
+    def join(dist_backend: str) -> tuple[int, int, int]:
+        """Join the launcher's process group: (rank, world_size, local_rank)."""
+        return init_distributed(dist_backend)
+
+    def wrap_units(self, units: list[Unit], accumulation_steps: int) -> None:
+        super().wrap_units(units, accumulation_steps)
         if self.world_size == 1:
             return
         for unit in units:
@@ -222,16 +379,5 @@ class DDPBackend(Backend):
             return contextlib.nullcontext()
         return unit.wrapped.no_sync()
 
-    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.world_size > 1:
-            tensor = tensor.to(self.device)
-            dist.all_reduce(tensor)
-        return tensor
-
-    def barrier(self) -> None:
-        if self.world_size > 1:
-            dist.barrier()
-
     def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_process_group()

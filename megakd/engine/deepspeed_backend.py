@@ -7,8 +7,8 @@ and clipping; original ELECTRA and BERT-MLM have one unit and so one engine. The
 objective touches (e.g. the tied decoder weight used by the fused MLM loss) is read inside the
 engine's forward, where ZeRO-3 gathers it on access.
 
-Contract with the trainer (see `Backend`): `backward` gets the per-micro-batch mean loss, and
-`step` runs once per optimizer step. DeepSpeed divides by the accumulation steps itself and
+Within the shared micro-batch loop (`Backend.train_step`): `backward` gets the
+per-micro-batch mean loss, and `step` runs once per optimizer step. DeepSpeed divides by the accumulation steps itself and
 counts micro-batches in `engine.step()`, so `backward` advances that counter off the boundary and
 `step` is the boundary call. Clipping is DeepSpeed's (`gradient_clipping`, always set explicitly:
 DeepSpeed 0.19 clips at 1.0 by default) at `clip_norm * loss_scale`, i.e. on the unweighted
@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from megakd.config import Config, ConfigError
-from megakd.engine.backends import DDPBackend, Unit
+from megakd.engine.backends import DDPBackend, Unit, init_distributed
 from megakd.engine.optim import build_scheduler
 from megakd.store.checkpoint import DEEPSPEED_TAG
 from megakd.store.checkpoint_models import WEIGHTS_SUFFIX
@@ -117,6 +117,63 @@ def cpu_adam_like(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 
 
 
+def init_deepspeed(dist_backend: str) -> tuple[int, int, int]:
+    """Join the launcher's process group (or a private one-process group) and DeepSpeed's comm layer.
+
+    Returns (rank, world_size, local_rank). DeepSpeed needs a process group even for one
+    process; a private loopback one leaves RANK/MASTER_* alone.
+    """
+    import deepspeed
+
+    rank, world, local_rank = init_distributed(dist_backend)
+    # deepspeed.initialize reads LOCAL_RANK from the environment, also when the process group
+    # already exists (e.g. an earlier engine in this process); for a lone process it is 0.
+    os.environ.setdefault("LOCAL_RANK", str(local_rank))
+    if not dist.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                                timeout=datetime.timedelta(minutes=30))
+    deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False)
+    return rank, world, local_rank
+
+
+class EngineConfigs:
+    """DeepSpeed engine configs from megakd's config, merged with backend.deepspeed_config."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.user_config = read_user_config(cfg.backend.deepspeed_config) if cfg.backend.deepspeed_config else {}
+
+    def for_engine(self, gradient_clipping: float, accumulation_steps: int, data_world_size: int) -> dict:
+        """The config of one engine: what megakd derives, merged with the user's file."""
+        derived = self.derived(gradient_clipping, accumulation_steps, data_world_size)
+        if not self.user_config:
+            return derived
+        return merge_user_config(derived, self.user_config, f"backend.deepspeed_config={self.cfg.backend.deepspeed_config}")
+
+    def derived(self, gradient_clipping: float, accumulation_steps: int, data_world_size: int) -> dict:
+        """Batch layout, ZeRO stage, precision and explicit clipping, from megakd's config."""
+        micro_batch_size, precision = self.cfg.train.micro_batch_size, self.cfg.train.precision
+        config = {
+            "train_micro_batch_size_per_gpu": micro_batch_size,
+            "gradient_accumulation_steps": accumulation_steps,
+            "train_batch_size": micro_batch_size * accumulation_steps * data_world_size,
+            "gradient_clipping": gradient_clipping,  # DeepSpeed: 0.0 = off (max_grad_norm's inf)
+            "zero_optimization": {"stage": self.cfg.backend.zero_stage},
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 2**31 - 1,  # the trainer logs; keep DeepSpeed's progress lines out
+        }
+        # Both precision sections are always present, so a user file that enables the other one
+        # is caught as a contradiction of train.precision.
+        config["bf16"] = {"enabled": precision == "bf16"}
+        config["fp16"] = {"enabled": precision == "fp16"}
+        if precision == "fp16":
+            config["fp16"]["loss_scale"] = 0  # 0 = dynamic loss scaling
+        return config
+
+
 class DeepSpeedBackend(DDPBackend):
     """One `deepspeed.DeepSpeedEngine` per unit; collectives and process group as in DDP."""
 
@@ -124,58 +181,21 @@ class DeepSpeedBackend(DDPBackend):
 
     def __init__(self, cfg: Config):
         super().__init__(cfg.train.precision, cfg.backend.dist_backend)
-        # deepspeed.initialize reads LOCAL_RANK from the environment, also when the process group
-        # already exists (e.g. an earlier engine in this process); for a lone process it is 0.
-        os.environ.setdefault("LOCAL_RANK", str(self.local_rank))
-        if not dist.is_initialized():
-            # DeepSpeed needs a process group even for one process; a private loopback one
-            # leaves RANK/MASTER_* alone.
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
-                                    timeout=datetime.timedelta(minutes=30))
-        import deepspeed
-
-        deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False)
         self.cfg = cfg
-        self.zero_stage = cfg.backend.zero_stage
-        self.micro_batch_size = cfg.train.micro_batch_size
-        self.user_config = read_user_config(cfg.backend.deepspeed_config) if cfg.backend.deepspeed_config else {}
+        self.engine_configs = EngineConfigs(cfg)
 
-    def ds_config(self, unit: Unit, accumulation_steps: int) -> dict:
-        """The engine config for one unit: what megakd derives, merged with backend.deepspeed_config."""
-        derived = self.derived_config(unit, accumulation_steps)
-        if not self.user_config:
-            return derived
-        return merge_user_config(derived, self.user_config, f"backend.deepspeed_config={self.cfg.backend.deepspeed_config}")
+    @staticmethod
+    def join(dist_backend: str) -> tuple[int, int, int]:
+        return init_deepspeed(dist_backend)
 
-    def derived_config(self, unit: Unit, accumulation_steps: int) -> dict:
-        """Batch layout, ZeRO stage, precision and explicit clipping, from megakd's config."""
-        config = {
-            "train_micro_batch_size_per_gpu": self.micro_batch_size,
-            "gradient_accumulation_steps": accumulation_steps,
-            "train_batch_size": self.micro_batch_size * accumulation_steps * self.world_size,
-            "gradient_clipping": unit.clip_norm * unit.loss_scale,  # DeepSpeed: 0.0 = off (max_grad_norm's inf)
-            "zero_optimization": {"stage": self.zero_stage},
-            "zero_allow_untested_optimizer": True,
-            "steps_per_print": 2**31 - 1,  # the trainer logs; keep DeepSpeed's progress lines out
-        }
-        # Both precision sections are always present, so a user file that enables the other one
-        # is caught as a contradiction of train.precision.
-        config["bf16"] = {"enabled": self.precision == "bf16"}
-        config["fp16"] = {"enabled": self.precision == "fp16"}
-        if self.precision == "fp16":
-            config["fp16"]["loss_scale"] = 0  # 0 = dynamic loss scaling
-        return config
-
-    def prepare(self, units: list[Unit], accumulation_steps: int) -> None:
+    def wrap_units(self, units: list[Unit], accumulation_steps: int) -> None:
         import deepspeed
 
         self.accumulation_steps = accumulation_steps
         for unit in units:
             unit.task.to(self.device)
-            ds_config = self.ds_config(unit, accumulation_steps)
+            ds_config = self.engine_configs.for_engine(unit.clip_norm * unit.loss_scale, accumulation_steps,
+                                                       self.world_size)
             if offloads_optimizer(ds_config):
                 unit.optimizer = cpu_adam_like(unit.optimizer)
                 unit.scheduler = build_scheduler(unit.optimizer, self.cfg.optim.schedule, self.cfg.train.max_steps)

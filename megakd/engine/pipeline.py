@@ -13,16 +13,19 @@ the attention and MLM masks and, after the generator head, the corrupted ids and
 Under DWT the masked ids also travel from the first stage to the generator head's stage, where
 the frozen teacher (`TeacherKD`, a plain object: no stage module, so DeepSpeed neither places
 nor updates it) reads them with the masks; `GeneratorTask` adds the KD term there exactly as on
-every other backend, with α_s(t) from the `step` the trainer sets before each `train_batch`.
+every other backend, with α_s(t) from the step being computed.
 The MLM loss travels down the pipeline as a tensor (one float per micro-batch, where the masked
 hidden states would be [N, E] with N varying): the last stage returns L_MLM + λ·L_RTD. λ cannot
 reach the generator: its parameters get gradient only through L_MLM (the corrupted ids are
 integers and DecoupledOptim shares no embedding), so, as in the other backends, λ only scales
 the discriminator's gradient, whose clipping threshold is clip_norm·λ.
 
-The heads reuse `GeneratorTask` / `DiscriminatorTask` unchanged around `_Encoded`, a stand-in
-model whose encoder already ran on earlier stages; their statistics are summed on the stage that
-computes them and reduced over all ranks by the trainer, like every other backend's.
+The heads reuse the layout's `GeneratorTask` / `DiscriminatorTask` settings around `_Encoded`, a
+stand-in model whose encoder already ran on earlier stages; their statistics are summed on the
+stage that computes them and reduced over all ranks by the trainer, like every other backend's.
+DeepSpeed's `train_batch` has no way to hand a middle stage anything per call, so the step being
+computed (its index and sampling generator) is bound to the stage for the duration of that one
+call (`PipelineStage.running`) and unbound after it.
 
 The client optimizer (`PipelineOptimizer`) keeps each unit's own AdamW, LR schedule and clip
 threshold: DeepSpeed's `gradient_clipping` is 0 and the per-unit norm is all-reduced over the
@@ -48,9 +51,10 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from megakd.config import Config, ConfigError
-from megakd.engine.backends import Unit
-from megakd.engine.deepspeed_backend import DeepSpeedBackend
-from megakd.engine.tasks import DiscriminatorTask, GeneratorTask, TeacherKD
+from megakd.engine.backends import StepContext, StepResult, TrainingBackend, Unit, leave_process_group
+from megakd.engine.deepspeed_backend import EngineConfigs, init_deepspeed
+from megakd.engine.layouts import Layout
+from megakd.engine.tasks import DiscriminatorTask, GeneratorTask
 from megakd.models.electra import MaskedLM
 from megakd.models.encoder import Encoder
 from megakd.objectives.electra import corrupt
@@ -156,12 +160,11 @@ class _GeneratorHead(_Head):
 
     CONSUMED = ("hidden", "position_bias", "masked_input_ids")
 
-    def __init__(self, model: MaskedLM, kernel_backend: str, temperature: float, electra: bool,
-                 kd: TeacherKD | None):
+    def __init__(self, task: GeneratorTask, electra: bool):
         super().__init__()
-        self.task = GeneratorTask(_Encoded(model), kernel_backend, temperature, kd)
+        self.task = GeneratorTask(_Encoded(task.model), task.kernel_backend, task.temperature, task.kd)
         self.electra = electra
-        self.rng: torch.Generator | None = None  # the trainer's sampling generator, set per step
+        self.step: StepContext | None = None  # bound by `PipelineStage.running` for one train_batch
 
     def keys_after(self, keys: set[str]) -> set[str]:
         keys = keys - set(self.CONSUMED)
@@ -170,7 +173,9 @@ class _GeneratorHead(_Head):
     def forward(self, state: dict) -> dict:
         self.task.model.hidden = state["hidden"]
         # The student embedded its ids upstream; they are here only under DWT, for the teacher.
-        out = self.task({**state, "masked_input_ids": state.get("masked_input_ids")}, self.rng)
+        if self.step is None:
+            raise RuntimeError("pipeline generator head run outside PipelineStage.running(step)")
+        out = self.task({**state, "masked_input_ids": state.get("masked_input_ids")}, self.step.rng, self.step.index)
         self._add(out["stats"])
         if not self.electra:
             return {"loss": out["loss"]}
@@ -182,9 +187,9 @@ class _GeneratorHead(_Head):
 class _DiscriminatorHead(_Head):
     """RTD loss; returns the step's loss L_MLM + λ·L_RTD."""
 
-    def __init__(self, model: nn.Module, kernel_backend: str, loss_weight: float):
+    def __init__(self, task: DiscriminatorTask, loss_weight: float):
         super().__init__()
-        self.task = DiscriminatorTask(_Encoded(model), kernel_backend)
+        self.task = DiscriminatorTask(_Encoded(task.model), task.kernel_backend)
         self.loss_weight = loss_weight
 
     def keys_after(self, keys: set[str]) -> set[str]:
@@ -217,6 +222,18 @@ class PipelineStage(nn.Module):
     def heads(self) -> list[_Head]:
         return [p for p in self.pieces if isinstance(p, _Head)]
 
+    @contextlib.contextmanager
+    def running(self, step: StepContext):
+        """Bind `step` to this stage's generator head for one `train_batch`, and unbind it after."""
+        heads = [h for h in self.heads() if isinstance(h, _GeneratorHead)]
+        for head in heads:
+            head.step = step
+        try:
+            yield
+        finally:
+            for head in heads:
+                head.step = None
+
 
 def _model_pieces(model: nn.Module, head: nn.Module, source: str,
                   keep_masked_ids: bool = False) -> list[tuple[list[nn.Module], int]]:
@@ -241,17 +258,13 @@ def partition(weights: list[int], num_stages: int) -> list[int]:
     return list(partition_balanced(weights, num_stages))
 
 
-def build_stages(units: list[Unit], cfg: Config, num_stages: int) -> list[PipelineStage]:
-    """The P stage modules over the units' models (every rank builds all P; DeepSpeed keeps one)."""
-    kb = cfg.kernels.backend
-    generator = units[0].model
-    electra = len(units) == 2
-    kd = units[0].task.kd  # DWT's teacher, run by the generator head
-    head = _GeneratorHead(generator, kb, cfg.electra.sampling_temperature, electra, kd)
-    items = _model_pieces(generator, head, "masked_input_ids", keep_masked_ids=kd is not None)
-    if electra:
-        discriminator = units[1].model
-        items += _model_pieces(discriminator, _DiscriminatorHead(discriminator, kb, units[1].loss_scale),
+def build_stages(layout: Layout, num_stages: int) -> list[PipelineStage]:
+    """The P stage modules over the layout's models (every rank builds all P; DeepSpeed keeps one)."""
+    generator, discriminator = layout.pipeline_units()
+    head = _GeneratorHead(generator.task, electra=discriminator is not None)
+    items = _model_pieces(generator.model, head, "masked_input_ids", keep_masked_ids=layout.kd is not None)
+    if discriminator is not None:
+        items += _model_pieces(discriminator.model, _DiscriminatorHead(discriminator.task, discriminator.loss_scale),
                                "corrupted")
     bounds = partition([w for _, w in items], num_stages)
     stages, keys = [], set(DATA_KEYS)
@@ -360,25 +373,27 @@ class _MicroBatches:
         return tuple(batch[k].to(self.device) for k in DATA_KEYS), None
 
 
-class PipelineBackend(DeepSpeedBackend):
+class PipelineBackend(TrainingBackend):
     """All units in one DeepSpeed `PipelineEngine` over `backend.pipeline_stages` stages.
 
     Ranks form a (pipe × data) grid, rank = stage · D + d (DeepSpeed's layout): the stages of one
     pipeline read the same batches, so the data loader and the batch layout use `data_rank` and
-    `data_world_size`. The engine owns the whole optimizer step (`owns_step`): the trainer calls
-    `train_step` once per step instead of its micro-batch loop.
+    `data_world_size`. `train_step` is one `engine.train_batch`, which runs every micro-batch.
     """
 
-    owns_step = True
+    name = "deepspeed"
 
     def __init__(self, cfg: Config):
+        super().__init__(cfg.train.precision)
         self.num_stages = cfg.backend.pipeline_stages
-        super().__init__(cfg)
+        self.rank, self.world_size, self.local_rank = init_deepspeed(cfg.backend.dist_backend)
+        if torch.cuda.is_available():
+            self.device = torch.device("cuda", self.local_rank)
+        self.engine_configs = EngineConfigs(cfg)
         if self.world_size % self.num_stages:
             raise ConfigError(f"backend.pipeline_stages={self.num_stages} does not divide the world size "
                               f"{self.world_size}")
         self.stage_id = self.rank // self.data_world_size
-        self.cfg = cfg
         self.engine = None
         self.stage: PipelineStage | None = None
         self._stat_keys: list[str] | None = None
@@ -391,14 +406,15 @@ class PipelineBackend(DeepSpeedBackend):
     def data_rank(self) -> int:
         return self.rank % self.data_world_size
 
-    def prepare(self, units: list[Unit], accumulation_steps: int) -> None:
+    def prepare(self, layout: Layout, accumulation_steps: int) -> None:
         import deepspeed
         from deepspeed.pipe import PipelineModule
 
         self.accumulation_steps = accumulation_steps
+        units = list(layout.units.values())
         for unit in units:
             unit.task.to(self.device)
-        stages = build_stages(units, self.cfg, self.num_stages)
+        stages = build_stages(layout, self.num_stages)
         with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints its partition on rank 0
             module = PipelineModule(layers=stages, num_stages=self.num_stages, partition_method="uniform",
                                     dynamic_shape=True)  # batches are padded to their longest sample
@@ -411,9 +427,8 @@ class PipelineBackend(DeepSpeedBackend):
             for group in unit.optimizer.param_groups:
                 group["params"] = [p for p in group["params"] if id(p) in mine]
         optimizer = PipelineOptimizer(units, grid.get_pipe_parallel_group(), self._ties(stages, grid))
-        config = self.ds_config(units[0], accumulation_steps)
-        config["train_batch_size"] = self.micro_batch_size * accumulation_steps * self.data_world_size
-        config["gradient_clipping"] = 0.0  # PipelineOptimizer clips per unit
+        # gradient_clipping 0: PipelineOptimizer clips per unit
+        config = self.engine_configs.for_engine(0.0, accumulation_steps, self.data_world_size)
         self.engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=_Schedules(units),
                                                     config=config, dist_init_required=False)
         for unit in units:
@@ -438,23 +453,27 @@ class PipelineBackend(DeepSpeedBackend):
         return ties
 
     # -- the optimizer step --------------------------------------------------------------------
-    def train_step(self, units: list[Unit], batches: Iterator[dict],
-                   rng: torch.Generator) -> tuple[dict[str, float] | None, dict[str, Tensor]]:
-        """One `train_batch`: (per-unit gradient norms or None if skipped, this rank's statistics)."""
+    def train_step(self, layout: Layout, micro_batches: Iterator[dict], step: StepContext) -> StepResult:
+        """One `train_batch`; then one all-reduce for the stop flags (the engine checked finiteness).
+
+        DeepSpeed interleaves the micro-batches' forward and backward passes over the stages, so
+        this backend calls no `step.timer` phases: the whole step is one.
+        """
         engine = self.engine
-        for head in self.stage.heads():
-            if isinstance(head, _GeneratorHead):
-                head.rng = rng
         feeds = engine.is_first_stage() or engine.is_last_stage()
-        micro = _MicroBatches(batches, self.device) if feeds else None
-        engine.train_batch(micro)
+        micro = _MicroBatches(micro_batches, self.device) if feeds else None
+        with self.stage.running(step):
+            engine.train_batch(micro)
         stats: dict[str, Tensor] = {}
         for head in self.stage.heads():
             stats.update(head.stats)
             head.stats.clear()
         if engine.is_first_stage():
             stats["tokens"] = torch.tensor(micro.tokens, dtype=torch.float64)
-        return engine.optimizer.norms, self._all_keys(stats)
+        stop, interrupted = self.agree(*step.stop_flags())
+        norms = engine.optimizer.norms
+        return StepResult(norms, self._all_keys(stats), None if norms is not None else "non-finite gradient norm",
+                          stop, interrupted)
 
     def _all_keys(self, stats: dict[str, Tensor]) -> dict[str, Tensor]:
         """The same statistic names on every rank (zeros where a stage computes none), for the sum."""
@@ -489,3 +508,6 @@ class PipelineBackend(DeepSpeedBackend):
                                                     load_optimizer_states=True, load_lr_scheduler_states=True)
         if loaded is None:
             raise RuntimeError(f"DeepSpeed could not load {path}")
+
+    def close(self) -> None:
+        leave_process_group()

@@ -1,40 +1,32 @@
-"""Assemble a pretraining run from a config: data, models, units, backend, trainer."""
+"""Assemble a pretraining run from a config: data, models, training layout, backend, trainer."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from pathlib import Path
 
 import torch
 
-from megakd.config import (
-    Config,
-    ConfigError,
-    OptimConfig,
-    OptimizerConfig,
-    bundled_vocab_size,
-    resolve_vocab_sizes,
-)
+from megakd.config import Config, ConfigError, bundled_vocab_size, resolve_vocab_sizes
 from megakd.data.shards import read_manifest
 from megakd.data.stream import PretrainingLoader
 from megakd.data.tokenizer import Tokenizer
-from megakd.engine.backends import Backend, DDPBackend, Unit
-from megakd.engine.optim import build_optimizer, build_scheduler
-from megakd.engine.tasks import DiscriminatorTask, GeneratorTask, JointElectraTask, TeacherKD
+from megakd.engine.backends import Backend, DDPBackend, TrainingBackend, Unit
+from megakd.engine.layouts import Layout, build_layout
+from megakd.engine.tasks import TeacherKD
 from megakd.engine.trainer import Trainer, TrainResult
 from megakd.engine.validation import VALID_SEED, Validator
 from megakd.engine.warm_start import warm_start
 from megakd.models.admin import admin_initialize
-from megakd.models.electra import Discriminator, ElectraPair, MaskedLM
+from megakd.models.electra import Discriminator, MaskedLM
 from megakd.models.remap import remap_masked_lm
 from megakd.store import check_same_tokenizer, checkpoint, freeze, load_model
 
 log = logging.getLogger(__name__)
 
 
-def build_backend(cfg: Config) -> Backend:
+def build_backend(cfg: Config) -> TrainingBackend:
     name = cfg.backend.name
     if name == "single":
         return Backend(cfg.train.precision)
@@ -85,40 +77,10 @@ def build_units(cfg: Config, generator: MaskedLM, discriminator: Discriminator |
                 kd: TeacherKD | None = None) -> list[Unit]:
     """DecoupledOptim → generator + discriminator units; original ELECTRA → one joint unit; MLM → one.
 
-    `kd` (DWT) attaches a frozen teacher to the generator's MLM loss in every layout.
+    `kd` (DWT) attaches a frozen teacher to the generator's MLM loss in every layout. The units
+    are those of `build_layout` (megakd/engine/layouts.py), which decides them.
     """
-    kb, max_steps, sched = cfg.kernels.backend, cfg.train.max_steps, cfg.optim.schedule
-    temperature = cfg.electra.sampling_temperature
-
-    def unit(name, task, model, opt_cfg, loss_scale=1.0):
-        optimizer = build_optimizer(model.named_parameters(), opt_cfg)
-        return Unit(name=name, task=task, model=model, optimizer=optimizer,
-                    scheduler=build_scheduler(optimizer, sched, max_steps),
-                    clip_norm=opt_cfg.clip_norm, loss_scale=loss_scale)
-
-    if discriminator is None:
-        return [unit("generator", GeneratorTask(generator, kb, temperature, kd), generator, cfg.optim.generator)]
-    if cfg.electra.decoupled:
-        return [
-            unit("generator", GeneratorTask(generator, kb, temperature, kd), generator, cfg.optim.generator),
-            unit("discriminator", DiscriminatorTask(discriminator, kb), discriminator, cfg.optim.discriminator,
-                 loss_scale=cfg.electra.loss_weight),
-        ]
-    ignored = _changed_keys(cfg.optim.generator, OptimConfig().generator, "optim.generator")
-    if ignored:
-        log.warning("%s: ignored with electra.decoupled=false (one optimizer, configured by optim.discriminator.*)",
-                    ", ".join(ignored))
-    pair = ElectraPair(generator, discriminator, share_embeddings=True)
-    unweighted = cfg.optim.joint_clip == "unweighted"
-    task = JointElectraTask(pair, cfg.electra.loss_weight, kb, temperature, kd, unweighted=unweighted)
-    return [unit("electra", task, pair, cfg.optim.discriminator,
-                 loss_scale=cfg.electra.loss_weight if unweighted else 1.0)]
-
-
-def _changed_keys(value: OptimizerConfig, default: OptimizerConfig, prefix: str) -> list[str]:
-    """`prefix.field=value` for every field of `value` that differs from `default`."""
-    return [f"{prefix}.{f.name}={getattr(value, f.name)}" for f in dataclasses.fields(value)
-            if getattr(value, f.name) != getattr(default, f.name)]
+    return list(build_layout(cfg, generator, discriminator, kd).units.values())
 
 
 def build_models(cfg: Config) -> tuple[MaskedLM, Discriminator | None]:
@@ -176,7 +138,7 @@ def build_loader(cfg: Config, tokenizer: Tokenizer, shards_dir: Path, micro_batc
     )
 
 
-def build_trainer(cfg: Config, backend: Backend | None = None, resume: str | None = None) -> Trainer:
+def build_trainer(cfg: Config, backend: TrainingBackend | None = None, resume: str | None = None) -> Trainer:
     """The trainer for `cfg`; `resume` (as given to `Trainer.open_run`) only decides whether `init.*` is read."""
     backend = backend or build_backend(cfg)
     try:
@@ -193,7 +155,7 @@ def resumes_from_checkpoint(cfg: Config, resume: str | None) -> bool:
     return resume != "auto" or bool(checkpoint.list_checkpoints(Path(cfg.run.dir)))
 
 
-def _build_trainer(cfg: Config, backend: Backend, resume: str | None = None) -> Trainer:
+def _build_trainer(cfg: Config, backend: TrainingBackend, resume: str | None = None) -> Trainer:
     micro_batch, accumulation = cfg.batch_layout(backend.data_world_size)
     tokenizer_dir, shards_dir = resolve_data(cfg)
     tokenizer = Tokenizer.load(tokenizer_dir)
@@ -213,14 +175,13 @@ def _build_trainer(cfg: Config, backend: Backend, resume: str | None = None) -> 
     if cfg.train.compile:
         compile_encoders([generator, discriminator])
     kd = attach_teacher(cfg, tokenizer, generator, backend.device) if cfg.distill.teacher else None
-    units = build_units(cfg, generator, discriminator, kd)
-    backend.prepare(units, accumulation)
+    layout = build_layout(cfg, generator, discriminator, kd)
+    backend.prepare(layout, accumulation)
     loader = build_loader(cfg, tokenizer, shards_dir, micro_batch, backend.data_rank, backend.data_world_size)
-    validator = build_validator(cfg, tokenizer, shards_dir, micro_batch, backend, units, kd)
+    validator = build_validator(cfg, tokenizer, shards_dir, micro_batch, backend, layout)
     # Dropout must differ per rank but be reproducible: reseed after the shared model init.
     torch.manual_seed(cfg.train.seed * 1_000_003 + backend.rank)
-    return Trainer(cfg, backend, units, loader, tokenizer_dir=tokenizer_dir,
-                   kd=kd, validator=validator)
+    return Trainer(cfg, backend, layout, loader, tokenizer_dir=tokenizer_dir, validator=validator)
 
 
 def valid_shards_dir(cfg: Config, shards_dir: Path) -> Path | None:
@@ -231,8 +192,8 @@ def valid_shards_dir(cfg: Config, shards_dir: Path) -> Path | None:
     return Path(cfg.data.valid_shards) if cfg.data.valid_shards else None
 
 
-def build_validator(cfg: Config, tokenizer: Tokenizer, shards_dir: Path, micro_batch: int, backend: Backend,
-                    units: list[Unit], kd: TeacherKD | None) -> Validator | None:
+def build_validator(cfg: Config, tokenizer: Tokenizer, shards_dir: Path, micro_batch: int, backend: TrainingBackend,
+                    layout: Layout) -> Validator | None:
     if not cfg.train.eval_every:
         return None
     valid_dir = valid_shards_dir(cfg, shards_dir)
@@ -241,7 +202,7 @@ def build_validator(cfg: Config, tokenizer: Tokenizer, shards_dir: Path, micro_b
                           f"or write them with `megakd data shards --valid-fraction F` (none at {shards_dir / 'valid'})")
     loader = PretrainingLoader(valid_dir, tokenizer, micro_batch_size=micro_batch, seed=VALID_SEED,
                                mask_prob=cfg.data.mask_prob)
-    return Validator(loader, cfg.train.eval_samples, backend, {u.name: u for u in units}, kd, cfg.kernels.backend)
+    return Validator(loader, cfg.train.eval_samples, backend, layout)
 
 
 def attach_teacher(cfg: Config, tokenizer: Tokenizer, student: MaskedLM, device: torch.device) -> TeacherKD:

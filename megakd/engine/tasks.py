@@ -3,7 +3,8 @@
 Backends require the loss to come out of a module's `forward` so their gradient hooks and
 accumulation logic see the whole computation; the math itself lives in `megakd.objectives`.
 Each task returns its loss plus detached statistics as *sums/counts*, so the trainer can sum
-them over micro-batches and ranks before dividing.
+them over micro-batches and ranks before dividing; the task's `metrics` turns those sums into
+the logged ratios, so a statistic's name and its meaning live in one class.
 """
 
 from __future__ import annotations
@@ -16,7 +17,15 @@ from torch import nn
 from megakd.engine.profiling import phase
 from megakd.models.electra import Discriminator, ElectraPair, MaskedLM
 from megakd.objectives.distill import alpha_schedule, kd_loss
-from megakd.objectives.electra import corrupt, mlm_loss, rtd_counts, rtd_labels, rtd_loss, sample_replacements
+from megakd.objectives.electra import (
+    corrupt,
+    mlm_loss,
+    precision_recall_f1,
+    rtd_counts,
+    rtd_labels,
+    rtd_loss,
+    sample_replacements,
+)
 
 
 @dataclass
@@ -36,10 +45,10 @@ class TeacherKD:
     schedule: str
     max_steps: int
     step_at: float = 0.5
-    step: int = 0  # the 0-based optimizer step being computed; the trainer sets it before each step
 
-    def alpha_soft(self) -> float:
-        return alpha_schedule(self.schedule, self.alpha_soft_start, self.alpha_soft_end, self.step, self.max_steps,
+    def alpha_soft(self, step: int) -> float:
+        """α_s at the 0-based optimizer step `step`."""
+        return alpha_schedule(self.schedule, self.alpha_soft_start, self.alpha_soft_end, step, self.max_steps,
                               self.step_at)
 
 
@@ -49,7 +58,8 @@ class GeneratorTask(nn.Module):
     With a `TeacherKD` this is DWT: the teacher sees the same masked input and the KL runs over
     the same masked positions through the fused kernel. Under ELECTRA the KD goes into the
     generator's MLM head (the direct analogue of BERT-MLM DWT; docs/methods.md § DWT); the discriminator
-    still learns from the student generator's samples.
+    still learns from the student generator's samples. In eval mode (validation) it also counts
+    where the teacher's argmax agrees with the student's, from the teacher pass the KD term made.
     """
 
     def __init__(self, model: MaskedLM, kernel_backend: str = "auto", temperature: float = 1.0,
@@ -60,7 +70,8 @@ class GeneratorTask(nn.Module):
         self.temperature = temperature
         self.kd = kd
 
-    def forward(self, batch: dict[str, torch.Tensor], rng: torch.Generator | None = None) -> dict:
+    def forward(self, batch: dict[str, torch.Tensor], rng: torch.Generator | None = None, step: int = 0) -> dict:
+        """`rng` draws the replacements; `step` (the 0-based optimizer step) sets DWT's α_s(t)."""
         mlm_mask = batch["mlm_mask"]
         segment_ids = batch.get("segment_ids")  # packed samples only
         hidden = self.model(batch["masked_input_ids"], batch["attention_mask"], segment_ids=segment_ids)
@@ -85,12 +96,32 @@ class GeneratorTask(nn.Module):
                     teacher(batch["masked_input_ids"], batch["attention_mask"], segment_ids=segment_ids), mlm_mask)
             soft = kd_loss(masked_hidden, head.decoder_weight, head.bias, t_hidden, teacher.head.decoder_weight,
                            teacher.head.bias, self.kd.temperature, self.kernel_backend)
-            alpha_soft = self.kd.alpha_soft()
+            alpha_soft = self.kd.alpha_soft(step)
             loss = self.kd.alpha_hard * loss + alpha_soft * soft
             stats["kd_loss_sum"] = soft.detach().float() * n
             stats["alpha_soft_sum"] = torch.tensor(float(alpha_soft))
             stats["kd_batches"] = torch.tensor(1.0)
+            if not self.training:
+                # Only the argmax is read; the draw uses a throwaway generator, not a training stream.
+                _, teacher_argmax = sample_replacements(
+                    t_hidden, teacher.head.decoder_weight, teacher.head.bias,
+                    torch.Generator(t_hidden.device).manual_seed(0), 1.0, self.kernel_backend)
+                stats["teacher_agree"] = (teacher_argmax == argmax).sum()
         return {"loss": loss, "samples": samples, "argmax": argmax, "stats": stats}
+
+    @staticmethod
+    def metrics(s: dict[str, float]) -> dict[str, float]:
+        """gen_loss (CE per masked token), gen_acc; under DWT kd_loss (τ²·KL per masked token), the
+        interval's mean alpha_soft and, in validation, teacher_agreement."""
+        if not s.get("masked"):
+            return {}
+        out = {"gen_loss": s["gen_loss_sum"] / s["masked"], "gen_acc": s["gen_correct"] / s["masked"]}
+        if s.get("kd_batches"):
+            out["kd_loss"] = s["kd_loss_sum"] / s["masked"]
+            out["alpha_soft"] = s["alpha_soft_sum"] / s["kd_batches"]
+        if "teacher_agree" in s:
+            out["teacher_agreement"] = s["teacher_agree"] / s["masked"]
+        return out
 
 
 class DiscriminatorTask(nn.Module):
@@ -116,6 +147,15 @@ class DiscriminatorTask(nn.Module):
         stats["replaced"] = counts["tp"] + counts["fn"]
         return {"loss": loss, "logits": logits, "stats": stats}
 
+    @staticmethod
+    def metrics(s: dict[str, float]) -> dict[str, float]:
+        """disc_loss (BCE per non-padding token), disc_acc, RTD precision/recall/F1, replaced_frac."""
+        if not s.get("rtd_tokens"):
+            return {}
+        p, r, f1 = precision_recall_f1(s["rtd_tp"], s["rtd_fp"], s["rtd_fn"])
+        return {"disc_loss": s["disc_loss_sum"] / s["rtd_tokens"], "disc_acc": s["rtd_correct"] / s["rtd_tokens"],
+                "rtd_precision": p, "rtd_recall": r, "rtd_f1": f1, "replaced_frac": s["replaced"] / s["rtd_tokens"]}
+
 
 class JointElectraTask(nn.Module):
     """Original ELECTRA: one module, one optimizer, loss L_MLM + λ·L_RTD, shared embeddings allowed.
@@ -137,9 +177,18 @@ class JointElectraTask(nn.Module):
         self.loss_weight = loss_weight
         self.unweighted = unweighted
 
-    def forward(self, batch: dict[str, torch.Tensor], rng: torch.Generator | None = None) -> dict:
+    @property
+    def tasks(self) -> tuple[GeneratorTask, DiscriminatorTask]:
+        return self._tasks
+
+    def train(self, mode: bool = True) -> JointElectraTask:
+        for task in self._tasks:  # outside the module tree, so `nn.Module.train` would not reach them
+            task.train(mode)
+        return super().train(mode)
+
+    def forward(self, batch: dict[str, torch.Tensor], rng: torch.Generator | None = None, step: int = 0) -> dict:
         generator_task, discriminator_task = self._tasks
-        gen = generator_task(batch, rng)
+        gen = generator_task(batch, rng, step)
         corrupted = corrupt(batch["input_ids"], batch["mlm_mask"], gen["samples"])
         disc = discriminator_task(corrupted, batch["input_ids"], batch["attention_mask"], batch.get("segment_ids"))
         loss = gen["loss"] / self.loss_weight + disc["loss"] if self.unweighted else \

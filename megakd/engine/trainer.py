@@ -1,13 +1,14 @@
-"""The pretraining loop: ELECTRA (DecoupledOptim or original) and BERT-MLM on any backend.
+"""The pretraining loop: steps, metrics, checkpoints, resume and signals, for any layout on any backend.
 
-One optimizer step = `accumulation_steps` micro-batches per rank. Under DecoupledOptim the
-generator and discriminator are separate units: each gets its own backward, clipping, optimizer
-step and LR schedule, and the discriminator's loss weight λ is folded into its clipping
-threshold, so λ changes no update (docs/decisions.md § λ is folded into the discriminator's clipping threshold; tests/engine/test_lambda.py proves it).
+One optimizer step is one `backend.train_step(layout, batches, step)` call: `accumulation_steps`
+micro-batches per rank, run as the training layout (`megakd.engine.layouts`) says. The trainer
+knows no unit names or statistic names: it sums what a step returns and asks the layout for
+metrics.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import signal
@@ -22,14 +23,12 @@ import torch
 from megakd.config import Config, config_to_dict, read_yaml_file, save_config
 from megakd.data.stream import STOP_SIGNALS
 from megakd.data.tokenizer import copy_tokenizer
-from megakd.engine.backends import Backend, Unit
+from megakd.engine.backends import StepContext, StepResult, TrainingBackend, Unit, stat_sums
+from megakd.engine.layouts import Layout
 from megakd.engine.metrics import MetricsWriter, plot_metrics
 from megakd.engine.probe import Probe
-from megakd.engine.profiling import phase
-from megakd.engine.tasks import TeacherKD
 from megakd.engine.validation import Validator
 from megakd.errors import UserError
-from megakd.objectives.electra import corrupt, precision_recall_f1
 from megakd.store import checkpoint, rundir
 from megakd.store.files import StoreError, first_line, human_bytes, is_disk_full, tree_bytes
 
@@ -49,25 +48,24 @@ class TooManyBadSteps(UserError):
 
 
 class Trainer:
-    def __init__(self, cfg: Config, backend: Backend, units: list[Unit], loader, *, tokenizer_dir: Path,
-                 kd: TeacherKD | None = None, validator: Validator | None = None):
+    def __init__(self, cfg: Config, backend: TrainingBackend, layout: Layout, loader, *, tokenizer_dir: Path,
+                 validator: Validator | None = None):
         self.cfg = cfg
         self.validator = validator  # scores held-out shards every train.eval_every steps
-        self.kd = kd  # DWT: told the step before each optimizer step, for α_s(t)
         self.tokenizer_dir = Path(tokenizer_dir)
         self.backend = backend
-        self.units = {u.name: u for u in units}
+        self.layout = layout
         self.loader = loader
         self.run_dir = Path(cfg.run.dir)
-        _, self.accumulation_steps = cfg.batch_layout(backend.data_world_size)
         self.step = 0
         self.bad_steps = 0
         # Running sums since the last log line, kept on the device so a micro-batch adds its
         # statistics without waiting for the GPU; they are copied to the host once per log line.
-        self.interval: dict[str, torch.Tensor] = defaultdict(
-            lambda: torch.zeros((), dtype=torch.float64, device=backend.device))
+        self.interval: dict[str, torch.Tensor] = stat_sums(backend.device)
         self.rng = torch.Generator().manual_seed(cfg.train.seed * 100_003 + backend.data_rank)
         self._lock = rundir.RunDirLock(self.run_dir)
+        # Holds the lock (on rank 0) from a successful `open_run` until `train` ends or `close`.
+        self._holding_run_dir = contextlib.ExitStack()
         self._saved_config: dict = {}  # the resumed checkpoint's config, kept in config_history/ if it changed
         self._config_changes: dict = {}
         self._opened = False
@@ -95,10 +93,12 @@ class Trainer:
         return Probe(cfg, Tokenizer.load(self.tokenizer_dir), encoder.config.max_position_embeddings)
 
     def probe_encoder(self) -> torch.nn.Module:
-        """The encoder a downstream task would fine-tune: the discriminator's, or the BERT-MLM model's."""
-        if "electra" in self.units:
-            return self.units["electra"].model.discriminator.encoder
-        return self.units["discriminator" if "discriminator" in self.units else "generator"].model.encoder
+        """The encoder a downstream task would fine-tune, as the layout says."""
+        return self.layout.probe_encoder()
+
+    @property
+    def units(self) -> dict[str, Unit]:
+        return self.layout.units
 
     # -- state -----------------------------------------------------------------------------------
     def rank_state(self) -> dict:
@@ -139,7 +139,7 @@ class Trainer:
         """
         main = self.backend.is_main
         error: BaseException | None = None
-        tmp, final = checkpoint.checkpoints_root(self.run_dir) / f".tmp-step_{self.step:08d}", None
+        tmp, final = checkpoint.temp_dir(self.run_dir, self.step), None
         try:
             tmp, final = checkpoint.begin(self.run_dir, self.step, main)
         except OSError as err:
@@ -191,12 +191,19 @@ class Trainer:
         skipped), or step 0 if there is none; a path = that checkpoint, which must verify (one
         from another run directory starts run.dir as a new run, so run.dir must be unused).
         """
+        with contextlib.ExitStack() as holding:  # releases the lock if opening fails anywhere below
+            self._open_run(resume, allow_change, holding)
+            self._holding_run_dir = holding.pop_all()
+        if self.backend.is_main:
+            self._lock.announce()
+
+    def _open_run(self, resume: str | None, allow_change: tuple[str, ...], holding: contextlib.ExitStack) -> None:
         main = self.backend.is_main
         error: BaseException | None = None
         chosen = -1  # step of the checkpoint to resume from, decided on rank 0
         if main:
             try:
-                self._lock.acquire()
+                holding.enter_context(self._lock)
                 if resume is None or self._starts_new_run_dir(resume):
                     aside = rundir.claim_for_new_run(self.run_dir, self.cfg.run.overwrite)
                     if aside is not None:
@@ -215,30 +222,18 @@ class Trainer:
         flags = torch.tensor([float(error is not None), float(chosen + 1 if main else 0)], dtype=torch.float64)
         failed, chosen_plus_one = self.backend.all_reduce_sum(flags).tolist()
         if failed:
-            self._lock.release()
             raise error if error is not None else StoreError(f"{self.run_dir}: refused on rank 0 (see its message)")
         self._opened = True
         if resume is None:
-            self._announce()
             return
         if resume == "auto":
             if chosen_plus_one == 0:
                 log.info("no checkpoint in %s: starting from step 0", self.run_dir)
-                self._announce()
                 return
-            path = checkpoint.checkpoints_root(self.run_dir) / f"step_{int(chosen_plus_one) - 1:08d}"
+            path = checkpoint.step_dir(self.run_dir, int(chosen_plus_one) - 1)
         else:
             path = self._explicit_checkpoint(resume)
-        try:
-            self._resume_from(path, allow_change)
-        except BaseException:
-            self._lock.release()
-            raise
-        self._announce()
-
-    def _announce(self) -> None:
-        if self.backend.is_main:
-            self._lock.announce()
+        self._resume_from(path, allow_change)
 
     def _starts_new_run_dir(self, resume: str) -> bool:
         """`--resume PATH` with a checkpoint from another run directory starts run.dir afresh (so it must be unused)."""
@@ -277,7 +272,7 @@ class Trainer:
             log.info("resumed from %s at step %d", path, self.step)
 
     def close(self) -> None:
-        self._lock.release()
+        self._holding_run_dir.close()
         self.backend.close()
 
     def _elastic_resume(self, path: Path, saved_world: int) -> None:
@@ -296,7 +291,7 @@ class Trainer:
         b.load_units(list(self.units.values()), path)
         states = [checkpoint.load_rank_state(path, r) for r in range(saved_world)]
         mine = states[b.rank] if b.rank < saved_world else {**states[0], "rng": None}
-        interval: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
+        interval = stat_sums(torch.device("cpu"))
         if b.rank == 0:
             for state in states:
                 for key, value in state["interval"].items():
@@ -314,65 +309,22 @@ class Trainer:
                     saved_world, b.world_size, self.step, self.loader.position)
 
     # -- one optimizer step ------------------------------------------------------------------------
-    def _micro_batch(self, batch: dict, last: bool) -> list[torch.Tensor]:
-        b = self.backend
-        if "electra" in self.units:  # original ELECTRA: one joint loss, one backward
-            unit = self.units["electra"]
-            with b.no_sync(unit, last):
-                out = b.forward(unit, batch, self.rng)
-                b.backward(unit, out["loss"])
-            self._accumulate(out["stats"])
-            return [out["loss"].detach()]
-        gen = self.units["generator"]
-        with phase("generator"), b.no_sync(gen, last):
-            g = b.forward(gen, batch, self.rng)
-            b.backward(gen, g["loss"])
-        self._accumulate(g["stats"])
-        if "discriminator" not in self.units:
-            return [g["loss"].detach()]
-        disc = self.units["discriminator"]
-        with phase("discriminator"), b.no_sync(disc, last):
-            corrupted = corrupt(batch["input_ids"], batch["mlm_mask"], g["samples"])
-            d = b.forward(disc, corrupted, batch["input_ids"], batch["attention_mask"], batch.get("segment_ids"))
-            b.backward(disc, d["loss"])
-        self._accumulate(d["stats"])
-        return [g["loss"].detach(), d["loss"].detach()]
-
-    def _accumulate(self, stats: dict) -> None:
-        for key, value in stats.items():
-            self.interval[key] += value.detach().double()
-
     def train_step(self, batches) -> dict[str, float] | None:
         """Run one optimizer step; returns grad norms, or None if the step was skipped."""
-        if self.kd is not None:
-            self.kd.step = self.step
-        if self.backend.owns_step:  # pipeline: one engine call runs the whole step
-            norms, stats = self.backend.train_step(list(self.units.values()), batches, self.rng)
-            self._accumulate(stats)
-            if norms is None:
-                return self._skipped("non-finite gradient norm")
+        return self._step(batches).norms
+
+    def _step(self, batches) -> StepResult:
+        """One step through the backend; the trainer's counters and interval sums follow its result."""
+        context = StepContext(index=self.step, rng=self.rng, stop_flags=self._local_stop_flags)
+        result = self.backend.train_step(self.layout, batches, context)
+        for key, value in result.stats.items():
+            self.interval[key] += value.to(self.interval[key].device)
+        if result.norms is None:
+            self._skipped(result.skipped)
+        else:
             self.bad_steps = 0
             self.step += 1
-            return norms
-        losses = []
-        for i in range(self.accumulation_steps):
-            with phase("data"):
-                batch = next(batches)
-                self.interval["tokens"] += float(batch["attention_mask"].sum())
-                batch = {k: v.to(self.backend.device) for k, v in batch.items()}
-            losses += self._micro_batch(batch, last=i == self.accumulation_steps - 1)
-        finite = torch.isfinite(torch.stack([x.float() for x in losses])).all().double()
-        if self.backend.all_reduce_sum(finite).item() < self.backend.world_size:
-            for unit in self.units.values():
-                self.backend.skip_step(unit)
-            return self._skipped("non-finite loss")
-        with phase("optimizer"):
-            norms = self.backend.step(list(self.units.values()))
-        if norms is None:
-            return self._skipped("non-finite gradient norm")
-        self.bad_steps = 0
-        self.step += 1
-        return norms
+        return result
 
     def _skipped(self, what: str) -> None:
         """Count a skipped update; `train.max_bad_steps` of them in a row stop the run unsaved."""
@@ -391,25 +343,8 @@ class Trainer:
         totals = torch.stack([self.interval[k] for k in names])
         totals = self.backend.all_reduce_sum(totals).cpu()
         s = dict(zip(names, totals.tolist()))
-        rec: dict = {"step": self.step}
-        if s.get("masked"):
-            rec["gen_loss"] = s["gen_loss_sum"] / s["masked"]
-            rec["gen_acc"] = s["gen_correct"] / s["masked"]
-        if s.get("rtd_tokens"):
-            rec["disc_loss"] = s["disc_loss_sum"] / s["rtd_tokens"]
-            rec["disc_acc"] = s["rtd_correct"] / s["rtd_tokens"]
-            p, r, f1 = precision_recall_f1(s["rtd_tp"], s["rtd_fp"], s["rtd_fn"])
-            rec.update(rtd_precision=p, rtd_recall=r, rtd_f1=f1, replaced_frac=s["replaced"] / s["rtd_tokens"])
-        if s.get("kd_batches"):  # DWT: τ²·KL per masked token and the mean α_s of the interval
-            rec["kd_loss"] = s["kd_loss_sum"] / max(s["masked"], 1.0)
-            rec["alpha_soft"] = s["alpha_soft_sum"] / s["kd_batches"]
-        for name, unit in self.units.items():
-            key = "discriminator" if name == "electra" else name
-            rec[f"lr_{key}"] = unit.lr
-            rec[f"grad_norm_{key}"] = norms_sum.get(name, 0.0) / max(1, steps)
-        if "electra" in self.units:  # one optimizer drives both models
-            rec["lr_generator"] = rec["lr_discriminator"]
-            rec["grad_norm_generator"] = rec["grad_norm_discriminator"]
+        rec: dict = {"step": self.step, **self.layout.metrics(s)}
+        rec.update(self.layout.optimizer_metrics({k: v / max(1, steps) for k, v in norms_sum.items()}))
         rec["tokens_per_s"] = s.get("tokens", 0.0) / max(seconds, 1e-9)
         self.interval.clear()
         return rec
@@ -426,24 +361,20 @@ class Trainer:
         elif signum == signal.SIGINT:
             self._stop_signal = signum  # already stopping; the next SIGINT aborts
 
-    def _stop_requested(self) -> tuple[bool, bool]:
-        """(stop now, a SIGINT was among the signals), agreed by all ranks at this step boundary.
+    def _local_stop_flags(self) -> tuple[bool, bool]:
+        """(stop requested, a SIGINT was among the signals) on this rank.
 
-        A signal may reach one rank only (or one rank first); the all-reduce makes every rank stop
-        after the same step, so the checkpoint holds one consistent step.
+        A signal may reach one rank only (or one rank first); each step's agreement all-reduce
+        makes every rank stop after the same step, so the checkpoint holds one consistent step.
         """
-        flags = torch.tensor([float(self._stop_signal is not None), float(self._stop_signal == signal.SIGINT)])
-        stop, interrupted = (self.backend.all_reduce_sum(flags) > 0).tolist()
-        return stop, interrupted
+        return self._stop_signal is not None, self._stop_signal == signal.SIGINT
 
     def train(self) -> TrainResult:
         """Train to train.max_steps (a new run unless `open_run` resumed one); the run dir is locked until the end."""
         if not self._opened:
             self.open_run(None)
-        try:
+        with self._holding_run_dir:
             return self._train()
-        finally:
-            self._lock.release()
 
     def _train(self) -> TrainResult:
         cfg = self.cfg
@@ -467,14 +398,13 @@ class Trainer:
         preempted = interrupted = False
         last_saved = self.step
         try:
-            for unit in self.units.values():
-                unit.task.train()
+            self.layout.train()
             batches = iter(self.loader)
             norms_sum: dict[str, float] = defaultdict(float)
             steps_in_interval, t0 = 0, time.perf_counter()
             while self.step < cfg.train.max_steps:
-                norms = self.train_step(batches)
-                stop, interrupted = self._stop_requested()
+                result = self._step(batches)
+                norms, stop, interrupted = result.norms, result.stop, result.interrupted
                 if norms is not None:
                     for k, v in norms.items():
                         norms_sum[k] += v
@@ -491,7 +421,7 @@ class Trainer:
                         steps_in_interval, t0 = 0, time.perf_counter()
                     if self.validator is not None and self.step % cfg.train.eval_every == 0:
                         started = time.perf_counter()
-                        rec = {**rec, "step": self.step, **self.validator.evaluate()}
+                        rec = {**rec, "step": self.step, **self.validator.evaluate(self.step)}
                         t0 += time.perf_counter() - started  # tokens_per_s counts training time only
                     if rec and writer is not None:
                         writer.write(rec)

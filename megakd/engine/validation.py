@@ -16,87 +16,68 @@ costs one evaluation's time on every rank: `megakd bench` style numbers are in t
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from megakd.data.stream import PretrainingLoader
-from megakd.engine.backends import Backend, Unit
-from megakd.engine.tasks import TeacherKD
-from megakd.objectives.electra import corrupt, precision_recall_f1, roc_auc, rtd_labels, sample_replacements
+from megakd.engine.backends import StepContext, TrainingBackend, Unit
+from megakd.engine.layouts import Layout
+from megakd.objectives.electra import roc_auc, rtd_labels
 
 VALID_SEED = 0
 
 
+class ForwardOnly:
+    """A micro-batch run for scoring: the layout's forward passes through the backend, no backward."""
+
+    def __init__(self, backend: TrainingBackend):
+        self.backend = backend
+
+    def unit(self, _unit: Unit) -> contextlib.nullcontext:
+        return contextlib.nullcontext()
+
+    def forward(self, unit: Unit, *args, **kwargs) -> dict:
+        return self.backend.forward(unit, *args, **kwargs)
+
+    def backward(self, _unit: Unit, _loss: torch.Tensor) -> None:
+        pass
+
+
 class Validator:
-    def __init__(self, loader: PretrainingLoader, num_samples: int, backend: Backend, units: dict[str, Unit],
-                 kd: TeacherKD | None = None, kernel_backend: str = "auto"):
+    def __init__(self, loader: PretrainingLoader, num_samples: int, backend: TrainingBackend, layout: Layout):
         self.loader = loader
         self.num_batches = max(1, min(num_samples, loader.num_samples) // loader.plan.micro_batch_size)
         self.batches: list[dict[str, torch.Tensor]] | None = None  # read once, then kept (they never change)
         self.backend = backend
-        self.units = units
-        self.kd = kd
-        self.kernel_backend = kernel_backend
+        self.layout = layout
 
     @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
-        """val_gen_loss/acc, and for ELECTRA val_disc_loss, val_rtd_f1, val_rtd_auc; DWT adds val_teacher_agreement."""
-        b = self.backend
+    def evaluate(self, step: int = 0) -> dict[str, float]:
+        """The layout's metrics on the held-out batches, prefixed val_ (val_gen_loss, val_gen_acc; ELECTRA adds
+        val_disc_loss, val_rtd_f1, ..., and val_rtd_auc; DWT adds val_teacher_agreement). `step` is the
+        training step (DWT's α_s)."""
         if self.batches is None:
             self.batches = [batch for _, batch in zip(range(self.num_batches), self.loader)]
-        rng = torch.Generator().manual_seed(VALID_SEED)
-        teacher_rng = torch.Generator().manual_seed(VALID_SEED)
+        context = StepContext(index=step, rng=torch.Generator().manual_seed(VALID_SEED))
+        run = ForwardOnly(self.backend)
         sums: dict[str, float] = {}
         scores, labels = [], []
-        for unit in self.units.values():
-            unit.task.eval()
+        self.layout.train(False)
         try:
             for cpu_batch in self.batches:
-                batch = {k: v.to(b.device) for k, v in cpu_batch.items()}
-                if "electra" in self.units:
-                    out = b.forward(self.units["electra"], batch, rng)
-                    gen_out = disc_out = out
-                    corrupted = out["corrupted"]
-                else:
-                    gen_out = b.forward(self.units["generator"], batch, rng)
-                    disc_out, corrupted = None, None
-                    if "discriminator" in self.units:
-                        corrupted = corrupt(batch["input_ids"], batch["mlm_mask"], gen_out["samples"])
-                        disc_out = b.forward(self.units["discriminator"], corrupted, batch["input_ids"],
-                                             batch["attention_mask"], batch.get("segment_ids"))
-                for key, value in gen_out["stats"].items():
+                batch = {k: v.to(self.backend.device) for k, v in cpu_batch.items()}
+                out = self.layout.micro_step(run, batch, context)
+                for key, value in out.stats.items():
                     sums[key] = sums.get(key, 0.0) + float(value)
-                if self.kd is not None:
-                    sums["teacher_agree"] = sums.get("teacher_agree", 0.0) + float(
-                        (self._teacher_argmax(batch, teacher_rng) == gen_out["argmax"]).sum())
-                if disc_out is not None:
-                    if disc_out is not gen_out:
-                        for key, value in disc_out["stats"].items():
-                            sums[key] = sums.get(key, 0.0) + float(value)
+                if out.rtd_logits is not None:
                     valid = batch["attention_mask"].bool()
-                    scores.append(disc_out["logits"][valid].float().cpu())
-                    labels.append(rtd_labels(corrupted, batch["input_ids"])[valid].cpu())
+                    scores.append(out.rtd_logits[valid].float().cpu())
+                    labels.append(rtd_labels(out.corrupted, batch["input_ids"])[valid].cpu())
         finally:
-            for unit in self.units.values():
-                unit.task.train()
-        return self._summary(sums, scores, labels)
-
-    def _teacher_argmax(self, batch: dict, rng: torch.Generator) -> torch.Tensor:
-        teacher = self.kd.teacher
-        hidden = teacher.masked_hidden(teacher(batch["masked_input_ids"], batch["attention_mask"]), batch["mlm_mask"])
-        head = teacher.head
-        _, argmax = sample_replacements(hidden, head.decoder_weight, head.bias, rng, 1.0, self.kernel_backend)
-        return argmax
-
-    @staticmethod
-    def _summary(s: dict[str, float], scores: list[torch.Tensor], labels: list[torch.Tensor]) -> dict[str, float]:
-        rec = {"val_gen_loss": s["gen_loss_sum"] / s["masked"], "val_gen_acc": s["gen_correct"] / s["masked"]}
-        if "teacher_agree" in s:
-            rec["val_teacher_agreement"] = s["teacher_agree"] / s["masked"]
-        if scores:
-            rec["val_disc_loss"] = s["disc_loss_sum"] / s["rtd_tokens"]
-            rec["val_disc_acc"] = s["rtd_correct"] / s["rtd_tokens"]
-            rec["val_rtd_f1"] = precision_recall_f1(s["rtd_tp"], s["rtd_fp"], s["rtd_fn"])[2]
-            auc = roc_auc(torch.cat(scores), torch.cat(labels))
-            if auc is not None:
-                rec["val_rtd_auc"] = auc
+            self.layout.train(True)
+        rec = {f"val_{k}": v for k, v in self.layout.metrics(sums).items()}
+        auc = roc_auc(torch.cat(scores), torch.cat(labels)) if scores else None
+        if auc is not None:
+            rec["val_rtd_auc"] = auc
         return rec

@@ -58,7 +58,7 @@ def build_backend(cfg: FinetuneConfig) -> Backend:
         # The engine config comes from a pretraining config (precision, ZeRO stage); its batch
         # layout is one micro-batch per step, this rank's share of the global batch.
         backend = DeepSpeedBackend(Config(train=TrainConfig(precision=f.precision), backend=b))
-        backend.micro_batch_size = f.batch_size // backend.world_size
+        backend.cfg.train.micro_batch_size = f.batch_size // backend.world_size
     backend.device = _device(f.device, backend.local_rank)
     return backend
 

@@ -214,7 +214,7 @@ class SeedTraining:
         schedule = ScheduleConfig(warmup_steps=round(f.warmup_frac * self.total), decay="linear")
         self.unit = Unit(name=UNIT, task=ClassifierTask(model, objective), model=model, optimizer=optimizer,
                          scheduler=build_scheduler(optimizer, schedule, self.total), clip_norm=f.clip_norm)
-        runtime.backend.prepare([self.unit], accumulation_steps=1)
+        runtime.backend.wrap_units([self.unit], 1)
         self.progress = Progress()
         # Dropout: rank 0 draws the seed's one-process stream, other ranks their own.
         torch.manual_seed(seed + 1_000_003 * runtime.rank)

@@ -39,6 +39,16 @@ def checkpoints_root(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
+def step_dir(run_dir: str | Path, step: int) -> Path:
+    """Where the published checkpoint of `step` lives."""
+    return checkpoints_root(run_dir) / f"step_{step:08d}"
+
+
+def temp_dir(run_dir: str | Path, step: int) -> Path:
+    """Where the checkpoint of `step` is written before it is published."""
+    return checkpoints_root(run_dir) / f".tmp-step_{step:08d}"
+
+
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
     """Published checkpoint directories, oldest step first (not verified)."""
     root = checkpoints_root(run_dir)
@@ -72,9 +82,7 @@ def remove_stale_temp_dirs(run_dir: str | Path) -> list[Path]:
 
 def begin(run_dir: str | Path, step: int, is_main: bool) -> tuple[Path, Path]:
     """(temporary dir to write into, final dir). Rank 0 creates the temporary dir."""
-    root = checkpoints_root(run_dir)
-    final = root / f"step_{step:08d}"
-    tmp = root / f".tmp-step_{step:08d}"
+    final, tmp = step_dir(run_dir, step), temp_dir(run_dir, step)
     if is_main:
         if tmp.exists():
             shutil.rmtree(tmp)

@@ -3,9 +3,10 @@
 A checkpoint `step_NNNNNNNN/` holds `config.yaml`, `tokenizer/`, `manifest.json` and one state per
 optimizer unit: `<unit>.safetensors` (single/ddp backends and pipeline runs: the model weights; the
 optimizer state is beside it in `<unit>.optim.pt`) or `<unit>/` (the DeepSpeed backend: `engine.save_checkpoint(step_dir / unit, tag="ds")` around a task module whose
-`model` attribute is the unit's model, so consolidated keys start with "model."). Units are
-"generator" + "discriminator" (DecoupledOptim), "electra" (original ELECTRA: one ElectraPair) or
-"generator" alone (BERT-MLM).
+`model` attribute is the unit's model, so consolidated keys start with "model."). A unit holds
+one model under that model's name ("generator", "discriminator"), or both as one ElectraPair with
+shared embeddings ("electra", original ELECTRA). Which units a run trains is its training
+layout's business (megakd/engine/layouts.py); reading needs only these stored forms.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 DEEPSPEED_PREFIX = "model."
 WEIGHTS_SUFFIX = ".safetensors"  # `<unit>.safetensors`: a unit's model weights (single/ddp/pipeline)
 OPTIM_SUFFIX = ".optim.pt"  # `<unit>.optim.pt`: its optimizer, schedule and scaler state (weights-only)
+JOINT_UNIT = "electra"  # the unit holding generator and discriminator as one ElectraPair (shared embeddings)
 
 
 @dataclass
@@ -60,14 +62,6 @@ def resolve_checkpoint(src: str | Path) -> Path:
     return src
 
 
-def unit_names(cfg: Config) -> list[str]:
-    if cfg.model.objective == "mlm":
-        return ["generator"]
-    return ["generator", "discriminator"] if cfg.electra.decoupled else ["electra"]
-
-
-
-
 def _read_deepspeed_unit(directory: Path) -> dict[str, Tensor]:
     """fp32 weights of a DeepSpeed checkpoint directory (ZeRO 0-3), consolidated on CPU."""
     tag_dir = directory / DEEPSPEED_TAG
@@ -96,6 +90,10 @@ def _read_deepspeed_unit(directory: Path) -> dict[str, Tensor]:
         raise StoreError(f"{directory}: expected DeepSpeed module keys prefixed {DEEPSPEED_PREFIX!r} "
                               f"(the task's model), got e.g. {next(iter(sd), None)!r}")
     return {k[len(DEEPSPEED_PREFIX):]: v.float() for k, v in sd.items()}
+
+
+def has_unit_state(step_dir: Path, unit: str) -> bool:
+    return (step_dir / f"{unit}{WEIGHTS_SUFFIX}").is_file() or (step_dir / unit).is_dir()
 
 
 def read_unit_state(step_dir: Path, unit: str) -> dict[str, Tensor]:
@@ -148,21 +146,25 @@ def load_checkpoint(step_dir: str | Path) -> CheckpointModels:
         cfg = load_config(config_file)
     except ConfigError as err:
         raise StoreError(str(err)) from None
-    generator = MaskedLM(cfg.model.generator)
-    discriminator = Discriminator(cfg.model.discriminator) if cfg.model.objective == "electra" else None
-    for unit in unit_names(cfg):
-        sd = read_unit_state(step_dir, unit)
-        weights = step_dir / f"{unit}{WEIGHTS_SUFFIX}"
-        source = str(weights) if weights.is_file() else f"{step_dir / unit}/"
-        if unit == "electra":
-            pair = ElectraPair(generator, discriminator, share_embeddings=True)
-            load_state_checked(pair, sd, source, f"{config_file} (model.generator / model.discriminator)")
-        else:
-            model = generator if unit == "generator" else discriminator
-            load_state_checked(model, sd, source, f"{config_file} (model.{unit})")
+    models: dict[str, nn.Module] = {"generator": MaskedLM(cfg.model.generator)}
+    if "discriminator" in cfg.model.built_models():
+        models["discriminator"] = Discriminator(cfg.model.discriminator)
+    if len(models) == 2 and has_unit_state(step_dir, JOINT_UNIT):
+        pair = ElectraPair(models["generator"], models["discriminator"], share_embeddings=True)
+        _load_unit(step_dir, JOINT_UNIT, pair, f"{config_file} (model.generator / model.discriminator)")
+    else:
+        for name, model in models.items():
+            _load_unit(step_dir, name, model, f"{config_file} (model.{name})")
+    generator, discriminator = models["generator"], models.get("discriminator")
     tokenizer_dir = step_dir / "tokenizer"
     for model in (generator, discriminator):
         if model is not None:
             model.eval()
     return CheckpointModels(step_dir, cfg, generator, discriminator,
                             tokenizer_dir if tokenizer_dir.is_dir() else None)
+
+
+def _load_unit(step_dir: Path, unit: str, model: nn.Module, config_key: str) -> None:
+    sd = read_unit_state(step_dir, unit)
+    weights = step_dir / f"{unit}{WEIGHTS_SUFFIX}"
+    load_state_checked(model, sd, str(weights) if weights.is_file() else f"{step_dir / unit}/", config_key)

@@ -74,6 +74,13 @@ class RunDirLock:
         os.pwrite(self._fd, f"host {socket.gethostname()}, pid {os.getpid()}\n".encode(), 0)
         os.fsync(self._fd)
 
+    def __enter__(self) -> RunDirLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self.release()
+
     def release(self) -> None:
         if self._fd is not None:
             fcntl.flock(self._fd, fcntl.LOCK_UN)

@@ -8,12 +8,33 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from megakd.bench.flops import step_flops
 from megakd.cli import main
 from megakd.config import load_config
+from megakd.engine.pretrain import build_models
 from megakd.engine.profiling import PHASES
+from tests.bench.flop_counting import counted_electra_step, rtd_projection_correction
 from tests.helpers import tiny_overrides
+
+
+def _counted_flops_per_token(cfg, seq_len: int) -> float:
+    """torch's FlopCounterMode on one real ELECTRA step of `cfg`'s models, per token, over full rows
+    whose masked share is exactly data.mask_prob (the share the analytic count assumes)."""
+    sequences = 20  # 20 x seq_len x 0.15 masked positions is a whole number
+    tokens = sequences * seq_len
+    masked = round(cfg.data.mask_prob * tokens)
+    assert masked == pytest.approx(cfg.data.mask_prob * tokens, abs=1e-6)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, cfg.model.generator.vocab_size, (sequences, seq_len), generator=g)
+    mlm_mask = torch.zeros(tokens, dtype=torch.bool)
+    mlm_mask[torch.randperm(tokens, generator=g)[:masked]] = True
+    mlm_mask = mlm_mask.view(sequences, seq_len)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(mlm_mask), "mlm_mask": mlm_mask,
+             "masked_input_ids": torch.where(mlm_mask, 4, ids)}
+    counted = counted_electra_step(*build_models(cfg), batch)
+    return (sum(counted.values()) + rtd_projection_correction(cfg.model.discriminator.hidden_size, tokens)) / tokens
 
 
 def _check_train(t: dict, cfg) -> None:
@@ -31,7 +52,7 @@ def _check_train(t: dict, cfg) -> None:
     # The profiled split names every phase; each one that the ELECTRA step has took time.
     split = t["phase_split_s"]
     assert set(split) == set(PHASES) and all(split[k] > 0 for k in PHASES)
-    assert t["model_flops_per_token"] == pytest.approx(t["model_flops_per_step"] / (t["global_batch_size"] * t["seq_len"]))
+    assert t["model_flops_per_token"] == pytest.approx(_counted_flops_per_token(cfg, t["seq_len"]), rel=1e-9)
 
 
 def test_bench_one_process(tiny_data, tmp_path, capsys):

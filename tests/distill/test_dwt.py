@@ -83,7 +83,7 @@ def test_one_dwt_step_equals_autograd_of_reference_loss():
     teacher.eval().requires_grad_(False)
     before = {k: v.clone() for k, v in teacher.state_dict().items()}
     tau, alpha_h = 2.0, 0.7
-    kd = TeacherKD(teacher, tau, alpha_h, 4.0, 1.0, "linear", max_steps=5, step=3)  # α_s = 4 + (1 - 4) * 3/4
+    kd = TeacherKD(teacher, tau, alpha_h, 4.0, 1.0, "linear", max_steps=5)
     task = GeneratorTask(student, kernel_backend="torch", kd=kd)
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(5, V, (3, 16), generator=g)
@@ -92,7 +92,7 @@ def test_one_dwt_step_equals_autograd_of_reference_loss():
     mlm_mask = (torch.rand(3, 16, generator=g) < 0.3) & attn
     batch = {"input_ids": ids, "attention_mask": attn, "mlm_mask": mlm_mask,
              "masked_input_ids": torch.where(mlm_mask, 4, ids)}
-    out = task(batch, torch.Generator().manual_seed(0))
+    out = task(batch, torch.Generator().manual_seed(0), step=3)  # α_s = 4 + (1 - 4) * 3/4
     out["loss"].backward()
     got = {n: p.grad.clone() for n, p in student.named_parameters()}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -17,7 +18,6 @@ from megakd.data.stream import PretrainingLoader
 from megakd.data.tokenizer import Tokenizer
 from megakd.engine.metrics import read_metrics as read_metrics_file
 from megakd.engine.pretrain import build_trainer
-from megakd.engine.trainer import Trainer
 from megakd.store.checkpoint import latest_checkpoint
 from megakd.store.checkpoint_models import read_unit_state
 
@@ -120,22 +120,24 @@ class _RankInterleaved:
         return {"ranks": [loader.state_dict() for loader in self.loaders]}
 
 
-class _ReferenceTrainer(Trainer):
-    """Single-process trainer that replays a `world`-rank run as gradient accumulation.
+class _RankRngLayout:
+    """A trainer's layout whose micro-batch i of a step samples replacements with rank i's generator.
 
-    Micro-batch i of a step is what rank i sees, and replacement tokens are sampled with rank i's
-    generator, so the step's summed gradient is the data-parallel one: only summation order differs.
+    Everything but `micro_step` is the wrapped layout's.
     """
 
-    def __init__(self, base: Trainer, rngs: list[torch.Generator]):
-        self.__dict__.update(base.__dict__)
+    def __init__(self, layout, rngs: list[torch.Generator]):
+        self.layout = layout
         self.rngs = rngs
         self.turn = 0
 
-    def _micro_batch(self, batch: dict, last: bool) -> list[torch.Tensor]:
-        self.rng = self.rngs[self.turn % len(self.rngs)]
+    def micro_step(self, run, batch, step):
+        rng = self.rngs[self.turn % len(self.rngs)]
         self.turn += 1
-        return super()._micro_batch(batch, last)
+        return self.layout.micro_step(run, batch, dataclasses.replace(step, rng=rng))
+
+    def __getattr__(self, name):
+        return getattr(self.layout, name)
 
 
 def reference_run(overrides: list[str], world: int) -> Path:
@@ -152,7 +154,9 @@ def reference_run(overrides: list[str], world: int) -> Path:
         rngs.append(torch.Generator().manual_seed(cfg.train.seed * 100_003 + r))
     if not torch.equal(rngs[0].get_state(), base.rng.get_state()):
         raise AssertionError("the trainer's sampling-generator seeding changed: update reference_run")
-    trainer = _ReferenceTrainer(base, rngs)
-    trainer.loader = _RankInterleaved(loaders)
-    trainer.train()
+    # Micro-batch i of a step is what rank i sees, and its replacements are sampled with rank i's
+    # generator, so the step's summed gradient is the data-parallel one: only summation order differs.
+    base.layout = _RankRngLayout(base.layout, rngs)
+    base.loader = _RankInterleaved(loaders)
+    base.train()
     return Path(cfg.run.dir)

@@ -1,0 +1,260 @@
+"""Training layouts: everything that differs between the ways megakd trains its models, in one place.
+
+A layout owns its units (their names, the model each one checkpoints, its optimizer, clipping and
+loss scale), the work of one micro-batch (which unit runs forward on what, which losses go
+backward), and how the summed statistics of its tasks become metrics. The trainer, every
+backend, validation, the pipeline stages and the benchmark ask the layout; none of them branches
+on unit names. Adding an objective means adding a layout here (and its tests).
+
+    DecoupledElectra  units generator + discriminator: two optimizers, λ folded into the
+                      discriminator's clipping (docs/decisions.md § λ is folded into the
+                      discriminator's clipping threshold)
+    JointElectra      unit electra: one ElectraPair with shared embeddings, one optimizer on
+                      L_MLM + λ·L_RTD (original ELECTRA)
+    MaskedLMOnly      unit generator: BERT-MLM
+
+DWT attaches a frozen teacher (`TeacherKD`) to the generator's MLM loss in any of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+from torch import Tensor, nn
+
+from megakd.config import Config, OptimConfig, OptimizerConfig
+from megakd.engine.backends import StepContext, Unit
+from megakd.engine.optim import build_optimizer, build_scheduler
+from megakd.engine.profiling import phase
+from megakd.engine.tasks import DiscriminatorTask, GeneratorTask, JointElectraTask, TeacherKD
+from megakd.models.electra import Discriminator, ElectraPair, MaskedLM
+from megakd.objectives.electra import corrupt
+from megakd.store.checkpoint_models import JOINT_UNIT
+
+if TYPE_CHECKING:
+    from megakd.engine.backends import MicroBatch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class MicroStepOutput:
+    """What one micro-batch produced: detached losses (checked for finiteness) and summed statistics."""
+
+    losses: list[Tensor]
+    stats: dict[str, Tensor]
+    rtd_logits: Tensor | None = None  # the discriminator's logits (validation's ROC AUC reads them)
+    corrupted: Tensor | None = None  # the ids the discriminator saw
+
+
+class Layout:
+    """The units of one training layout and how a micro-batch runs through them.
+
+    `micro_step` drives a `MicroBatch` (a backend's forward/backward for one micro-batch);
+    validation drives the same `micro_step` with a run whose backward does nothing.
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self, units: list[Unit], kd: TeacherKD | None):
+        self.units = {u.name: u for u in units}
+        self.kd = kd  # DWT's teacher, attached to the generator's MLM loss
+
+    @classmethod
+    def build(cls, cfg: Config, generator: MaskedLM, discriminator: Discriminator | None,
+              kd: TeacherKD | None) -> Layout:
+        raise NotImplementedError
+
+    def micro_step(self, run: MicroBatch, batch: dict[str, Tensor], step: StepContext) -> MicroStepOutput:
+        raise NotImplementedError
+
+    def tasks(self) -> list[nn.Module]:
+        """The task modules whose statistics this layout's steps return (their `metrics` read them)."""
+        raise NotImplementedError
+
+    def metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        """Ratios from statistics summed over micro-batches, steps and ranks (training and validation)."""
+        out: dict[str, float] = {}
+        for task in self.tasks():
+            out.update(task.metrics(sums))
+        return out
+
+    def optimizer_metrics(self, mean_norms: dict[str, float]) -> dict[str, float]:
+        """lr_<unit> and grad_norm_<unit> (the mean over the interval's applied steps)."""
+        out = {}
+        for name, unit in self.units.items():
+            out[f"lr_{name}"] = unit.lr
+            out[f"grad_norm_{name}"] = mean_norms.get(name, 0.0)
+        return out
+
+    def probe_encoder(self) -> nn.Module:
+        """The encoder a downstream task would fine-tune."""
+        raise NotImplementedError
+
+    def pipeline_units(self) -> tuple[Unit, Unit | None]:
+        """(generator unit, discriminator unit or None): the models a pipeline runs one after the other."""
+        raise NotImplementedError(f"{self.name}: no pipeline-parallel form")
+
+    def train(self, mode: bool = True) -> None:
+        for unit in self.units.values():
+            unit.task.train(mode)
+
+
+def _unit(cfg: Config, name: str, task: nn.Module, model: nn.Module, opt_cfg: OptimizerConfig,
+          loss_scale: float = 1.0) -> Unit:
+    optimizer = build_optimizer(model.named_parameters(), opt_cfg)
+    return Unit(name=name, task=task, model=model, optimizer=optimizer,
+                scheduler=build_scheduler(optimizer, cfg.optim.schedule, cfg.train.max_steps),
+                clip_norm=opt_cfg.clip_norm, loss_scale=loss_scale)
+
+
+def _generator_task(cfg: Config, generator: MaskedLM, kd: TeacherKD | None) -> GeneratorTask:
+    return GeneratorTask(generator, cfg.kernels.backend, cfg.electra.sampling_temperature, kd)
+
+
+class MaskedLMOnly(Layout):
+    """BERT-MLM: the generator alone, one unit."""
+
+    name = "mlm"
+
+    @classmethod
+    def build(cls, cfg, generator, discriminator, kd):
+        return cls([_unit(cfg, "generator", _generator_task(cfg, generator, kd), generator, cfg.optim.generator)], kd)
+
+    @property
+    def generator(self) -> Unit:
+        return self.units["generator"]
+
+    def micro_step(self, run, batch, step):
+        gen = self.generator
+        with phase("generator"), run.unit(gen):
+            g = run.forward(gen, batch, step.rng, step.index)
+            run.backward(gen, g["loss"])
+        return MicroStepOutput([g["loss"].detach()], g["stats"])
+
+    def tasks(self):
+        return [self.generator.task]
+
+    def probe_encoder(self):
+        return self.generator.model.encoder
+
+    def pipeline_units(self):
+        return self.generator, None
+
+
+class DecoupledElectra(Layout):
+    """DecoupledOptim ELECTRA: generator and discriminator units, each with its own backward and AdamW.
+
+    The discriminator's loss is scaled by λ before backward and clipped at λ·clip_norm, so λ
+    changes no update (docs/decisions.md § λ is folded into the discriminator's clipping threshold).
+    """
+
+    name = "electra-decoupled"
+
+    @classmethod
+    def build(cls, cfg, generator, discriminator, kd):
+        return cls([
+            _unit(cfg, "generator", _generator_task(cfg, generator, kd), generator, cfg.optim.generator),
+            _unit(cfg, "discriminator", DiscriminatorTask(discriminator, cfg.kernels.backend), discriminator,
+                  cfg.optim.discriminator, loss_scale=cfg.electra.loss_weight),
+        ], kd)
+
+    @property
+    def generator(self) -> Unit:
+        return self.units["generator"]
+
+    @property
+    def discriminator(self) -> Unit:
+        return self.units["discriminator"]
+
+    def micro_step(self, run, batch, step):
+        gen, disc = self.generator, self.discriminator
+        with phase("generator"), run.unit(gen):
+            g = run.forward(gen, batch, step.rng, step.index)
+            run.backward(gen, g["loss"])
+        with phase("discriminator"), run.unit(disc):
+            corrupted = corrupt(batch["input_ids"], batch["mlm_mask"], g["samples"])
+            d = run.forward(disc, corrupted, batch["input_ids"], batch["attention_mask"], batch.get("segment_ids"))
+            run.backward(disc, d["loss"])
+        return MicroStepOutput([g["loss"].detach(), d["loss"].detach()], {**g["stats"], **d["stats"]},
+                               rtd_logits=d["logits"], corrupted=corrupted)
+
+    def tasks(self):
+        return [self.generator.task, self.discriminator.task]
+
+    def probe_encoder(self):
+        return self.discriminator.model.encoder
+
+    def pipeline_units(self):
+        return self.generator, self.discriminator
+
+
+class JointElectra(Layout):
+    """Original ELECTRA: one ElectraPair (shared embeddings), one optimizer on L_MLM + λ·L_RTD.
+
+    Configured by optim.discriminator.*; optim.joint_clip=unweighted clips the unweighted loss
+    (the unit's loss_scale is then λ, and the task returns L_MLM/λ + L_RTD).
+    """
+
+    name = "electra-joint"
+
+    @classmethod
+    def build(cls, cfg, generator, discriminator, kd):
+        ignored = _changed_keys(cfg.optim.generator, OptimConfig().generator, "optim.generator")
+        if ignored:
+            log.warning("%s: ignored with electra.decoupled=false (one optimizer, configured by "
+                        "optim.discriminator.*)", ", ".join(ignored))
+        pair = ElectraPair(generator, discriminator, share_embeddings=True)
+        unweighted = cfg.optim.joint_clip == "unweighted"
+        task = JointElectraTask(pair, cfg.electra.loss_weight, cfg.kernels.backend, cfg.electra.sampling_temperature,
+                                kd, unweighted=unweighted)
+        return cls([_unit(cfg, JOINT_UNIT, task, pair, cfg.optim.discriminator,
+                          loss_scale=cfg.electra.loss_weight if unweighted else 1.0)], kd)
+
+    @property
+    def electra(self) -> Unit:
+        return self.units[JOINT_UNIT]
+
+    def micro_step(self, run, batch, step):
+        unit = self.electra
+        with run.unit(unit):
+            out = run.forward(unit, batch, step.rng, step.index)
+            run.backward(unit, out["loss"])
+        return MicroStepOutput([out["loss"].detach()], out["stats"], rtd_logits=out["logits"],
+                               corrupted=out["corrupted"])
+
+    def tasks(self):
+        return list(self.electra.task.tasks)
+
+    def optimizer_metrics(self, mean_norms):
+        """One optimizer drives both models: logged under both names, as the decoupled layout logs them."""
+        unit = self.electra
+        norm = mean_norms.get(JOINT_UNIT, 0.0)
+        return {"lr_discriminator": unit.lr, "grad_norm_discriminator": norm,
+                "lr_generator": unit.lr, "grad_norm_generator": norm}
+
+    def probe_encoder(self):
+        return self.electra.model.discriminator.encoder
+
+
+def layout_class(cfg: Config) -> type[Layout]:
+    """The layout `model.objective` and `electra.decoupled` select."""
+    if cfg.model.objective == "mlm":
+        return MaskedLMOnly
+    return DecoupledElectra if cfg.electra.decoupled else JointElectra
+
+
+def build_layout(cfg: Config, generator: MaskedLM, discriminator: Discriminator | None,
+                 kd: TeacherKD | None = None) -> Layout:
+    """The layout of `cfg` over models already built and initialized (units not yet wrapped by a backend)."""
+    return layout_class(cfg).build(cfg, generator, discriminator, kd)
+
+
+def _changed_keys(value: OptimizerConfig, default: OptimizerConfig, prefix: str) -> list[str]:
+    """`prefix.field=value` for every field of `value` that differs from `default`."""
+    return [f"{prefix}.{f.name}={getattr(value, f.name)}" for f in dataclasses.fields(value)
+            if getattr(value, f.name) != getattr(default, f.name)]
+

@@ -34,7 +34,7 @@ from megakd.repro.runs import (
 from megakd.repro.stats import claims_verdict, compare
 
 MULTIPLIERS = (0.5, 1.0, 2.0, 4.0)
-# Full mode: the recipe at its size for 2,000 steps (a sixth of electra-mini's 12,000: four runs of
+# Full mode: the recipe at its size for 2,000 steps (two fifths of electra-mini's 5,000: four runs of
 # the full length would not fit the report's 3-hour budget).
 FULL = {"steps": 2000, "seeds": (0, 1, 2), "pretrain": (), "finetune": FULL_FINETUNE}
 QUICK = {"steps": 12, "seeds": (0, 1), "pretrain": QUICK_PRETRAIN, "finetune": QUICK_FINETUNE}

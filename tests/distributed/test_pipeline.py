@@ -39,7 +39,7 @@ STEPS = 4
 COMMON = {
     "train.max_steps": STEPS, "train.global_batch_size": 16, "train.micro_batch_size": 4,
     "model.generator.dropout": 0.0, "model.discriminator.dropout": 0.0, "run.export_hf": "false",
-    "kernels.backend": "torch", "optim.generator.clip_norm": 1.0, "optim.discriminator.clip_norm": 0.45,
+    "kernels.backend": "torch", "optim.generator.clip_norm": 0.94, "optim.discriminator.clip_norm": 0.45,
 }
 PIPE = {"backend.name": "deepspeed", "backend.pipeline_stages": 2}
 MLM = {"model.objective": "mlm", "model.generator.num_layers": 2, "model.generator.position_encoding": "t5_relative"}

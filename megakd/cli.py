@@ -75,15 +75,11 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     """Fine-tune on the configured backend; exit codes as for pretraining (0 also when stopped by
     SIGTERM/SIGUSR1 after a checkpoint, 130 on SIGINT, 1 after too many non-finite losses)."""
     from megakd.finetune.config import FinetuneConfig
+    from megakd.finetune.jobs import job_for
     from megakd.finetune.runtime import Runtime, Stopped, describe
 
     cfg = load_config(args.config, args.overrides, cls=FinetuneConfig)
-    if cfg.soteacher.enabled:
-        from megakd.finetune.soteacher import run_soteacher as run
-    elif cfg.tgt.enabled:
-        from megakd.finetune.tgt import run_tgt as run
-    else:
-        from megakd.finetune.trainer import run_finetune as run
+    run = job_for(cfg)
     runtime = Runtime(cfg, resume=args.resume)
     try:
         runtime.open()

@@ -21,6 +21,7 @@ from megakd.config import Config, load_config
 from megakd.engine.metrics import read_metrics
 from megakd.engine.pretrain import run_distill, run_pretraining
 from megakd.finetune.config import FinetuneConfig
+from megakd.finetune.jobs import run_job
 
 log = logging.getLogger(__name__)
 
@@ -148,15 +149,9 @@ def finetune(overrides: list[str], work: Path, costs: Costs | None = None, confi
     scratch = Path(tempfile.mkdtemp(prefix="finetune-", dir=work))
     cfg: FinetuneConfig = load_config(config, [*overrides, f"run.dir={scratch / 'run'}", "run.progress_bar=false"],
                                       cls=FinetuneConfig)
-    if cfg.soteacher.enabled:
-        from megakd.finetune.soteacher import run_soteacher as run
-    elif cfg.tgt.enabled:
-        from megakd.finetune.tgt import run_tgt as run
-    else:
-        from megakd.finetune.trainer import run_finetune as run
     start = time.monotonic()
     try:
-        summary = run(cfg)
+        summary = run_job(cfg)
         if keep:
             kept = Path(tempfile.mkdtemp(prefix="model-", dir=work))
             shutil.copytree(scratch / "run" / keep, kept, dirs_exist_ok=True)

@@ -27,6 +27,10 @@ def main(spec_path: str) -> None:
         trainer.open_run(run.get("resume"))
         trainer.train()
     if dist.is_initialized():
+        # Every rank has finished every run; without the barrier a rank could tear its gloo pairs
+        # down while the other was still in its last collective (seen once in CI: "terminate called
+        # without an active exception", SIGABRT at exit).
+        dist.barrier()
         dist.destroy_process_group()
 
 

@@ -37,14 +37,21 @@ def tiny_data(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_electra_run(tiny_data, tmp_path_factory):
     """A 2-step ELECTRA pretraining run on the tiny data (checkpoint + hf/ export), shared read-only."""
+    from tests.helpers import tiny_overrides
+
+    return _two_step_electra_run(tmp_path_factory, "tiny_electra_run",
+                                 lambda run: tiny_overrides(tiny_data, run, **{"train.max_steps": 2}))
+
+
+def _two_step_electra_run(tmp_path_factory, name, overrides):
+    """`megakd pretrain -c configs/electra-tiny.yaml` with `overrides(run_dir)`; the run dir."""
     from pathlib import Path
 
     from megakd.cli import main
-    from tests.helpers import tiny_overrides
 
-    run = tmp_path_factory.mktemp("tiny_electra_run") / "run"
+    run = tmp_path_factory.mktemp(name) / "run"
     config = Path(__file__).parents[1] / "configs" / "electra-tiny.yaml"
-    assert main(["pretrain", "-c", str(config), *tiny_overrides(tiny_data, run, **{"train.max_steps": 2})]) == 0
+    assert main(["pretrain", "-c", str(config), *overrides(run)]) == 0
     return run
 
 
@@ -70,12 +77,7 @@ def wordpiece_data(tiny_data, tmp_path_factory):
 @pytest.fixture(scope="session")
 def wordpiece_electra_run(wordpiece_data, tmp_path_factory):
     """A 2-step ELECTRA run on the WordPiece data (checkpoint + hf/ export), shared read-only."""
-    from pathlib import Path
-
-    from megakd.cli import main
     from tests.helpers import auto_vocab_overrides
 
-    run = tmp_path_factory.mktemp("wordpiece_electra_run") / "run"
-    config = Path(__file__).parents[1] / "configs" / "electra-tiny.yaml"
-    assert main(["pretrain", "-c", str(config), *auto_vocab_overrides(wordpiece_data, run, **{"train.max_steps": 2})]) == 0
-    return run
+    return _two_step_electra_run(tmp_path_factory, "wordpiece_electra_run",
+                                 lambda run: auto_vocab_overrides(wordpiece_data, run, **{"train.max_steps": 2}))

@@ -114,15 +114,24 @@ def cmd_eval_rtd(args: argparse.Namespace) -> int:
 
 
 def cmd_repro(args: argparse.Namespace) -> int:
-    from megakd.repro import run_all, run_finding
+    from megakd.repro import FINDINGS, plan_findings, run_findings
+    from megakd.repro.runs import Costs
 
+    names = list(FINDINGS) if args.name == "all" else [args.name]
     seeds = tuple(args.seeds) if args.seeds else None
-    if args.name == "all":
-        reports = run_all(args.out, args.work, quick=args.quick, seeds=seeds, recipe=args.recipe)
-    else:
-        reports = [run_finding(args.name, args.out, args.work, quick=args.quick, seeds=seeds, recipe=args.recipe)]
-    for report in reports:
-        log.info("finding %s: %s; section written to %s", report.name, report.verdict, args.out)
+    if args.jobs < 1:
+        raise UserError(f"--jobs: expected a positive number of jobs, got {args.jobs}")
+    try:
+        costs = Costs.parse(args.unit_seconds or [])
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if args.plan:
+        plan = plan_findings(names, args.work, quick=args.quick, seeds=seeds, recipe=args.recipe,
+                             workers=args.jobs, costs=costs)
+        print(plan.table(names, costs))
+        return 0
+    run_findings(names, args.out, args.work, quick=args.quick, seeds=seeds, recipe=args.recipe, workers=args.jobs,
+                 costs=costs)
     return 0
 
 
@@ -314,6 +323,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "with all: replaces configs/electra-mini.yaml in disc_lr, soteacher, labelreg and tgt)")
     p.add_argument("--out", default="docs/REPRODUCTION.md", help="the report (its other sections are kept)")
     p.add_argument("--work", default="runs/repro", help="scratch directory for the runs")
+    p.add_argument("--jobs", type=int, default=2,
+                   help="jobs at a time (default 2, for 2 cores): with more than one, each runs in a single-thread "
+                   "process; 1 runs them one after the other in this process")
+    p.add_argument("--plan", action="store_true",
+                   help="print the estimated minutes per finding and in total, and run nothing")
+    p.add_argument("--unit-seconds", nargs="+", metavar="NAME=SECONDS",
+                   help="the plan's cost model: electra_mini_step, rt_epoch, job_start (defaults in the README)")
     p.set_defaults(func=cmd_repro)
 
     data = sub.add_parser("data", help="tokenizer training and WebDataset shard writing")

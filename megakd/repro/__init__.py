@@ -1,19 +1,28 @@
 """`megakd repro NAME`: the papers' findings re-run at CPU scale, written to docs/REPRODUCTION.md.
 
-Each finding is a module with `run(out_dir, work, quick, seeds, recipe) -> FindingReport`; `--quick`
-runs the same code on tiny settings in a few minutes, for tests of the report's structure.
-`recipe` is the pretraining recipe the finding trains (or starts) from; each module holds its default.
+Each finding is a module with `FULL` and `QUICK` settings (`runs.Settings`) and
+`declare(run: FindingRun) -> report function`: it declares its jobs on `run`, and the returned
+function builds its section from their results once they have run. `--quick` runs the same code on
+tiny settings in a few minutes, for tests of the report's structure.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
+import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megakd.repro.report import FindingReport, write_section
 
-# name -> module; `megakd repro all` runs them in this order (soteacher pretrains the encoder that
-# labelreg and tgt then reuse from the cache under --work).
+if TYPE_CHECKING:  # runs imports torch and the engine; `megakd --help` needs only FINDINGS
+    from megakd.repro.runs import Costs, FindingRun, Job, Plan, ReportFn
+
+log = logging.getLogger(__name__)
+
+# name -> module; `megakd repro all` declares them in this order (soteacher's shared encoder is the
+# one labelreg and tgt fine-tune too: one job).
 MODULES = {"lambda": "lambda_finding", "disc_lr": "disc_lr", "dwt": "dwt", "soteacher": "soteacher",
            "labelreg": "labelreg", "tgt": "tgt"}
 FINDINGS = tuple(MODULES)
@@ -22,23 +31,64 @@ FINDINGS = tuple(MODULES)
 ELECTRA_RECIPE_FINDINGS = ("disc_lr", "soteacher", "labelreg", "tgt")
 
 
-def run_finding(name: str, out: str | Path, work: str | Path, quick: bool = False,
-                seeds: tuple[int, ...] | None = None, recipe: str | Path | None = None) -> FindingReport:
-    """Run finding `name` and write (or replace) its section in the report at `out`."""
-    if name not in MODULES:
-        raise ValueError(f"repro: unknown finding {name!r}; expected one of {', '.join(FINDINGS)}")
-    module = importlib.import_module(f"megakd.repro.{MODULES[name]}")
-    out = Path(out)
+def declare(names: list[str], out: str | Path, work: str | Path, quick: bool = False,
+            seeds: tuple[int, ...] | None = None, recipe: str | Path | None = None, costs: Costs | None = None
+            ) -> tuple[dict[str, FindingRun], dict[str, ReportFn], dict[str, Job]]:
+    """Each finding's run and report function, and all their jobs (a job two findings share, once)."""
+    from megakd.repro.runs import Costs, FindingRun
+
+    for name in names:
+        if name not in MODULES:
+            raise ValueError(f"repro: unknown finding {name!r}; expected one of {', '.join(FINDINGS)}")
     if recipe is not None and not Path(recipe).is_file():
         raise FileNotFoundError(f"--recipe {recipe}: no such file")
-    options = {"recipe": recipe} if recipe is not None else {}
-    report = module.run(out.parent, Path(work), quick=quick, seeds=seeds, **options)
-    write_section(report, out)
-    return report
+    results: dict[str, object] = {}
+    runs, reports, jobs = {}, {}, {}
+    for name in names:
+        module = importlib.import_module(f"megakd.repro.{MODULES[name]}")
+        settings = module.QUICK if quick else module.FULL
+        own_recipe = recipe if recipe is not None and (len(names) == 1 or name in ELECTRA_RECIPE_FINDINGS) else None
+        run = FindingRun(name=name, quick=quick, settings=settings, seeds=tuple(seeds or settings.seeds),
+                         recipe=Path(own_recipe or settings.recipe), work=Path(work), out_dir=Path(out).parent,
+                         costs=costs or Costs(), results=results)
+        reports[name] = module.declare(run)
+        runs[name] = run
+        for key, job in run.jobs.items():
+            jobs.setdefault(key, job)
+    return runs, reports, jobs
 
 
-def run_all(out: str | Path, work: str | Path, quick: bool = False, seeds: tuple[int, ...] | None = None,
-            recipe: str | Path | None = None) -> list[FindingReport]:
-    """Every finding in order, each section written as soon as it is done."""
-    return [run_finding(name, out, work, quick, seeds, recipe if name in ELECTRA_RECIPE_FINDINGS else None)
-            for name in FINDINGS]
+def plan_findings(names: list[str], work: str | Path, quick: bool = False, seeds: tuple[int, ...] | None = None,
+                  recipe: str | Path | None = None, workers: int = 1, costs: Costs | None = None) -> Plan:
+    """What running `names` would take with `workers` jobs at a time, from the cost model; nothing runs."""
+    from megakd.repro.runs import plan
+
+    _, _, jobs = declare(names, Path(work) / "REPRODUCTION.md", work, quick, seeds, recipe, costs)
+    return plan(jobs, workers)
+
+
+def run_findings(names: list[str], out: str | Path, work: str | Path, quick: bool = False,
+                 seeds: tuple[int, ...] | None = None, recipe: str | Path | None = None, workers: int = 1,
+                 costs: Costs | None = None) -> list[FindingReport]:
+    """Run the findings' jobs and write (or replace) each finding's section in `out` as soon as its jobs are done."""
+    from megakd.repro.runs import Costs, execute, finding_jobs, plan
+
+    costs = costs or Costs()
+    runs, report_fns, jobs = declare(names, out, work, quick, seeds, recipe, costs)
+    log.info("%s", plan(jobs, workers).table(names, costs))
+    Path(work).mkdir(parents=True, exist_ok=True)
+    results = next(iter(runs.values())).results
+    reports: dict[str, FindingReport] = {}
+
+    def write_finished(_key: str) -> None:
+        for name, run in runs.items():
+            if name not in reports and finding_jobs(run) <= results.keys():
+                reports[name] = report_fns[name]()
+                write_section(reports[name], out)
+                log.info("finding %s: %s; section written to %s", name, reports[name].verdict, out)
+
+    try:
+        execute(jobs, results, workers, write_finished)
+    finally:
+        shutil.rmtree(Path(work) / "kept", ignore_errors=True)  # teachers and labelers kept for later jobs
+    return [reports[name] for name in names]

@@ -12,23 +12,18 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from megakd.finetune.config import FinetuneConfig
 from megakd.repro.report import FindingReport, mean_std, pyplot, save_figure
 from megakd.repro.runs import (
-    FINETUNE_RT,
     FULL_FINETUNE,
-    FULL_NOTE,
     PRETRAIN_RECIPE,
     QUICK_FINETUNE,
-    QUICK_NOTE,
     QUICK_PRETRAIN,
-    Costs,
-    finetune,
+    FindingRun,
+    ReportFn,
+    Settings,
     metric_rows,
-    pretrain,
     recipe_value,
     seed_values,
-    seeds_override,
     tail_mean,
 )
 from megakd.repro.stats import claims_verdict, compare
@@ -36,8 +31,8 @@ from megakd.repro.stats import claims_verdict, compare
 MULTIPLIERS = (0.5, 1.0, 2.0, 4.0)
 # Full mode: the recipe at its size for 2,000 steps (two fifths of electra-mini's 5,000: four runs of
 # the full length would not fit the report's 3-hour budget).
-FULL = {"steps": 2000, "seeds": (0, 1, 2), "pretrain": (), "finetune": FULL_FINETUNE}
-QUICK = {"steps": 12, "seeds": (0, 1), "pretrain": QUICK_PRETRAIN, "finetune": QUICK_FINETUNE}
+FULL = Settings(PRETRAIN_RECIPE, seeds=(0, 1, 2), steps=2000, finetune=FULL_FINETUNE)
+QUICK = Settings(PRETRAIN_RECIPE, seeds=(0, 1), steps=12, pretrain=QUICK_PRETRAIN, finetune=QUICK_FINETUNE)
 F1_FLOOR = 0.05  # below this everywhere the discriminators are on the plateau: nothing to rank
 PAPER = ("Dissertation Fig. 1.4 and App. A.3 (DecoupledOptim, base size, η_G fixed at 2e-4): the discriminator "
          "improves as η_D rises until training turns unstable (tuning roadmap: 'raise η_D to the largest stable "
@@ -45,45 +40,42 @@ PAPER = ("Dissertation Fig. 1.4 and App. A.3 (DecoupledOptim, base size, η_G fi
          "discriminators against a standalone generator is ~31 %.")
 
 
-def run(out_dir: Path, work: Path, quick: bool = False, seeds: tuple[int, ...] | None = None,
-        recipe: str | Path = PRETRAIN_RECIPE) -> FindingReport:
-    settings = QUICK if quick else FULL
-    seeds = tuple(seeds or settings["seeds"])
-    work.mkdir(parents=True, exist_ok=True)
-    steps = min(settings["steps"], int(recipe_value(recipe, "train.max_steps")))
-    epochs = int(recipe_value(FINETUNE_RT, "finetune.epochs", settings["finetune"], FinetuneConfig))
-    base_lr = float(recipe_value(recipe, "optim.discriminator.lr", settings["pretrain"]))
-    costs = Costs("disc_lr", {"pretraining step": steps * len(MULTIPLIERS),
-                              "fine-tuning epoch": len(MULTIPLIERS) * len(seeds) * epochs})
-    measured = {}
+def declare(run: FindingRun) -> ReportFn:
+    steps = min(run.settings.steps, int(recipe_value(run.recipe, "train.max_steps")))
+    base_lr = float(recipe_value(run.recipe, "optim.discriminator.lr", run.settings.pretrain))
+    arms = {}
     for mult in MULTIPLIERS:
-        run_dir = pretrain(recipe, [*settings["pretrain"], f"train.max_steps={steps}",
-                                    f"optim.discriminator.lr={base_lr * mult:g}"], work, costs)
-        rows = metric_rows(run_dir)
-        finite = all(math.isfinite(r["disc_loss"]) for r in rows if "disc_loss" in r)
-        summary = finetune([*settings["finetune"], f"model.path={run_dir}",
-                            seeds_override(seeds)], work, costs)
-        measured[mult] = {"rtd_f1": tail_mean(rows, "rtd_f1"), "gen_acc": tail_mean(rows, "gen_acc"),
-                          "finite": finite, "acc": seed_values(summary)}
-    verdict, reason = verdict_of(measured)
-    table = [[f"×{m:g}", f"{base_lr * m:.3g}", f"{measured[m]['rtd_f1']:.3f}", f"{measured[m]['gen_acc']:.3f}",
-              mean_std(measured[m]["acc"])] for m in MULTIPLIERS]
-    plot = _plot(measured, base_lr, out_dir / "repro" / "disc_lr.png")
-    command = "megakd repro disc_lr" + (" --quick" if quick else "")
-    setup = (f"`{command}`: `{Path(recipe).name}` (DecoupledOptim) for {steps} steps with the discriminator LR "
-             f"{', '.join(f'×{m:g}' for m in MULTIPLIERS)} of the recipe's {base_lr:g} (generator LR unchanged), "
-             "pretraining seed 0; RTD F1 and generator masked accuracy averaged over the last 10 % of logged "
-             "steps (the discriminator against its own generator); each discriminator fine-tuned on RT with "
-             f"`configs/finetune-rt.yaml`'s defaults, seeds {', '.join(map(str, seeds))}, dev accuracy "
-             "mean ± std. Rule: reproduced if the better of ×2 and ×4 beats ×0.5 in RTD F1 (by > 0.01) and in "
-             "RT accuracy (paired t-test over seeds, p < 0.05); not reproduced if either is significantly "
-             f"reversed; inconclusive otherwise, or if RTD F1 < {F1_FLOOR} at every LR (discriminators on the "
-             "plateau), or if the ×0.5 or ×1 run diverged."
-             + (QUICK_NOTE if quick else FULL_NOTE))
-    return FindingReport(name="disc_lr", title="Discriminator LR sweep under DecoupledOptim", paper=PAPER,
-                         setup=setup, columns=["η_D", "LR", "RTD F1 (last 10 %)", "gen acc (last 10 %)",
-                                               "RT dev accuracy"],
-                         rows=table, verdict=verdict, reason=reason, plots=[str(plot.relative_to(out_dir))])
+        pretrained = run.pretrain([*run.settings.pretrain, f"train.max_steps={steps}",
+                                   f"optim.discriminator.lr={base_lr * mult:g}"])
+        arms[mult] = pretrained, run.finetune([f"model.path={pretrained.path}", run.seeds_override], pretrained)
+
+    def report() -> FindingReport:
+        measured = {}
+        for mult, (pretrained, tuned) in arms.items():
+            rows = metric_rows(pretrained.path)
+            measured[mult] = {"rtd_f1": tail_mean(rows, "rtd_f1"), "gen_acc": tail_mean(rows, "gen_acc"),
+                              "finite": all(math.isfinite(r["disc_loss"]) for r in rows if "disc_loss" in r),
+                              "acc": seed_values(run.result(tuned))}
+        verdict, reason = verdict_of(measured)
+        table = [[f"×{m:g}", f"{base_lr * m:.3g}", f"{measured[m]['rtd_f1']:.3f}", f"{measured[m]['gen_acc']:.3f}",
+                  mean_std(measured[m]["acc"])] for m in MULTIPLIERS]
+        plot = _plot(measured, base_lr, run.out_dir / "repro" / "disc_lr.png")
+        setup = (f"`{run.command}`: `{run.recipe.name}` (DecoupledOptim) for {steps} steps with the discriminator "
+                 f"LR {', '.join(f'×{m:g}' for m in MULTIPLIERS)} of the recipe's {base_lr:g} (generator LR "
+                 "unchanged), pretraining seed 0; RTD F1 and generator masked accuracy averaged over the last 10 % "
+                 "of logged steps (the discriminator against its own generator); each discriminator fine-tuned on "
+                 f"RT with `configs/finetune-rt.yaml`'s defaults, seeds {', '.join(map(str, run.seeds))}, dev "
+                 "accuracy mean ± std. Rule: reproduced if the better of ×2 and ×4 beats ×0.5 in RTD F1 (by > 0.01) "
+                 "and in RT accuracy (paired t-test over seeds, p < 0.05); not reproduced if either is "
+                 f"significantly reversed; inconclusive otherwise, or if RTD F1 < {F1_FLOOR} at every LR "
+                 "(discriminators on the plateau), or if the ×0.5 or ×1 run diverged." + run.note)
+        return FindingReport(name="disc_lr", title="Discriminator LR sweep under DecoupledOptim", paper=PAPER,
+                             setup=setup, columns=["η_D", "LR", "RTD F1 (last 10 %)", "gen acc (last 10 %)",
+                                                   "RT dev accuracy"],
+                             rows=table, verdict=verdict, reason=reason,
+                             plots=[str(plot.relative_to(run.out_dir))])
+
+    return report
 
 
 def verdict_of(measured: dict[float, dict]) -> tuple[str, str]:

@@ -13,18 +13,26 @@ from __future__ import annotations
 from pathlib import Path
 
 from megakd.repro.report import FindingReport, mean_std, pyplot, save_figure
-from megakd.repro.runs import CONFIGS, Costs, last_value, metric_rows, pretrain, recipe_value, tail_mean
+from megakd.repro.runs import (
+    CONFIGS,
+    FindingRun,
+    ReportFn,
+    Settings,
+    last_value,
+    metric_rows,
+    recipe_value,
+    tail_mean,
+)
 from megakd.repro.stats import claims_verdict, compare
 
-STUDENT_RECIPE = CONFIGS / "dwt-tiny.yaml"
 DISTILL_SETTINGS = CONFIGS / "dwt-weak.yaml"  # the paper's loss weights (all three teacher recipes share them)
 DISTILL_KEYS = ("temperature", "alpha_hard", "alpha_soft_start", "alpha_soft_end", "alpha_schedule")
-FULL = {"teachers": {"weak": 4, "very weak": 2, "extremely weak": 1}, "seeds": (0, 1), "overrides": ()}
-QUICK = {"teachers": {"weak": 3, "very weak": 2, "extremely weak": 1}, "seeds": (0, 1), "overrides": (
-    "train.max_steps=8", "train.global_batch_size=8", "train.micro_batch_size=8", "optim.schedule.warmup_steps=2",
-    "train.log_every=1", "train.probe_fit_examples=200", "train.probe_eval_examples=100",
-    "model.generator.num_layers=4", "model.generator.hidden_size=32", "model.generator.num_heads=2",
-    "model.generator.intermediate_size=64")}
+TEACHERS = {"weak": 4, "very weak": 2, "extremely weak": 1}  # teacher layers (the student has 6)
+FULL = Settings(CONFIGS / "dwt-tiny.yaml", seeds=(0, 1))
+QUICK = Settings(CONFIGS / "dwt-tiny.yaml", seeds=(0, 1), steps=8, pretrain=(
+    "train.global_batch_size=8", "train.micro_batch_size=8", "optim.schedule.warmup_steps=2", "train.log_every=1",
+    "train.probe_fit_examples=200", "train.probe_eval_examples=100", "model.generator.hidden_size=32",
+    "model.generator.num_heads=2", "model.generator.intermediate_size=64"))
 PAPER_GAINS = {"weak": "+1.44", "very weak": "−1.37", "extremely weak": "−2.76", "weak, remapped": "below weak"}
 PAPER = ("DWT (Lee et al., ACL'23) Fig. 2 and 4, Table: a 6-layer BERT student (GLUE dev 79.89 alone) distilled "
          "from a frozen teacher MLM with α_h:α_s = 1:1: weak teacher (0.78× its parameters, 2.23 GLUE points below "
@@ -33,61 +41,60 @@ PAPER = ("DWT (Lee et al., ACL'23) Fig. 2 and 4, Table: a 6-layer BERT student (
          "random init. Ordering of the gains: weak > none > very weak > extremely weak; random init > remap.")
 
 
-def run(out_dir: Path, work: Path, quick: bool = False, seeds: tuple[int, ...] | None = None,
-        recipe: str | Path = STUDENT_RECIPE) -> FindingReport:
-    settings = QUICK if quick else FULL
-    seeds = tuple(seeds or settings["seeds"])
-    work.mkdir(parents=True, exist_ok=True)
-    steps = int(recipe_value(recipe, "train.max_steps", settings["overrides"]))
-    overrides = [*settings["overrides"], f"train.probe_every={steps}"]  # the probe once, at the end
-    student_layers = int(recipe_value(recipe, "model.generator.num_layers", tuple(overrides)))
+def declare(run: FindingRun) -> ReportFn:
+    steps = run.settings.steps or int(recipe_value(run.recipe, "train.max_steps"))
+    # the probe once, at the end
+    overrides = [*run.settings.pretrain, f"train.max_steps={steps}", f"train.probe_every={steps}"]
+    student_layers = int(recipe_value(run.recipe, "model.generator.num_layers", tuple(overrides)))
     distill = [f"distill.{k}={recipe_value(DISTILL_SETTINGS, f'distill.{k}')}" for k in DISTILL_KEYS]
-    teachers = settings["teachers"]
-    costs = Costs("dwt", {"pretraining step": steps * (sum(teachers.values()) / student_layers
-                                                       + len(seeds) * (len(teachers) + 2))})
-    teacher_runs = {name: pretrain(recipe, [*overrides, f"model.generator.num_layers={layers}"], work, costs)
-                    for name, layers in teachers.items()}
-    arms = {"none": ([], False), **{name: ([*distill, f"distill.teacher={path}"], True)
-                                    for name, path in teacher_runs.items()},
-            "weak, remapped": ([*distill, f"distill.teacher={teacher_runs['weak']}", "distill.init=remap"], True)}
-    measured: dict[str, dict[str, list[float]]] = {}
-    for arm, (arm_overrides, is_distill) in arms.items():
-        for seed in seeds:
-            rows = metric_rows(pretrain(recipe, [*overrides, *arm_overrides, f"train.seed={seed}"], work, costs,
-                                        distill=is_distill))
+    teachers = {name: run.pretrain([*overrides, f"model.generator.num_layers={layers}"])
+                for name, layers in TEACHERS.items()}
+    arms = {"none": ([], None), **{name: ([*distill, f"distill.teacher={teacher.path}"], teacher)
+                                   for name, teacher in teachers.items()},
+            "weak, remapped": ([*distill, f"distill.teacher={teachers['weak'].path}", "distill.init=remap"],
+                               teachers["weak"])}
+    students = {(arm, seed): run.pretrain([*overrides, *arm_overrides, f"train.seed={seed}"], teacher=teacher)
+                for arm, (arm_overrides, teacher) in arms.items() for seed in run.seeds}
+
+    def report() -> FindingReport:
+        measured: dict[str, dict[str, list[float]]] = {}
+        for (arm, _), student in students.items():
+            rows = metric_rows(student.path)
             m = measured.setdefault(arm, {"loss": [], "acc": [], "probe": []})
             m["loss"].append(tail_mean(rows, "gen_loss"))
             m["acc"].append(tail_mean(rows, "gen_acc"))
             m["probe"].append(last_value(rows, "probe_acc"))
-    teacher_rows = {name: metric_rows(path) for name, path in teacher_runs.items()}
-    width = recipe_value(recipe, "model.generator.hidden_size", tuple(overrides))
-    sizes = {**{name: f"{layers} × {width}" for name, layers in teachers.items()},
-             "weak, remapped": f"{teachers['weak']} × {width}, remapped into the student"}
-    table = [[arm, sizes.get(arm, "—"),
-              f"{tail_mean(teacher_rows[arm], 'gen_loss'):.3f}" if arm in teachers else "—",
-              mean_std(m["loss"]), mean_std([b - a for a, b in zip(m["loss"], measured["none"]["loss"])]),
-              mean_std(m["acc"]), mean_std(m["probe"]), PAPER_GAINS.get(arm, "0 (79.89)")]
-             for arm, m in measured.items()]
-    verdict, reason = verdict_of(measured)
-    plot = _plot(measured, out_dir / "repro" / "dwt.png")
-    command = "megakd repro dwt" + (" --quick" if quick else "")
-    setup = (f"`{command}`: student `{Path(recipe).name}` ({student_layers}-layer BERT-MLM, {steps} steps) on the "
-             f"bundled corpus; teachers = the same recipe with {', '.join(f'{v}' for v in teachers.values())} "
-             "layers (seed 0), pretrained first; distillation with `dwt-weak.yaml`'s loss weights (constant "
-             f"α_h:α_s = 1:1, τ = 1); student seeds {', '.join(map(str, seeds))}. Student masked-LM loss and accuracy "
-             "(hard cross-entropy only) averaged over the last 10 % of logged steps — the run sees each sample once, "
-             "so these are losses on unseen text; gain = loss(no teacher) − loss(student) of the same seed "
-             "(positive = better); probe = the frozen-feature RT probe (`train.probe_every`) at the end. Rule: "
-             "the ordering is judged on the masked-LM loss, where distillation acts (GLUE at this scale would "
-             "rank noise); each relation weak < none < very weak < extremely weak (losses) and weak < weak "
-             "remapped is tested by a paired t-test over seeds (p < 0.05): reproduced if all hold, not reproduced "
-             "if any is significantly reversed, inconclusive otherwise."
-             + (" Quick mode: 4 × 32 student for a few steps, a structure check rather than a measurement."
-                if quick else ""))
-    return FindingReport(name="dwt", title="DWT: teacher strength and parameter remapping", paper=PAPER, setup=setup,
-                         columns=["teacher", "teacher size", "teacher MLM loss", "student MLM loss",
-                                  "gain in loss vs none", "student MLM acc", "probe acc", "paper's GLUE gain"],
-                         rows=table, verdict=verdict, reason=reason, plots=[str(plot.relative_to(out_dir))])
+        teacher_rows = {name: metric_rows(teacher.path) for name, teacher in teachers.items()}
+        width = recipe_value(run.recipe, "model.generator.hidden_size", tuple(overrides))
+        sizes = {**{name: f"{layers} × {width}" for name, layers in TEACHERS.items()},
+                 "weak, remapped": f"{TEACHERS['weak']} × {width}, remapped into the student"}
+        table = [[arm, sizes.get(arm, "—"),
+                  f"{tail_mean(teacher_rows[arm], 'gen_loss'):.3f}" if arm in teachers else "—",
+                  mean_std(m["loss"]), mean_std([b - a for a, b in zip(m["loss"], measured["none"]["loss"])]),
+                  mean_std(m["acc"]), mean_std(m["probe"]), PAPER_GAINS.get(arm, "0 (79.89)")]
+                 for arm, m in measured.items()]
+        verdict, reason = verdict_of(measured)
+        plot = _plot(measured, run.out_dir / "repro" / "dwt.png")
+        setup = (f"`{run.command}`: student `{run.recipe.name}` ({student_layers}-layer BERT-MLM, {steps} steps) on "
+                 f"the bundled corpus; teachers = the same recipe with {', '.join(map(str, TEACHERS.values()))} "
+                 "layers (seed 0), pretrained first; distillation with `dwt-weak.yaml`'s loss weights (constant "
+                 f"α_h:α_s = 1:1, τ = 1); student seeds {', '.join(map(str, run.seeds))}. Student masked-LM loss and "
+                 "accuracy (hard cross-entropy only) averaged over the last 10 % of logged steps — the run sees each "
+                 "sample once, so these are losses on unseen text; gain = loss(no teacher) − loss(student) of the "
+                 "same seed (positive = better); probe = the frozen-feature RT probe (`train.probe_every`) at the "
+                 "end. Rule: the ordering is judged on the masked-LM loss, where distillation acts (GLUE at this "
+                 "scale would rank noise); each relation weak < none < very weak < extremely weak (losses) and weak "
+                 "< weak remapped is tested by a paired t-test over seeds (p < 0.05): reproduced if all hold, not "
+                 "reproduced if any is significantly reversed, inconclusive otherwise."
+                 + (f" Quick mode: {student_layers} × {width} student for a few steps, a structure check rather than a "
+                    "measurement." if run.quick else ""))
+        return FindingReport(name="dwt", title="DWT: teacher strength and parameter remapping", paper=PAPER,
+                             setup=setup, columns=["teacher", "teacher size", "teacher MLM loss", "student MLM loss",
+                                                   "gain in loss vs none", "student MLM acc", "probe acc",
+                                                   "paper's GLUE gain"],
+                             rows=table, verdict=verdict, reason=reason, plots=[str(plot.relative_to(run.out_dir))])
+
+    return report
 
 
 RELATIONS = (("weak", "none"), ("none", "very weak"), ("very weak", "extremely weak"), ("weak", "weak, remapped"))

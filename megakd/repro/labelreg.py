@@ -9,25 +9,17 @@ regularizer (the paper's α, a and τ), the paper's five seeds, a paired t-test 
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
-from megakd.finetune.config import FinetuneConfig
 from megakd.repro.report import FindingReport, mean_std, pyplot, save_figure
 from megakd.repro.runs import (
-    FINETUNE_RT,
     FULL_FINETUNE,
-    FULL_NOTE,
     PRETRAIN_RECIPE,
     QUICK_FINETUNE,
-    QUICK_NOTE,
-    Costs,
-    base_encoder,
-    base_steps_to_run,
-    finetune,
-    recipe_value,
+    FindingRun,
+    ReportFn,
+    Settings,
     seed_values,
-    seeds_override,
 )
 from megakd.repro.stats import claims_verdict, compare
 
@@ -41,8 +33,8 @@ METHODS = {
     "self-KD": ("labelreg.target=selfkd", "labelreg.alpha=0.5", "labelreg.temperature=1"),
 }
 TEACHER_SEED = 1000  # the teachers' fine-tuning seed, apart from the students' seeds
-FULL = {"seeds": (42, 549, 1237, 230, 805), "finetune": FULL_FINETUNE}  # the paper's five seeds
-QUICK = {"seeds": (0, 1), "finetune": QUICK_FINETUNE}
+FULL = Settings(PRETRAIN_RECIPE, seeds=(42, 549, 1237, 230, 805), finetune=FULL_FINETUNE)  # the paper's five
+QUICK = Settings(PRETRAIN_RECIPE, seeds=(0, 1), finetune=QUICK_FINETUNE)
 PAPER = ("Kobyzev, Jafari et al., GLUE dev Score (mean ± std of 5 runs). Pretrained DistilRoBERTa (Table 1): "
          "fine-tune 82.64 ± 0.11, LS 82.78 ± 0.15, TF-reg 82.78 ± 0.29, self-KD 82.81 ± 0.19, KD 83.08 ± 0.14; "
          "the same architecture from random init (Table 7): 61.87 ± 0.21, LS 62.45 ± 0.45, TF-reg 62.35 ± 0.25, "
@@ -51,64 +43,54 @@ PAPER = ("Kobyzev, Jafari et al., GLUE dev Score (mean ± std of 5 runs). Pretra
          "statistically indistinguishable from fine-tuning; from random init they help significantly.")
 
 
-def run(out_dir: Path, work: Path, quick: bool = False, seeds: tuple[int, ...] | None = None,
-        recipe: str | Path = PRETRAIN_RECIPE) -> FindingReport:
-    settings = QUICK if quick else FULL
-    seeds = tuple(seeds or settings["seeds"])
-    work.mkdir(parents=True, exist_ok=True)
-    epochs = int(recipe_value(FINETUNE_RT, "finetune.epochs", settings["finetune"], FinetuneConfig))
-    costs = Costs("labelreg", {"pretraining step": base_steps_to_run(recipe, quick, work),
-                            "fine-tuning epoch": epochs * (2 + (2 * len(METHODS) - 1) * len(seeds))})
-    encoder = base_encoder(recipe, quick, work, costs)
-    inits = {"pretrained": (f"model.path={encoder}", "model.init=pretrained"),
-             "random init": (f"model.path={encoder}", "model.init=random")}
-    common = [*settings["finetune"]]
-    teachers = {init: finetune([*common, *init_overrides, f"finetune.seeds=[{TEACHER_SEED}]"], work, costs,
-                               keep=f"seed_{TEACHER_SEED}/model")["kept"]
+def declare(run: FindingRun) -> ReportFn:
+    epochs = run.epochs()
+    encoder = run.base_encoder()
+    inits = {"pretrained": (f"model.path={encoder.path}", "model.init=pretrained"),
+             "random init": (f"model.path={encoder.path}", "model.init=random")}
+    teachers = {init: run.finetune([*init_overrides, f"finetune.seeds=[{TEACHER_SEED}]"], encoder, keep=True)
                 for init, init_overrides in inits.items()}
-    measured: dict[str, dict[str, list[float]]] = {}
-    try:
-        for init, init_overrides in inits.items():
-            by_method = measured.setdefault(init, {})
-            for method, overrides in METHODS.items():
-                if init == "pretrained" and method == "self-KD":  # selfkd is kd with the student's copy as
-                    by_method[method] = by_method["KD"]            # teacher: here the same run as KD
-                    continue
-                teacher = {"KD": teachers["pretrained"], "self-KD": teachers[init]}.get(method)
-                by_method[method] = seed_values(finetune(
-                    [*common, *init_overrides, *overrides, *((f"labelreg.teacher={teacher}",) if teacher else ()),
-                     seeds_override(seeds)], work, costs))
-    finally:
-        for path in teachers.values():
-            shutil.rmtree(path, ignore_errors=True)
-    table = []
-    for init, by_method in measured.items():
-        for method, values in by_method.items():
-            if method == "fine-tune":
-                table.append([init, method, mean_std(values), "—"])
+    tuned = {}
+    for init, init_overrides in inits.items():
+        for method, overrides in METHODS.items():
+            if init == "pretrained" and method == "self-KD":  # selfkd is kd with the student's copy as teacher:
+                tuned[init, method] = tuned[init, "KD"]        # here the same run as KD
                 continue
-            _, test = compare(values, by_method["fine-tune"])
-            table.append([init, method, mean_std(values), test.describe()])
-    verdict, reason = verdict_of(measured)
-    plot = _plot(measured, out_dir / "repro" / "labelreg.png")
-    command = "megakd repro labelreg" + (" --quick" if quick else "")
-    setup = (f"`{command}`: RT, `configs/finetune-rt.yaml` defaults ({epochs} epoch{'s' if epochs > 1 else ''}, "
-             f"`lr: auto`), students = the discriminator of `{Path(recipe).name}` pretrained "
-             f"({'quick sizes' if quick else 'the full recipe'}) and the same architecture at random init; seeds "
-             f"{', '.join(map(str, seeds))}. Methods with the paper's Table 9 settings: KD α 0.5, τ 1 (teacher: the "
-             f"pretrained encoder fine-tuned at seed {TEACHER_SEED}, as no larger model exists at this scale, so "
-             "for the pretrained student KD and self-KD are one run); LS α 0.1; TF-reg α 0.5, a 0.95; self-KD "
-             f"α 0.5 (teacher: the student's own initialisation fine-tuned at seed {TEACHER_SEED}). Each method "
-             "against plain fine-tuning of the same student, paired t-test over seeds. Rule: reproduced if no "
-             "method differs significantly (p < 0.05) from fine-tuning for the pretrained student while at least "
-             "half of them help significantly at random init; not reproduced if a method significantly changes "
-             "the pretrained student, or if none helps the random-init student while the random-init "
-             "differences are significant the other way; inconclusive otherwise."
-             + (QUICK_NOTE if quick else FULL_NOTE))
-    return FindingReport(name="labelreg", title="Label regularization: pretrained vs randomly initialised student",
-                         paper=PAPER, setup=setup,
-                         columns=["student", "method", "RT dev accuracy", "− fine-tune (paired test)"],
-                         rows=table, verdict=verdict, reason=reason, plots=[str(plot.relative_to(out_dir))])
+            teacher = {"KD": teachers["pretrained"], "self-KD": teachers[init]}.get(method)
+            tuned[init, method] = run.finetune(
+                [*init_overrides, *overrides, *((f"labelreg.teacher={teacher.kept}",) if teacher else ()),
+                 run.seeds_override], encoder, after=(teacher,) if teacher else ())
+
+    def report() -> FindingReport:
+        measured: dict[str, dict[str, list[float]]] = {}
+        for (init, method), job in tuned.items():
+            measured.setdefault(init, {})[method] = seed_values(run.result(job))
+        table = []
+        for init, by_method in measured.items():
+            for method, values in by_method.items():
+                effect = "—" if method == "fine-tune" else compare(values, by_method["fine-tune"])[1].describe()
+                table.append([init, method, mean_std(values), effect])
+        verdict, reason = verdict_of(measured)
+        plot = _plot(measured, run.out_dir / "repro" / "labelreg.png")
+        setup = (f"`{run.command}`: RT, `configs/finetune-rt.yaml` defaults ({epochs} epoch{'s' if epochs > 1 else ''}, "
+                 f"`lr: auto`), students = the discriminator of {run.pretrained} "
+                 "and the same architecture at random init; "
+                 f"seeds {', '.join(map(str, run.seeds))}. Methods with the paper's Table 9 settings: KD α 0.5, τ 1 "
+                 f"(teacher: the pretrained encoder fine-tuned at seed {TEACHER_SEED}, as no larger model exists at "
+                 "this scale, so for the pretrained student KD and self-KD are one run); LS α 0.1; TF-reg α 0.5, a "
+                 "0.95; self-KD α 0.5 (teacher: the student's own initialisation fine-tuned at seed "
+                 f"{TEACHER_SEED}). Each method against plain fine-tuning of the same student, paired t-test over "
+                 "seeds. Rule: reproduced if no method differs significantly (p < 0.05) from fine-tuning for the "
+                 "pretrained student while at least half of them help significantly at random init; not reproduced "
+                 "if a method significantly changes the pretrained student, or if none helps the random-init "
+                 "student while the random-init differences are significant the other way; inconclusive otherwise."
+                 + run.note)
+        return FindingReport(name="labelreg", title="Label regularization: pretrained vs randomly initialised student",
+                             paper=PAPER, setup=setup,
+                             columns=["student", "method", "RT dev accuracy", "− fine-tune (paired test)"],
+                             rows=table, verdict=verdict, reason=reason, plots=[str(plot.relative_to(run.out_dir))])
+
+    return report
 
 
 def verdict_of(measured: dict[str, dict[str, list[float]]]) -> tuple[str, str]:

@@ -24,8 +24,9 @@ from megakd.config import load_config
 from megakd.engine.metrics import read_metrics
 from megakd.engine.pretrain import build_trainer
 from megakd.repro.report import FindingReport, mean_std, pyplot, save_figure
+from megakd.repro.runs import CONFIGS, FindingRun, ReportFn, Settings
 
-RECIPE = Path(__file__).parents[2] / "configs" / "electra-tiny.yaml"
+RECIPE = CONFIGS / "electra-tiny.yaml"
 LAMBDAS = (1.0, 10.0, 50.0)
 # mode → overrides. The ε → 0 control isolates the "up to Adam's ε" part of the argument.
 MODES = {
@@ -34,14 +35,16 @@ MODES = {
                                 "optim.discriminator.eps=1e-30"),
     "original ELECTRA": ("electra.decoupled=false",),
 }
-FULL = {"steps": 60, "seeds": (0, 1, 2), "overrides": ()}
+FULL = Settings(RECIPE, seeds=(0, 1, 2), steps=60)
 # --quick: the same comparison on 1-layer models for 3 steps (a structure check, not a measurement).
-QUICK = {"steps": 3, "seeds": (0, 1), "overrides": (
+QUICK = Settings(RECIPE, seeds=(0, 1), steps=3, pretrain=(
     "train.global_batch_size=8", "train.micro_batch_size=8", "optim.schedule.warmup_steps=1",
     *(f"model.{m}.{k}={v}" for m in ("generator", "discriminator")
       for k, v in (("num_layers", 1), ("hidden_size", 32), ("intermediate_size", 64), ("embedding_size", 32),
                    ("num_heads", 2))),
-)}
+))
+RUN_OVERRIDES = ("run.export_hf=false", "run.plots=false", "run.tensorboard=false", "run.progress_bar=false",
+                 "train.log_every=1", "train.save_every=0", "train.precision=fp32")
 PAPER = ("Dissertation Ch. 1 (λ under DecoupledOptim vs original ELECTRA): with two Adam optimizers and no "
          "shared parameter, scaling the discriminator loss by λ scales its gradient by λ, which m/√v cancels up "
          "to ε, so λ changes no update and the generator never sees it; original ELECTRA (shared embeddings, one "
@@ -49,13 +52,11 @@ PAPER = ("Dissertation Ch. 1 (λ under DecoupledOptim vs original ELECTRA): with
          "this: it is an argument, backed by Fig. 1.3 (λ barely changes generator quality at lr 5e-4).")
 
 
-def _train(recipe: str | Path, cfg_overrides: list[str], work: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor],
-                                                          list[dict]]:
+def _train(recipe: str | Path, cfg_overrides: list[str], work: Path
+           ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[dict]]:
     """(parameters before, after, metrics rows) of one short pretraining run in a scratch dir under `work`."""
     run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=work))
-    cfg = load_config(recipe, [*cfg_overrides, f"run.dir={run_dir / 'run'}", "run.export_hf=false", "run.plots=false",
-                       "run.tensorboard=false", "run.progress_bar=false", "train.log_every=1",
-                       "train.save_every=0", "train.precision=fp32"])
+    cfg = load_config(recipe, [*cfg_overrides, *RUN_OVERRIDES, f"run.dir={run_dir / 'run'}"])
     trainer = build_trainer(cfg)
     try:
         before = _named_parameters(trainer)
@@ -95,52 +96,62 @@ def _max_loss_difference(a: list[dict], b: list[dict], key: str) -> float:
     return max(abs(x[key] - y[key]) for x, y in zip(a, b))
 
 
-def run(out_dir: Path, work: Path, quick: bool = False, seeds: tuple[int, ...] | None = None,
-        recipe: str | Path = RECIPE) -> FindingReport:
-    settings = QUICK if quick else FULL
-    seeds = tuple(seeds or settings["seeds"])
-    work.mkdir(parents=True, exist_ok=True)
-    measured: dict[tuple[str, float], dict[str, list[float]]] = {}
-    finite = True
-    for mode, mode_overrides in MODES.items():
-        for seed in seeds:
-            runs = {}
-            for lam in LAMBDAS:
-                runs[lam] = _train(recipe, [*settings["overrides"], *mode_overrides, f"train.max_steps={settings['steps']}",
-                                    f"train.seed={seed}", f"electra.loss_weight={lam}"], work)
-            start, reference, ref_rows = runs[1.0]
-            for lam in LAMBDAS[1:]:
-                _, params, rows = runs[lam]
-                finite &= all(math.isfinite(r["gen_loss"]) and math.isfinite(r["disc_loss"]) for r in rows)
+def measure(recipe: str | Path, overrides: list[str], work: Path) -> dict[float, dict[str, float]]:
+    """One mode and seed: λ = 10 and 50 against λ = 1, as {λ: {all, generator, gen_loss, disc_loss, finite}}."""
+    runs = {lam: _train(recipe, [*overrides, f"electra.loss_weight={lam}"], work) for lam in LAMBDAS}
+    start, reference, ref_rows = runs[1.0]
+    out = {}
+    for lam in LAMBDAS[1:]:
+        _, params, rows = runs[lam]
+        out[lam] = {"all": _relative_difference(params, reference, start),
+                    "generator": _relative_difference(params, reference, start, "generator."),
+                    "gen_loss": _max_loss_difference(rows, ref_rows, "gen_loss"),
+                    "disc_loss": _max_loss_difference(rows, ref_rows, "disc_loss"),
+                    "finite": all(math.isfinite(r["gen_loss"]) and math.isfinite(r["disc_loss"]) for r in rows)}
+    return out
+
+
+def declare(run: FindingRun) -> ReportFn:
+    steps = run.settings.steps
+    step_seconds = run.costs.pretrain_step(load_config(run.recipe, [*run.settings.pretrain, *RUN_OVERRIDES]))
+    groups = {(mode, seed): run.call(f"{mode}:{seed}", f"lambda {mode} seed {seed}", measure, (
+        str(run.recipe), [*run.settings.pretrain, *mode_overrides, f"train.max_steps={steps}", f"train.seed={seed}"],
+        run.work), run.costs.job_start + len(LAMBDAS) * steps * step_seconds)
+        for mode, mode_overrides in MODES.items() for seed in run.seeds}
+
+    def report() -> FindingReport:
+        measured: dict[tuple[str, float], dict[str, list[float]]] = {}
+        finite = True
+        for (mode, _), key in groups.items():
+            for lam, values in run.result(key).items():
+                finite &= values["finite"]
                 m = measured.setdefault((mode, lam), {"all": [], "generator": [], "gen_loss": [], "disc_loss": []})
-                m["all"].append(_relative_difference(params, reference, start))
-                m["generator"].append(_relative_difference(params, reference, start, "generator."))
-                m["gen_loss"].append(_max_loss_difference(rows, ref_rows, "gen_loss"))
-                m["disc_loss"].append(_max_loss_difference(rows, ref_rows, "disc_loss"))
-    rows = [[mode, f"{lam:g}", *(mean_std(measured[mode, lam][k]) for k in ("all", "generator", "gen_loss",
-                                                                           "disc_loss"))]
-            for mode in MODES for lam in LAMBDAS[1:]]
-    plot = _plot(measured, out_dir / "repro" / "lambda.png")
-    verdict, reason = _verdict(measured, finite)
-    command = "megakd repro lambda" + (" --quick" if quick else "")
-    setup = (f"`{command}`: `{Path(recipe).name}` on the bundled corpus, fp32, Adam ε 1e-6, clipping 2.0 "
-             f"(original ELECTRA: `optim.joint_clip=weighted`), {settings['steps']} steps, seeds "
-             f"{', '.join(map(str, seeds))}; each λ ∈ {{10, 50}} against λ = 1 of the same seed and mode. "
-             "Parameter columns: ‖θ_λ − θ_1‖ / ‖θ_1 − θ_0‖ (difference relative to how far training moved the "
-             "parameters), over all parameters and over the generator's, attention key biases excluded (their "
-             "true gradient is exactly 0, so Adam amplifies rounding noise there); loss columns: the largest difference "
-             "of a logged step's loss. The ε = 1e-30 rows repeat DecoupledOptim with Adam's ε (nearly) removed, "
-             "to separate the argument itself from its 'up to ε'. Reproduced if, under DecoupledOptim, the "
-             "generator is bit-identical for every λ (at the paper's ε), the whole model is identical up to "
-             "rounding (relative difference < 1e-4: fp32 round-off that Adam amplifies) once ε is removed, "
-             "and original ELECTRA differs (> 1e-3); "
-             "the reason states how much the paper's ε = 1e-6 lets λ through at this scale."
-             + (" Quick mode: 1-layer models, a structure check rather than a measurement." if quick else ""))
-    return FindingReport(name="lambda", title="λ under DecoupledOptim vs original ELECTRA", paper=PAPER, setup=setup,
-                         columns=["mode", "λ", "Δθ all (rel.)", "Δθ generator (rel.)", "max Δ gen_loss",
-                                  "max Δ disc_loss"],
-                         rows=rows, verdict=verdict, reason=reason,
-                         plots=[str(plot.relative_to(out_dir))])
+                for k in m:
+                    m[k].append(values[k])
+        rows = [[mode, f"{lam:g}", *(mean_std(measured[mode, lam][k]) for k in ("all", "generator", "gen_loss",
+                                                                               "disc_loss"))]
+                for mode in MODES for lam in LAMBDAS[1:]]
+        plot = _plot(measured, run.out_dir / "repro" / "lambda.png")
+        verdict, reason = _verdict(measured, finite)
+        setup = (f"`{run.command}`: `{run.recipe.name}` on the bundled corpus, fp32, Adam ε 1e-6, clipping 2.0 "
+                 f"(original ELECTRA: `optim.joint_clip=weighted`), {steps} steps, seeds "
+                 f"{', '.join(map(str, run.seeds))}; each λ ∈ {{10, 50}} against λ = 1 of the same seed and mode. "
+                 "Parameter columns: ‖θ_λ − θ_1‖ / ‖θ_1 − θ_0‖ (difference relative to how far training moved the "
+                 "parameters), over all parameters and over the generator's, attention key biases excluded (their "
+                 "true gradient is exactly 0, so Adam amplifies rounding noise there); loss columns: the largest "
+                 "difference of a logged step's loss. The ε = 1e-30 rows repeat DecoupledOptim with Adam's ε "
+                 "(nearly) removed, to separate the argument itself from its 'up to ε'. Reproduced if, under "
+                 "DecoupledOptim, the generator is bit-identical for every λ (at the paper's ε), the whole model is "
+                 "identical up to rounding (relative difference < 1e-4: fp32 round-off that Adam amplifies) once ε "
+                 "is removed, and original ELECTRA differs (> 1e-3); the reason states how much the paper's "
+                 "ε = 1e-6 lets λ through at this scale."
+                 + (" Quick mode: 1-layer models, a structure check rather than a measurement." if run.quick else ""))
+        return FindingReport(name="lambda", title="λ under DecoupledOptim vs original ELECTRA", paper=PAPER,
+                             setup=setup, columns=["mode", "λ", "Δθ all (rel.)", "Δθ generator (rel.)",
+                                                   "max Δ gen_loss", "max Δ disc_loss"],
+                             rows=rows, verdict=verdict, reason=reason, plots=[str(plot.relative_to(run.out_dir))])
+
+    return report
 
 
 def _verdict(measured: dict, finite: bool) -> tuple[str, str]:

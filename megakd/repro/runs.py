@@ -1,33 +1,52 @@
-"""What the findings share: pretraining and fine-tuning runs through the public entry points, a cache
-of pretrained encoders, the cost estimate, and the quick-mode sizes.
+"""What the findings share: their settings, the jobs they declare, the cost model that plans them, and
+the runner that executes the jobs one at a time or as several single-thread processes (`--jobs N`).
 
-A pretraining run is cached under `WORK/pretrained/<hash of its resolved config>/` and reused by
-every finding that asks for the same one (`megakd repro all` pretrains the shared encoder once);
-fine-tuning runs go to scratch directories that are deleted once read.
+A finding declares its work as jobs (pretraining runs, fine-tuning runs, its own calls) before
+anything runs: every path a job writes is known in advance, so the whole finding (or `all`) is
+one dependency graph that can be planned (`megakd repro NAME --plan`) and run in any order the
+dependencies allow. Jobs with the same resolved settings are the same job: `all` pretrains the
+shared encoder once.
+
+A pretraining run is cached under `WORK/pretrained/<hash of its resolved config>/` and reused
+by every later job or invocation that asks for the same one; a lock file beside it makes sure two
+processes never train the same run at once. Fine-tuning runs go to scratch directories that are
+deleted once read; models kept as later runs' teachers are deleted when the invocation ends.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
+import heapq
 import json
 import logging
+import logging.handlers
+import multiprocessing
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+import torch
+
+from megakd.bench.flops import encoder_flops_per_token, step_flops
 from megakd.config import Config, load_config
 from megakd.engine.metrics import read_metrics
-from megakd.engine.pretrain import run_distill, run_pretraining
+from megakd.engine.pretrain import resolve_config, run_distill, run_pretraining
 from megakd.finetune.config import FinetuneConfig
 from megakd.finetune.jobs import run_job
+from megakd.repro.report import FindingReport
 
 log = logging.getLogger(__name__)
 
 CONFIGS = Path(__file__).parents[2] / "configs"
 PRETRAIN_RECIPE = CONFIGS / "electra-mini.yaml"  # the recipe meant to pay off downstream
 FINETUNE_RT = CONFIGS / "finetune-rt.yaml"
+RT_TRAIN_SENTENCES = 9071  # the bundled RT task's training split
 SILENT_RUN = ("run.export_hf=false", "run.plots=false", "run.tensorboard=false", "run.progress_bar=false",
               "train.save_every=0", "run.keep_last=1")
 
@@ -46,6 +65,198 @@ QUICK_FINETUNE = ("task.max_train_examples=1000", "task.max_dev_examples=500", "
 FULL_NOTE = " Fine-tuning used 3,000 of RT's training sentences (an even spread) and the whole dev split."
 QUICK_NOTE = (" Quick mode: a 1-layer, 32-wide encoder pretrained for 12 steps, fine-tuned on 1,000 RT sentences "
               "(500 dev sentences): a structure check rather than a measurement.")
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Seconds per unit of work for one job on one thread, the plan's cost model.
+
+    The defaults were measured on this project's 2-core machine, one thread per job with the other
+    core busy (which is what `--jobs 2` gives each job). Other models are scaled from them by
+    matrix FLOPs (`megakd.bench.flops`): the scaling predicts 0.24 s for a bert-mini step
+    (4 x 128 MLM), measured ~0.23 s.
+    """
+
+    electra_mini_step: float = 0.46  # one pretraining step of configs/electra-mini.yaml (batch 32, seq 64)
+    rt_epoch: float = 70.0  # one RT fine-tuning epoch of its 4 x 128 discriminator over all 9,071 sentences
+    job_start: float = 10.0  # a job's set-up (imports, data, model): an estimate, not measured
+
+    @classmethod
+    def parse(cls, items: list[str]) -> Costs:
+        """`NAME=SECONDS` items (e.g. `electra_mini_step=0.5`) over the defaults."""
+        names = [f.name for f in fields(cls)]
+        values = {}
+        for item in items:
+            name, _, value = item.partition("=")
+            if name not in names:
+                raise ValueError(f"--unit-seconds {item}: expected NAME=SECONDS with NAME one of {', '.join(names)}")
+            try:
+                values[name] = float(value)
+            except ValueError:
+                raise ValueError(f"--unit-seconds {item}: {value!r} is not a number of seconds") from None
+        return cls(**values)
+
+    def pretrain_step(self, cfg: Config, teacher: Config | None = None) -> float:
+        """Seconds of one step of `cfg` (with `teacher`: plus the frozen teacher's forward pass)."""
+        flops = _step_flops(cfg).model + (_step_flops(teacher).forward if teacher is not None else 0.0)
+        return self.electra_mini_step * flops / _step_flops(_reference_recipe()).model
+
+    def finetune_run(self, cfg: FinetuneConfig, encoder: Config) -> float:
+        """Seconds of a fine-tuning run of `cfg` (every seed) on the encoder `encoder` (a pretraining config)."""
+        sentences = min(cfg.task.max_train_examples or RT_TRAIN_SENTENCES, RT_TRAIN_SENTENCES)
+        size = _encoder_flops(encoder) / _encoder_flops(_reference_recipe())
+        epoch = self.rt_epoch * sentences / RT_TRAIN_SENTENCES * size
+        return epoch * cfg.finetune.epochs * len(cfg.finetune.seeds) * training_passes(cfg)
+
+
+def training_passes(cfg: FinetuneConfig) -> float:
+    """A fine-tuning step's work in plain training steps, counted from the passes it makes (a forward pass
+    is ~1/3 of a training step); an estimate, not measured."""
+    forward = 1 / 3
+    if cfg.soteacher.enabled:  # the teacher, then (unless disabled) a student distilling it
+        return 1 + ((1 + forward) if cfg.soteacher.distill_student else 0)
+    if cfg.tgt.enabled:  # generator forward, labeler on real and generated, student trained on both;
+        passes = forward + 2 * forward + 2  # gradient mode adds a forward and input-gradient backward of
+        return passes + (2 if cfg.tgt.mode == "gradient" else 0)  # generator, student and labeler
+    return 1 + (forward if cfg.labelreg.target in ("kd", "selfkd", "akd") else 0)
+
+
+def _reference_recipe() -> Config:
+    return load_config(PRETRAIN_RECIPE, [])
+
+
+def _step_flops(cfg: Config) -> object:
+    cfg = resolve_config(cfg)
+    return step_flops(cfg, cfg.train.global_batch_size)
+
+
+def _encoder_flops(cfg: Config) -> float:
+    """Forward FLOPs per token of the encoder a pretraining config hands to fine-tuning."""
+    cfg = resolve_config(cfg)
+    encoder = cfg.model.discriminator if cfg.model.objective == "electra" else cfg.model.generator
+    return encoder_flops_per_token(encoder, cfg.data.seq_len)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """A finding's settings in one mode (full or --quick)."""
+
+    recipe: Path  # the pretraining recipe (`--recipe` replaces it)
+    seeds: tuple[int, ...]
+    steps: int = 0  # pretraining steps of each of its runs (0: the recipe's own)
+    pretrain: tuple[str, ...] = ()  # overrides of every pretraining run
+    finetune: tuple[str, ...] = ()  # overrides of every fine-tuning run
+
+
+@dataclass
+class Job:
+    """One piece of a finding's work that runs on its own: `fn(*args)`, after the jobs in `after`."""
+
+    key: str  # equal keys are the same work, run once
+    finding: str
+    label: str
+    fn: Callable[..., object]  # module-level, so that a worker process can import it
+    args: tuple
+    seconds: float  # planned
+    after: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class PretrainRun:
+    """A declared pretraining job and the run dir it will leave."""
+
+    key: str
+    path: Path
+
+
+@dataclass(frozen=True)
+class FinetuneRun:
+    """A declared fine-tuning job; `kept` is where its kept model (if any) will be."""
+
+    key: str
+    kept: Path | None
+
+
+@dataclass
+class FindingRun:
+    """One finding being planned or run: its settings, seeds and recipe, the jobs it declares, their results."""
+
+    name: str
+    quick: bool
+    settings: Settings
+    seeds: tuple[int, ...]
+    recipe: Path
+    work: Path
+    out_dir: Path
+    costs: Costs
+    results: dict[str, object]  # job key -> return value, filled in by `execute`
+    jobs: dict[str, Job] = field(default_factory=dict)
+    _configs: dict[str, Config] = field(default_factory=dict)  # pretraining job key -> its config
+
+    @property
+    def command(self) -> str:
+        return f"megakd repro {self.name}" + (" --quick" if self.quick else "")
+
+    @property
+    def note(self) -> str:
+        """What the report says about the fine-tuning data (and, in quick mode, that it is no measurement)."""
+        return QUICK_NOTE if self.quick else FULL_NOTE
+
+    @property
+    def pretrained(self) -> str:
+        """How the report names the shared encoder: its recipe and at which sizes it was pretrained."""
+        return f"`{self.recipe.name}` pretrained ({'quick sizes' if self.quick else 'the full recipe'})"
+
+    @property
+    def seeds_override(self) -> str:
+        return f"finetune.seeds=[{','.join(map(str, self.seeds))}]"
+
+    def epochs(self, config: str | Path = FINETUNE_RT) -> int:
+        """Fine-tuning epochs of `config` under this mode's settings."""
+        return int(recipe_value(config, "finetune.epochs", self.settings.finetune, FinetuneConfig))
+
+    def pretrain(self, overrides: list[str], recipe: str | Path | None = None,
+                 teacher: PretrainRun | None = None) -> PretrainRun:
+        """Declare a pretraining run of `recipe` (default: the finding's) + `overrides`; with `teacher`, a DWT
+        run distilling that run (`overrides` name it in `distill.teacher`)."""
+        recipe = recipe or self.recipe
+        path = cached_run_dir(recipe, overrides, self.work)
+        key = f"pretrain:{path.name}"
+        cfg = self._configs[key] = load_config(recipe, [*SILENT_RUN, *overrides, "run.dir=_"])
+        step = self.costs.pretrain_step(cfg, self._configs[teacher.key] if teacher else None)
+        seconds = 0.0 if (path / "repro-done").is_file() else self.costs.job_start + cfg.train.max_steps * step
+        label = f"{'distill' if teacher else 'pretrain'} {Path(recipe).name} {' '.join(overrides)}"
+        self._add(Job(key, self.name, label, pretrain, (str(recipe), list(overrides), self.work, teacher is not None),
+                      seconds, (teacher.key,) if teacher else ()))
+        return PretrainRun(key, path)
+
+    def finetune(self, overrides: list[str], encoder: PretrainRun, config: str | Path = FINETUNE_RT,
+                 keep: bool = False, after: tuple[FinetuneRun, ...] = ()) -> FinetuneRun:
+        """Declare `megakd finetune -c config overrides...` of a model of `encoder`'s architecture (see
+        `finetune`), after `encoder` and the runs in `after` (e.g. a teacher); `keep`: keep its model."""
+        cfg = load_config(config, [*self.settings.finetune, *overrides, "run.dir=_"], cls=FinetuneConfig)
+        digest = _digest({"config": _as_dict(cfg), "keep": keep})
+        key, kept = f"finetune:{digest}", self.work / "kept" / digest if keep else None
+        seconds = self.costs.job_start + self.costs.finetune_run(cfg, self._configs[encoder.key])
+        self._add(Job(key, self.name, f"finetune {Path(config).name} {' '.join(overrides)}", finetune,
+                      (str(config), [*self.settings.finetune, *overrides], self.work, str(kept) if kept else None),
+                      seconds, (encoder.key, *(r.key for r in after))))
+        return FinetuneRun(key, kept)
+
+    def base_encoder(self) -> PretrainRun:
+        """The shared encoder that fine-tuning findings start from: the recipe as it stands (quick: tiny sizes)."""
+        return self.pretrain(list(QUICK_PRETRAIN) if self.quick else [])
+
+    def call(self, key: str, label: str, fn: Callable[..., object], args: tuple, seconds: float) -> str:
+        """Declare a job of the finding's own (`fn` module-level); returns its key."""
+        self._add(Job(f"{self.name}:{key}", self.name, label, fn, args, seconds))
+        return f"{self.name}:{key}"
+
+    def result(self, run: PretrainRun | FinetuneRun | str) -> object:
+        return self.results[run if isinstance(run, str) else run.key]
+
+    def _add(self, job: Job) -> None:
+        self.jobs.setdefault(job.key, job)
 
 
 def recipe_value(recipe: str | Path, key: str, overrides: tuple[str, ...] = (), cls: type = Config) -> object:
@@ -73,58 +284,72 @@ def last_value(rows: list[dict], key: str) -> float:
     return [r[key] for r in rows if key in r][-1]
 
 
-@dataclass
-class Costs:
-    """Measured seconds per unit of work (a pretraining step, one seed's fine-tuning epoch) and the
-    finding's planned units, so the log says after every job how long the whole finding should take."""
-
-    finding: str
-    planned: dict[str, float]  # kind -> units the finding will run in total
-    done: dict[str, float] = field(default_factory=dict)
-    seconds: dict[str, float] = field(default_factory=dict)
-
-    def record(self, kind: str, units: float, seconds: float) -> None:
-        self.done[kind] = self.done.get(kind, 0.0) + units
-        self.seconds[kind] = self.seconds.get(kind, 0.0) + seconds
-        rates = {k: self.seconds[k] / self.done[k] for k in self.done if self.done[k]}
-        if not set(rates) >= {k for k, units in self.planned.items() if units}:
-            log.info("repro %s: %s took %.0f s (%.3g s per unit); the estimate follows once every kind of job has "
-                     "run", self.finding, kind, seconds, seconds / units)
-            return
-        kinds = [k for k in self.planned if k in rates]
-        remaining = sum(max(0.0, self.planned[k] - self.done[k]) * rates[k] for k in kinds)
-        total = sum(self.planned[k] * rates[k] for k in kinds)
-        log.info("repro %s: estimated %.1f min in all at the speed measured so far (%s); %.1f min to go",
-                 self.finding, total / 60, ", ".join(f"{rates[k]:.3g} s per {k}" for k in kinds), remaining / 60)
+def seed_values(summary: dict, metric: str = "accuracy") -> list[float]:
+    """Per-seed values of `metric` in a fine-tuning summary, in seed order."""
+    return list(summary["metrics"][metric]["values"])
 
 
-def pretrain(recipe: str | Path, overrides: list[str], work: Path, costs: Costs | None = None,
-             distill: bool = False) -> Path:
+# --- the jobs' functions (module-level: a worker process imports them) ---------------------------
+
+def pretrain(recipe: str | Path, overrides: list[str], work: Path, distill: bool = False) -> Path:
     """The run dir of a finished pretraining (or, with `distill`, DWT) run of `recipe` + `overrides`.
 
     Cached by the resolved config (its `run.dir` aside): a second call with the same settings
-    returns the same directory without training.
+    returns the same directory without training; a call while another process trains that run
+    waits for it, then returns it.
     """
     run_dir = cached_run_dir(recipe, overrides, work)
-    if (run_dir / "repro-done").is_file():
-        return run_dir
-    if run_dir.exists():  # an interrupted earlier attempt: start it over
-        shutil.rmtree(run_dir)
-    cfg = load_config(recipe, [*SILENT_RUN, *overrides, f"run.dir={run_dir}"])
-    log.info("repro: pretraining %s %s -> %s", Path(recipe).name, " ".join(overrides), run_dir)
-    start = time.monotonic()
-    (run_distill if distill else run_pretraining)(cfg)
-    if costs is not None:
-        costs.record("pretraining step", cfg.train.max_steps, time.monotonic() - start)
-    (run_dir / "repro-done").write_text(json.dumps({"recipe": str(recipe), "overrides": overrides}) + "\n")
+    with _locked(run_dir.with_name(run_dir.name + ".lock")):
+        if (run_dir / "repro-done").is_file():
+            return run_dir
+        if run_dir.exists():  # an interrupted earlier attempt: start it over
+            shutil.rmtree(run_dir)
+        cfg = load_config(recipe, [*SILENT_RUN, *overrides, f"run.dir={run_dir}"])
+        log.info("repro: pretraining %s %s -> %s", Path(recipe).name, " ".join(overrides), run_dir)
+        (run_distill if distill else run_pretraining)(cfg)
+        (run_dir / "repro-done").write_text(json.dumps({"recipe": str(recipe), "overrides": overrides}) + "\n")
     return run_dir
+
+
+def finetune(config: str | Path, overrides: list[str], work: Path, kept: str | None = None) -> dict:
+    """`megakd finetune -c config overrides...` in a scratch dir under `work`; its summary.
+
+    `kept`: copy the run's `seed_<s>/model` (its only seed) there, for runs whose model is a later
+    run's teacher.
+    """
+    scratch = Path(tempfile.mkdtemp(prefix="finetune-", dir=work))
+    cfg: FinetuneConfig = load_config(config, [*overrides, f"run.dir={scratch / 'run'}", "run.progress_bar=false"],
+                                      cls=FinetuneConfig)
+    try:
+        summary = run_job(cfg)
+        if kept:
+            (seed,) = cfg.finetune.seeds
+            shutil.copytree(scratch / "run" / f"seed_{seed}" / "model", kept, dirs_exist_ok=True)
+    finally:
+        shutil.rmtree(scratch)
+    return summary
 
 
 def cached_run_dir(recipe: str | Path, overrides: list[str], work: Path) -> Path:
     """Where `pretrain` keeps the run of `recipe` + `overrides` (finished if it holds `repro-done`)."""
     cfg: Config = load_config(recipe, [*SILENT_RUN, *overrides, "run.dir=_"])
-    digest = hashlib.sha256(json.dumps(_as_dict(cfg), sort_keys=True, default=str).encode()).hexdigest()[:16]
-    return work / "pretrained" / digest
+    return work / "pretrained" / _digest(_as_dict(cfg))
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive lock on `path` (created if missing) for the block, across processes."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _digest(tree: object) -> str:
+    return hashlib.sha256(json.dumps(tree, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def _as_dict(obj: object) -> object:
@@ -139,54 +364,146 @@ def _as_dict(obj: object) -> object:
     return obj
 
 
-def finetune(overrides: list[str], work: Path, costs: Costs | None = None, config: str | Path = FINETUNE_RT,
-             keep: str = "") -> dict:
-    """`megakd finetune -c config overrides...` in a scratch dir under `work`; its summary.
+# --- planning and running ------------------------------------------------------------------------
 
-    `keep`: a path relative to the run dir (e.g. `seed_0/model`) copied to `work/kept/<name>` and
-    returned in the summary as `kept`, for runs whose model is a later run's teacher.
-    """
-    scratch = Path(tempfile.mkdtemp(prefix="finetune-", dir=work))
-    cfg: FinetuneConfig = load_config(config, [*overrides, f"run.dir={scratch / 'run'}", "run.progress_bar=false"],
-                                      cls=FinetuneConfig)
-    start = time.monotonic()
+@dataclass
+class Plan:
+    """When each job would start and end with `workers` jobs at a time, at the planned seconds."""
+
+    workers: int
+    jobs: dict[str, Job]
+    start: dict[str, float]
+    end: dict[str, float]
+
+    @property
+    def minutes(self) -> float:
+        return max(self.end.values(), default=0.0) / 60
+
+    def finding_minutes(self, finding: str) -> tuple[float, float]:
+        """(the single-thread work of the jobs it declared first, the time its last job would end), in minutes."""
+        own = [j.seconds for j in self.jobs.values() if j.finding == finding]
+        needed = [self.end[k] for k in _closure(self.jobs, [k for k, j in self.jobs.items() if j.finding == finding])]
+        return sum(own) / 60, max(needed, default=0.0) / 60
+
+    def table(self, findings: list[str], costs: Costs) -> str:
+        units = ", ".join(f"{f.name} {getattr(costs, f.name):g} s" for f in fields(costs))
+        lines = [f"repro plan: {self.workers} job(s) at a time, one thread each; seconds per unit: {units}",
+                 f"{'finding':<10} {'jobs':>5} {'work (min)':>11} {'done at (min)':>14}"]
+        for name in findings:
+            work, done = self.finding_minutes(name)
+            count = sum(j.finding == name for j in self.jobs.values())
+            lines.append(f"{name:<10} {count:>5} {work:>11.1f} {done:>14.1f}")
+        total = sum(j.seconds for j in self.jobs.values()) / 60
+        lines.append(f"{'total':<10} {len(self.jobs):>5} {total:>11.1f} {self.minutes:>14.1f}")
+        return "\n".join(lines)
+
+
+def plan(jobs: dict[str, Job], workers: int) -> Plan:
+    """Simulate `execute`'s schedule: whenever a worker is free it takes the ready job of highest priority."""
+    pending, start, end = _priority_order(jobs), {}, {}
+    running: list[tuple[float, str]] = []  # (end, key), a heap
+    clock = 0.0
+    while pending:
+        finished = {k for k, t in end.items() if t <= clock}
+        for key in _ready(jobs, pending, finished.__contains__)[:workers - len(running)]:
+            pending.remove(key)
+            start[key], end[key] = clock, clock + jobs[key].seconds
+            heapq.heappush(running, (end[key], key))
+        clock = heapq.heappop(running)[0]
+    return Plan(workers, jobs, start, end)
+
+
+def execute(jobs: dict[str, Job], results: dict[str, object], workers: int,
+            on_done: Callable[[str], None] = lambda key: None) -> None:
+    """Run every job after its dependencies, highest priority first as `plan` simulates, `workers` at a time
+    (more than one: each in a spawned single-thread process); `on_done(key)` after each."""
+    pending = _priority_order(jobs)
+    total = len(pending)
+    started, planned_done = time.monotonic(), 0.0
+
+    def finished(key: str, seconds: float) -> None:
+        nonlocal planned_done
+        planned_done += jobs[key].seconds
+        rest = sum(jobs[k].seconds for k in jobs if k not in results)
+        pace = (time.monotonic() - started) / planned_done if planned_done else 1.0
+        log.info("repro: %s done in %.0f s (planned %.0f s); %d of %d jobs done, ~%.0f min to go at this pace",
+                 jobs[key].label[:100], seconds, jobs[key].seconds, len(results), total, rest * pace / 60 / workers)
+        on_done(key)
+
+    if workers <= 1:
+        while pending:
+            key = _ready(jobs, pending, results.__contains__)[0]
+            pending.remove(key)
+            begin = time.monotonic()
+            results[key] = jobs[key].fn(*jobs[key].args)
+            finished(key, time.monotonic() - begin)
+        return
+    context = multiprocessing.get_context("spawn")
+    logs = context.Queue()
+    listener = logging.handlers.QueueListener(logs, *logging.getLogger().handlers, respect_handler_level=True)
+    listener.start()
+    running: dict[Future, tuple[str, float]] = {}
     try:
-        summary = run_job(cfg)
-        if keep:
-            kept = Path(tempfile.mkdtemp(prefix="model-", dir=work))
-            shutil.copytree(scratch / "run" / keep, kept, dirs_exist_ok=True)
-            summary["kept"] = str(kept)
+        with ProcessPoolExecutor(workers, mp_context=context, max_tasks_per_child=1, initializer=_worker_init,
+                                 initargs=(logs, logging.getLogger().getEffectiveLevel())) as pool:
+            while pending or running:
+                for key in _ready(jobs, pending, results.__contains__)[:workers - len(running)]:
+                    pending.remove(key)
+                    running[pool.submit(jobs[key].fn, *jobs[key].args)] = (key, time.monotonic())
+                done, _ = wait(running, return_when=FIRST_COMPLETED)
+                for future in done:
+                    key, begin = running.pop(future)
+                    results[key] = future.result()  # a failed job raises here; the pool lets the others end
+                    finished(key, time.monotonic() - begin)
     finally:
-        shutil.rmtree(scratch)
-    if costs is not None:
-        models = 2 if cfg.soteacher.enabled and cfg.soteacher.distill_student else 1  # teacher, then student
-        costs.record("fine-tuning epoch", models * cfg.finetune.epochs * len(cfg.finetune.seeds),
-                     time.monotonic() - start)
-    return summary
+        listener.stop()
 
 
-def seed_values(summary: dict, metric: str = "accuracy") -> list[float]:
-    """Per-seed values of `metric` in a fine-tuning summary, in seed order."""
-    return list(summary["metrics"][metric]["values"])
+def _ready(jobs: dict[str, Job], pending: list[str], finished: Callable[[str], bool]) -> list[str]:
+    return [k for k in pending if all(finished(dep) for dep in jobs[k].after)]
 
 
-def base_overrides(quick: bool) -> list[str]:
-    """The shared encoder that fine-tuning findings start from: the recipe as it stands (quick: tiny sizes)."""
-    return list(QUICK_PRETRAIN) if quick else []
+def _worker_init(logs: multiprocessing.Queue, level: int) -> None:
+    """A job process: one thread (two single-thread jobs use 2 cores better than one with two threads at
+    these sizes), its log records sent to the parent's handlers."""
+    torch.set_num_threads(1)
+    root = logging.getLogger()
+    root.handlers[:] = [logging.handlers.QueueHandler(logs)]
+    root.setLevel(level)
 
 
-def base_steps_to_run(recipe: str | Path, quick: bool, work: Path) -> int:
-    """Pretraining steps the shared encoder still costs: 0 once an earlier finding has trained it."""
-    overrides = base_overrides(quick)
-    if (cached_run_dir(recipe, overrides, work) / "repro-done").is_file():
-        return 0
-    return int(recipe_value(recipe, "train.max_steps", tuple(overrides)))
+def _priority_order(jobs: dict[str, Job]) -> list[str]:
+    """Jobs by the longest planned path from them to the end (the critical path first), then as declared."""
+    children: dict[str, list[str]] = {k: [] for k in jobs}
+    for key, job in jobs.items():
+        for dep in job.after:
+            children[dep].append(key)
+    rank: dict[str, float] = {}
+
+    def path(key: str) -> float:
+        if key not in rank:
+            rank[key] = jobs[key].seconds + max((path(c) for c in children[key]), default=0.0)
+        return rank[key]
+
+    position = {k: i for i, k in enumerate(jobs)}
+    return sorted(jobs, key=lambda k: (-path(k), position[k]))
 
 
-def base_encoder(recipe: str | Path, quick: bool, work: Path, costs: Costs | None = None) -> Path:
-    """The shared encoder's run dir, pretrained now unless cached."""
-    return pretrain(recipe, base_overrides(quick), work, costs)
+def _closure(jobs: dict[str, Job], keys: list[str]) -> set[str]:
+    """`keys` and every job they depend on."""
+    out: set[str] = set()
+    stack = list(keys)
+    while stack:
+        key = stack.pop()
+        if key not in out:
+            out.add(key)
+            stack.extend(jobs[key].after)
+    return out
 
 
-def seeds_override(seeds: tuple[int, ...]) -> str:
-    return f"finetune.seeds=[{','.join(map(str, seeds))}]"
+def finding_jobs(run: FindingRun) -> set[str]:
+    """Every job the finding's report needs (its own and those it shares with others)."""
+    return _closure(run.jobs, list(run.jobs))
+
+
+ReportFn = Callable[[], FindingReport]

@@ -11,28 +11,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megakd.finetune.config import FinetuneConfig
 from megakd.repro.report import FindingReport, mean_std, pyplot, save_figure
 from megakd.repro.runs import (
     CONFIGS,
     FULL_FINETUNE,
-    FULL_NOTE,
     PRETRAIN_RECIPE,
     QUICK_FINETUNE,
-    QUICK_NOTE,
-    Costs,
-    base_encoder,
-    base_steps_to_run,
-    finetune,
-    recipe_value,
-    seeds_override,
+    FindingRun,
+    ReportFn,
+    Settings,
 )
 from megakd.repro.stats import claims_verdict, compare
 
 SOTEACHER_RT = CONFIGS / "soteacher-rt.yaml"
 TEACHERS = {"standard": ("soteacher.lambda_lr=0", "soteacher.lambda_cr=0"), "SoTeacher": ()}
-FULL = {"seeds": (0, 1, 2), "finetune": FULL_FINETUNE}
-QUICK = {"seeds": (0, 1), "finetune": QUICK_FINETUNE}
+FULL = Settings(PRETRAIN_RECIPE, seeds=(0, 1, 2), finetune=FULL_FINETUNE)
+QUICK = Settings(PRETRAIN_RECIPE, seeds=(0, 1), finetune=QUICK_FINETUNE)
 # (summary part, metric, higher is better) of the claims the verdict tests.
 CLAIMS = (("teacher", "ece", False), ("teacher", "nll", False), ("student", "agreement", True))
 PAPER = ("SoTeacher (Dong et al.), Table 2.3, teacher ECE / NLL, standard → SoTeacher: CIFAR-100 WRN40-2 .113 → .057 "
@@ -42,42 +36,36 @@ PAPER = ("SoTeacher (Dong et al.), Table 2.3, teacher ECE / NLL, standard → So
          "(76.38 → 74.95) yet raises the student's (73.73 → 74.35). All vision CNNs; transformers are untested.")
 
 
-def run(out_dir: Path, work: Path, quick: bool = False, seeds: tuple[int, ...] | None = None,
-        recipe: str | Path = PRETRAIN_RECIPE) -> FindingReport:
-    settings = QUICK if quick else FULL
-    seeds = tuple(seeds or settings["seeds"])
-    work.mkdir(parents=True, exist_ok=True)
-    epochs = int(recipe_value(SOTEACHER_RT, "finetune.epochs", settings["finetune"], FinetuneConfig))
-    costs = Costs("soteacher", {"pretraining step": base_steps_to_run(recipe, quick, work),
-                             "fine-tuning epoch": len(TEACHERS) * 2 * epochs * len(seeds)})
-    encoder = base_encoder(recipe, quick, work, costs)
-    measured = {}
-    for name, overrides in TEACHERS.items():
-        summary = finetune([*settings["finetune"], *overrides, f"model.path={encoder}",
-                            f"soteacher.student.path={encoder}", seeds_override(seeds)], work, costs,
-                           config=SOTEACHER_RT)
-        measured[name] = {f"{part}.{k}": v["values"] for part in ("teacher", "student")
-                          for k, v in summary[part]["metrics"].items()}
-    columns = ["teacher.accuracy", "teacher.ece", "teacher.nll", "teacher.ece_ts", "teacher.nll_ts",
-               "student.accuracy", "student.agreement"]
-    table = [[name, *(mean_std(m[c]) for c in columns)] for name, m in measured.items()]
-    verdict, reason = verdict_of(measured)
-    plot = _plot(measured, out_dir / "repro" / "soteacher.png")
-    command = "megakd repro soteacher" + (" --quick" if quick else "")
-    setup = (f"`{command}`: `configs/soteacher-rt.yaml` (λ_LR 1e-5, λ_CR 1 linear, {epochs} epochs; student: KD "
-             f"α 0.5, τ 4, τ²) on RT; teachers fine-tuned from `{Path(recipe).name}` pretrained "
-             f"({'quick sizes' if quick else 'the full recipe'}), students randomly initialised with the teacher's "
-             f"architecture; seeds {', '.join(map(str, seeds))} (student s distils teacher s). ECE (15 bins) and NLL "
-             "on the odd dev rows, raw and after temperature scaling fitted on the even rows; agreement = share of "
-             "dev sentences where student and teacher predict the same class. Rule: each of teacher ECE lower, "
-             "teacher NLL lower and agreement higher under SoTeacher is tested by a paired t-test over seeds "
-             "(p < 0.05): reproduced if all three hold, not reproduced if any is significantly reversed, "
-             "inconclusive otherwise."
-             + (QUICK_NOTE if quick else FULL_NOTE))
-    return FindingReport(name="soteacher", title="SoTeacher vs a standard teacher", paper=PAPER, setup=setup,
-                         columns=["teacher", "teacher acc", "ECE", "NLL", "ECE+TS", "NLL+TS", "student acc",
-                                  "agreement"],
-                         rows=table, verdict=verdict, reason=reason, plots=[str(plot.relative_to(out_dir))])
+def declare(run: FindingRun) -> ReportFn:
+    epochs = run.epochs(SOTEACHER_RT)
+    encoder = run.base_encoder()
+    tuned = {name: run.finetune([*overrides, f"model.path={encoder.path}", f"soteacher.student.path={encoder.path}",
+                                 run.seeds_override], encoder, config=SOTEACHER_RT)
+             for name, overrides in TEACHERS.items()}
+
+    def report() -> FindingReport:
+        measured = {name: {f"{part}.{k}": v["values"] for part in ("teacher", "student")
+                           for k, v in run.result(job)[part]["metrics"].items()} for name, job in tuned.items()}
+        columns = ["teacher.accuracy", "teacher.ece", "teacher.nll", "teacher.ece_ts", "teacher.nll_ts",
+                   "student.accuracy", "student.agreement"]
+        table = [[name, *(mean_std(m[c]) for c in columns)] for name, m in measured.items()]
+        verdict, reason = verdict_of(measured)
+        plot = _plot(measured, run.out_dir / "repro" / "soteacher.png")
+        setup = (f"`{run.command}`: `configs/soteacher-rt.yaml` (λ_LR 1e-5, λ_CR 1 linear, {epochs} epochs; "
+                 f"student: KD α 0.5, τ 4, τ²) on RT; teachers fine-tuned from {run.pretrained}, "
+                 "students randomly initialised with the "
+                 f"teacher's architecture; seeds {', '.join(map(str, run.seeds))} (student s distils teacher s). "
+                 "ECE (15 bins) and NLL on the odd dev rows, raw and after temperature scaling fitted on the even "
+                 "rows; agreement = share of dev sentences where student and teacher predict the same class. Rule: "
+                 "each of teacher ECE lower, teacher NLL lower and agreement higher under SoTeacher is tested by a "
+                 "paired t-test over seeds (p < 0.05): reproduced if all three hold, not reproduced if any is "
+                 "significantly reversed, inconclusive otherwise." + run.note)
+        return FindingReport(name="soteacher", title="SoTeacher vs a standard teacher", paper=PAPER, setup=setup,
+                             columns=["teacher", "teacher acc", "ECE", "NLL", "ECE+TS", "NLL+TS", "student acc",
+                                      "agreement"],
+                             rows=table, verdict=verdict, reason=reason, plots=[str(plot.relative_to(run.out_dir))])
+
+    return report
 
 
 def verdict_of(measured: dict[str, dict[str, list[float]]]) -> tuple[str, str]:

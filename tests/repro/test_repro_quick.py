@@ -33,8 +33,10 @@ def test_quick_findings_write_their_sections(tmp_path):
         "soteacher": (["teacher", "teacher acc", "ECE", "NLL", "ECE+TS", "NLL+TS", "student acc", "agreement"],
                       ["standard", "SoTeacher"], [1, 2, 3, 4, 5, 6, 7]),
     }
-    for name in expected:
-        assert main(["repro", name, "--quick", "--seeds", "0", "1", "--out", str(out), "--work", str(work)]) == 0
+    # disc_lr as two single-thread worker processes, soteacher one job after the other in this process
+    for name, jobs in zip(expected, ("2", "1")):
+        assert main(["repro", name, "--quick", "--seeds", "0", "1", "--jobs", jobs, "--out", str(out),
+                     "--work", str(work)]) == 0
     for name, (columns, first_cells, mean_std_columns) in expected.items():
         section = _section(out, name)
         for part in ("**Paper.**", "**Setup.**", f"`megakd repro {name} --quick`", "**Measured.**", "seeds 0, 1"):
@@ -50,7 +52,8 @@ def test_quick_findings_write_their_sections(tmp_path):
     assert out.read_text().index("finding:disc_lr") < out.read_text().index("finding:soteacher")
     # The shared encoder soteacher fine-tunes is cached: a second finding reuses it instead of pretraining.
     cached = sorted((work / "pretrained").iterdir())
-    assert main(["repro", "soteacher", "--quick", "--seeds", "0", "1", "--out", str(out), "--work", str(work)]) == 0
+    assert main(["repro", "soteacher", "--quick", "--seeds", "0", "1", "--jobs", "1", "--out", str(out),
+                 "--work", str(work)]) == 0
     assert sorted((work / "pretrained").iterdir()) == cached
     assert not [p for p in work.iterdir() if p.name != "pretrained"]  # fine-tuning scratch removed
 

@@ -3,8 +3,10 @@ tokenizer checks, and short real teacher → student runs through the trainer an
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,13 +16,15 @@ from megakd.cli import main as cli_main
 from megakd.config import ConfigError, load_config
 from megakd.convert import from_hf, save_model_dir, to_hf
 from megakd.data.tokenizer import Tokenizer, train_tokenizer
-from megakd.engine.pretrain import build_trainer, run_distill, run_pretraining
+from megakd.engine.pretrain import build_models, build_trainer, resolve_config, run_distill, run_pretraining
 from megakd.engine.tasks import GeneratorTask, TeacherKD
 from megakd.models.electra import MaskedLM
 from megakd.models.encoder import EncoderConfig
 from megakd.objectives.distill import alpha_schedule, kd_loss
 from megakd.store import StoreError, check_same_tokenizer, load_model
 from tests.helpers import tiny_overrides
+
+REPO = Path(__file__).parents[2]
 
 V = 37
 
@@ -243,6 +247,12 @@ def test_teacher_from_run_hf_dir_and_model_dir_is_the_same_model(tiny_data, tmp_
         load_model(teacher_run, "distill.teacher").get("discriminator")
 
 
+# The teacher run each recipe names, and the command that makes it (the 4-layer one is bert-mini.yaml).
+TEACHER_RUNS = {4: ("runs/bert-mini", "bert-mini.yaml", ()),
+                2: ("runs/dwt-teacher-mini-2l", "dwt-mini.yaml", ("model.generator.num_layers=2",)),
+                1: ("runs/dwt-teacher-mini-1l", "dwt-mini.yaml", ("model.generator.num_layers=1",))}
+
+
 @pytest.mark.parametrize("recipe,teacher_layers,alpha_soft", [
     ("dwt-weak", 4, (1.0, 1.0)),  # the paper's +1.44 / −1.37 / −2.76 came from constant α_h:α_s = 1:1
     ("dwt-very-weak", 2, (1.0, 1.0)),
@@ -253,12 +263,33 @@ def test_teacher_from_run_hf_dir_and_model_dir_is_the_same_model(tiny_data, tmp_
 def test_dwt_recipes_use_the_papers_loss_weights(recipe, teacher_layers, alpha_soft):
     cfg = load_config(f"configs/{recipe}.yaml")
     d, steps = cfg.distill, cfg.train.max_steps
-    assert d.alpha_hard == 1.0 and d.init == "random" and d.teacher == f"runs/dwt-teacher-{teacher_layers}l"
+    teacher_dir, teacher_recipe, teacher_overrides = TEACHER_RUNS[teacher_layers]
+    assert d.alpha_hard == 1.0 and d.init == "random" and d.teacher == teacher_dir
+    assert f"megakd pretrain -c configs/{teacher_recipe}" in (REPO / "configs" / f"{recipe}.yaml").read_text() \
+        or recipe in ("dwt-weak-strong", "dwt-weak-4to1")  # these two reuse dwt-weak.yaml's teacher
     schedule = [alpha_schedule(d.alpha_schedule, d.alpha_soft_start, d.alpha_soft_end, s, steps, d.alpha_step_at)
                 for s in range(steps)]
     assert (schedule[0], schedule[-1]) == alpha_soft
     assert schedule == sorted(schedule, reverse=True)  # constant or decaying, never rising
-    assert cfg.model.generator.num_layers == 6 and cfg.model.objective == "mlm"  # the 6-layer student
+    # the 6-layer student at the mini setting; the teacher is the same recipe with fewer layers
+    assert cfg.model.generator.num_layers == 6 and cfg.model.objective == "mlm"
+    assert cfg.data == load_config("configs/dwt-mini.yaml").data and cfg.optim == load_config("configs/bert-mini.yaml").optim
+    teacher = load_config(f"configs/{teacher_recipe}", list(teacher_overrides)).model.generator
+    assert teacher == dataclasses.replace(cfg.model.generator, num_layers=teacher_layers)
+
+
+def test_dwt_mini_teacher_ratios_are_the_ones_its_recipes_state():
+    """The parameter ratios in the recipes' comments are those of the built models (0.77x / 0.54x / 0.43x)."""
+    def parameters(layers: int) -> int:
+        cfg = resolve_config(load_config("configs/dwt-mini.yaml", [f"model.generator.num_layers={layers}"]))
+        return sum(p.numel() for p in build_models(cfg)[0].parameters())
+
+    student = parameters(6)
+    comments = (REPO / "configs" / "dwt-mini.yaml").read_text()
+    ratios = [f"{parameters(layers) / student:.2f}x" for layers in (4, 2, 1)]
+    assert f"{ratios[0]}, {ratios[1]} and {ratios[2]} the student's parameters" in comments.replace("\n# ", " ")
+    for recipe, ratio in zip(("dwt-weak", "dwt-very-weak", "dwt-extremely-weak"), ratios):
+        assert f"teacher, {ratio} the student" in (REPO / "configs" / f"{recipe}.yaml").read_text()
 
 
 def test_hf_teacher_with_another_tokenizer_is_named_in_one_line(tiny_data, wordpiece_data, tmp_path):

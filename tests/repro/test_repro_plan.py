@@ -1,0 +1,125 @@
+"""The report's budget and how its jobs are scheduled: the plan (`megakd repro NAME --plan`), the scheduler
+it simulates, and the pretraining cache's lock under several processes."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from megakd.cli import main
+from megakd.repro import FINDINGS, plan_findings
+from megakd.repro.runs import (
+    FULL_FINETUNE,
+    PRETRAIN_RECIPE,
+    QUICK_PRETRAIN,
+    RT_TRAIN_SENTENCES,
+    Costs,
+    Job,
+    _locked,
+    cached_run_dir,
+    execute,
+    plan,
+    pretrain,
+)
+
+BUDGET_MINUTES = 180  # the whole report on 2 cores
+
+
+def test_full_report_fits_the_budget_on_two_cores(tmp_path):
+    """`megakd repro all` (full mode, 2 jobs at a time) at the default unit costs: raising a finding's steps,
+    seeds or sentences past the budget fails here."""
+    full = plan_findings(list(FINDINGS), tmp_path / "work", workers=2)
+    assert full.minutes <= BUDGET_MINUTES
+    one_at_a_time = plan_findings(list(FINDINGS), tmp_path / "work", workers=1)
+    work = sum(job.seconds for job in one_at_a_time.jobs.values()) / 60
+    assert one_at_a_time.minutes == pytest.approx(work)  # one worker: the plan is the sum of the jobs
+    assert full.minutes >= work / 2  # two workers at best halve it
+    assert not (tmp_path / "work").exists()  # planning runs and writes nothing
+
+
+def test_plan_counts_a_finding_from_its_steps_seeds_and_sentences(tmp_path):
+    """disc_lr: 4 pretraining runs of 1,200 electra-mini steps, 4 fine-tuning runs of 3 seeds x 3 epochs
+    on 3,000 sentences, each job plus its start-up."""
+    costs = Costs(electra_mini_step=0.5, rt_epoch=60.0, job_start=7.0)
+    work, _ = plan_findings(["disc_lr"], tmp_path, workers=1, costs=costs).finding_minutes("disc_lr")
+    assert "task.max_train_examples=3000" in FULL_FINETUNE
+    expected = 4 * (7.0 + 1200 * 0.5) + 4 * (7.0 + 60.0 * 3000 / RT_TRAIN_SENTENCES * 3 * 3)
+    assert work * 60 == pytest.approx(expected)
+    # the shared encoder is one job when three findings fine-tune it
+    shared = plan_findings(["soteacher", "labelreg", "tgt"], tmp_path, workers=1, costs=costs)
+    encoder = f"pretrain:{cached_run_dir(PRETRAIN_RECIPE, [], tmp_path).name}"
+    assert encoder in shared.jobs and shared.jobs[encoder].seconds == pytest.approx(7.0 + 5000 * 0.5)
+    assert sum(k.startswith("pretrain:") for k in shared.jobs) == 1
+
+
+def _job(key: str, seconds: float, after: tuple[str, ...] = (), fn=None) -> Job:
+    return Job(key, "test", key, fn, (), seconds, after)
+
+
+def test_schedule_takes_the_critical_path_first_and_respects_dependencies():
+    jobs = {j.key: j for j in (_job("a", 10), _job("b", 5, ("a",)), _job("c", 8), _job("d", 7))}
+    two = plan(jobs, workers=2)
+    # a (path 15) and c (8) start; d when c ends at 8; b when a ends at 10
+    assert two.start == {"a": 0, "c": 0, "d": 8, "b": 10} and two.minutes * 60 == 15
+    one = plan(jobs, workers=1)
+    assert one.start == {"a": 0, "c": 10, "d": 18, "b": 25} and one.minutes * 60 == 30
+    ran: list[str] = []
+    runnable = {k: _job(k, j.seconds, j.after, fn=lambda k=k: ran.append(k) or k.upper()) for k, j in jobs.items()}
+    results: dict[str, object] = {}
+    execute(runnable, results, workers=1)
+    assert ran == sorted(one.start, key=one.start.get) and results == {k: k.upper() for k in jobs}
+
+
+def test_plan_command_prints_the_table_and_runs_nothing(tmp_path, capsys):
+    work = tmp_path / "work"
+    assert main(["repro", "all", "--plan", "--work", str(work), "--unit-seconds", "electra_mini_step=0.92"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "electra_mini_step 0.92 s" in lines[0] and "2 job(s) at a time" in lines[0]
+    assert [line.split()[0] for line in lines[2:]] == [*FINDINGS, "total"]
+    total = float(lines[-1].split()[-1])
+    assert total > BUDGET_MINUTES  # twice the step time no longer fits
+    assert not work.exists()
+    assert main(["repro", "all", "--plan", "--unit-seconds", "step=1"]) == 2
+    assert "--unit-seconds step=1" in capsys.readouterr().err
+    assert main(["repro", "all", "--plan", "--jobs", "0"]) == 2
+
+
+def _pretrain_quietly(work: str) -> None:
+    pretrain(PRETRAIN_RECIPE, list(QUICK_PRETRAIN), Path(work))
+
+
+def _waiting_for_lock(pid: int) -> bool:
+    """Whether process `pid` is blocked on a file lock: /proc/locks lists waiters as
+    `N: -> FLOCK ADVISORY WRITE <pid> <device:inode> <start> <end>`."""
+    for line in Path("/proc/locks").read_text().splitlines():
+        fields = line.split()
+        if "->" in fields and fields[fields.index("->") + 4] == str(pid):
+            return True
+    return False
+
+
+@pytest.mark.slow
+def test_a_second_process_waits_for_the_run_another_is_training(tmp_path):
+    """While one process holds a run's lock (training it), another asking for the same run waits, then
+    returns the finished run without training it again."""
+    work = tmp_path / "work"
+    run_dir = cached_run_dir(PRETRAIN_RECIPE, list(QUICK_PRETRAIN), work)
+    with _locked(run_dir.with_name(run_dir.name + ".lock")):  # this process "trains" the run
+        other = multiprocessing.get_context("spawn").Process(target=_pretrain_quietly, args=(str(work),))
+        other.start()
+        deadline = time.monotonic() + 300
+        while not _waiting_for_lock(other.pid):
+            assert other.is_alive() and time.monotonic() < deadline, "the second process did not wait for the lock"
+            time.sleep(0.2)
+        run_dir.mkdir(parents=True)
+        (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+        (run_dir / "repro-done").write_text("{}\n")
+    other.join(300)
+    assert other.exitcode == 0
+    assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1}\n'  # not trained again
+    assert sorted(p.name for p in run_dir.iterdir()) == ["metrics.jsonl", "repro-done"]
+    assert sorted(os.listdir(work / "pretrained")) == sorted([run_dir.name, run_dir.name + ".lock"])

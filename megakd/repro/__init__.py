@@ -84,7 +84,7 @@ def run_findings(names: list[str], out: str | Path, work: str | Path, quick: boo
         for name, run in runs.items():
             if name not in reports and finding_jobs(run) <= results.keys():
                 reports[name] = report_fns[name]()
-                write_section(reports[name], out)
+                write_section(reports[name], out, order=FINDINGS)
                 log.info("finding %s: %s; section written to %s", name, reports[name].verdict, out)
 
     try:

@@ -59,15 +59,24 @@ def mean_std(values: list[float]) -> str:
     return f"{mean:.3g} ± {std:.2g}"
 
 
-def write_section(report: FindingReport, path: str | Path) -> Path:
-    """Insert or replace `report`'s section in the report at `path` (created with its header if missing)."""
+def write_section(report: FindingReport, path: str | Path, order: tuple[str, ...] = ()) -> Path:
+    """Insert or replace `report`'s section in the report at `path` (created with its header if missing).
+
+    A new section goes before the first existing one that comes after it in `order` (finding names;
+    findings run side by side finish in any order), else at the end.
+    """
     path = Path(path)
     text = path.read_text() if path.is_file() else HEADER
     section = report.markdown()
     pattern = re.compile(rf"<!-- finding:{re.escape(report.name)} -->.*?<!-- /finding:{re.escape(report.name)} -->",
                          re.DOTALL)
+    later = order[order.index(report.name) + 1:] if report.name in order else ()
+    following = [m for m in re.finditer(r"<!-- finding:(\w+) -->", text) if m.group(1) in later]
     if pattern.search(text):
         text = pattern.sub(lambda _: section, text)
+    elif following:
+        at = following[0].start()
+        text = text[:at] + section + "\n\n" + text[at:]
     else:
         text = text.rstrip("\n") + "\n\n" + section
     path.parent.mkdir(parents=True, exist_ok=True)

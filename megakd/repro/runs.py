@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from megakd.bench.flops import encoder_flops_per_token, step_flops
+from megakd.bench.flops import StepFlops, encoder_flops_per_token, step_flops
 from megakd.config import Config, load_config
 from megakd.engine.metrics import read_metrics
 from megakd.engine.pretrain import resolve_config, run_distill, run_pretraining
@@ -71,10 +71,10 @@ QUICK_NOTE = (" Quick mode: a 1-layer, 32-wide encoder pretrained for 12 steps, 
 class Costs:
     """Seconds per unit of work for one job on one thread, the plan's cost model.
 
-    The defaults were measured on this project's 2-core machine, one thread per job with the other
-    core busy (which is what `--jobs 2` gives each job). Other models are scaled from them by
-    matrix FLOPs (`megakd.bench.flops`): the scaling predicts 0.24 s for a bert-mini step
-    (4 x 128 MLM), measured ~0.23 s.
+    The defaults were measured on one machine (the project's shared 2-core CPU), one thread per job
+    with the other core busy, which is what `--jobs 2` gives each job. Other models are scaled from
+    them by matrix FLOPs (`megakd.bench.flops`): the scaling predicts 0.24 s for a bert-mini step
+    (4 x 128 MLM), measured there at ~0.23 s.
     """
 
     electra_mini_step: float = 0.46  # one pretraining step of configs/electra-mini.yaml (batch 32, seq 64)
@@ -115,17 +115,19 @@ def training_passes(cfg: FinetuneConfig) -> float:
     forward = 1 / 3
     if cfg.soteacher.enabled:  # the teacher, then (unless disabled) a student distilling it
         return 1 + ((1 + forward) if cfg.soteacher.distill_student else 0)
-    if cfg.tgt.enabled:  # generator forward, labeler on real and generated, student trained on both;
-        passes = forward + 2 * forward + 2  # gradient mode adds a forward and input-gradient backward of
-        return passes + (2 if cfg.tgt.mode == "gradient" else 0)  # generator, student and labeler
-    return 1 + (forward if cfg.labelreg.target in ("kd", "selfkd", "akd") else 0)
+    if cfg.tgt.enabled:
+        # generator forward, labeler forward on real and generated text, student trained on both
+        passes = forward + 2 * forward + 2
+        # gradient mode: the ascent adds a forward and an input-gradient backward of generator, student, labeler
+        return passes + (2 if cfg.tgt.mode == "gradient" else 0)
+    return 1 + (forward if cfg.labelreg.target in ("kd", "selfkd", "akd") else 0)  # a teacher's forward
 
 
 def _reference_recipe() -> Config:
     return load_config(PRETRAIN_RECIPE, [])
 
 
-def _step_flops(cfg: Config) -> object:
+def _step_flops(cfg: Config) -> StepFlops:
     cfg = resolve_config(cfg)
     return step_flops(cfg, cfg.train.global_batch_size)
 
@@ -215,17 +217,16 @@ class FindingRun:
         """Fine-tuning epochs of `config` under this mode's settings."""
         return int(recipe_value(config, "finetune.epochs", self.settings.finetune, FinetuneConfig))
 
-    def pretrain(self, overrides: list[str], recipe: str | Path | None = None,
-                 teacher: PretrainRun | None = None) -> PretrainRun:
-        """Declare a pretraining run of `recipe` (default: the finding's) + `overrides`; with `teacher`, a DWT
-        run distilling that run (`overrides` name it in `distill.teacher`)."""
-        recipe = recipe or self.recipe
+    def pretrain(self, overrides: list[str], teacher: PretrainRun | None = None) -> PretrainRun:
+        """Declare a pretraining run of the finding's recipe + `overrides`; with `teacher`, a DWT run
+        distilling that run (`overrides` name it in `distill.teacher`)."""
+        recipe = self.recipe
         path = cached_run_dir(recipe, overrides, self.work)
         key = f"pretrain:{path.name}"
         cfg = self._configs[key] = load_config(recipe, [*SILENT_RUN, *overrides, "run.dir=_"])
         step = self.costs.pretrain_step(cfg, self._configs[teacher.key] if teacher else None)
         seconds = 0.0 if (path / "repro-done").is_file() else self.costs.job_start + cfg.train.max_steps * step
-        label = f"{'distill' if teacher else 'pretrain'} {Path(recipe).name} {' '.join(overrides)}"
+        label = f"{'distill' if teacher else 'pretrain'} {recipe.name} {' '.join(overrides)}"
         self._add(Job(key, self.name, label, pretrain, (str(recipe), list(overrides), self.work, teacher is not None),
                       seconds, (teacher.key,) if teacher else ()))
         return PretrainRun(key, path)

@@ -25,6 +25,12 @@ def test_sections_are_replaced_in_place_and_others_kept(tmp_path):
     assert text.count("<!-- finding:first -->") == 1 and text.count("<!-- finding:second -->") == 1
     assert text.index("finding:first") < text.index("finding:second")  # replaced where it was
     assert "**Verdict: reproduced.**" in text and "**Verdict: inconclusive.**" in text
+    # a new section goes where `order` puts it, whatever order the findings finished in
+    write_section(_report("middle"), out, order=("first", "middle", "second"))
+    text = out.read_text()
+    assert text.index("finding:first") < text.index("finding:middle") < text.index("finding:second")
+    write_section(_report("last"), out, order=("first", "middle", "second", "last"))
+    assert out.read_text().rstrip().endswith("<!-- /finding:last -->")
     with pytest.raises(ValueError, match="verdict"):
         _report("x", "sort of").markdown()
 

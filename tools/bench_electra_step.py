@@ -18,12 +18,14 @@ generator, sampling, discriminator and optimizer time.
     python tools/bench_electra_step.py                 # both shapes
     python tools/bench_electra_step.py --shape small --steps 10
     python tools/bench_electra_step.py --shape tiny --compile   # adds megakd with train.compile=true
+    python tools/bench_electra_step.py --separate-qkv           # adds megakd with fused_qkv=false (ablation)
     python tools/bench_electra_step.py --device cuda            # the same table on a GPU
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import time
@@ -152,7 +154,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bench(shape: str, steps: int, warmup: int, matmul_n: int, compile_: bool, device: torch.device) -> dict:
+def bench(shape: str, steps: int, warmup: int, matmul_n: int, compile_: bool, separate_qkv: bool,
+          device: torch.device) -> dict:
     gen_dims, disc_dims, emb, vocab, seq, batch = SHAPES[shape]
     gen_cfg, disc_cfg = (encoder_config(d, emb, vocab, seq) for d in (gen_dims, disc_dims))
     opt = OptimizerConfig(lr=1e-4)
@@ -160,6 +163,9 @@ def bench(shape: str, steps: int, warmup: int, matmul_n: int, compile_: bool, de
     sides = {"megakd": MegakdStep(gen_cfg, disc_cfg, opt, device), "hf": HFStep(gen_cfg, disc_cfg, opt, device)}
     if compile_:
         sides["megakd_compiled"] = MegakdStep(gen_cfg, disc_cfg, opt, device, compile_=True)
+    if separate_qkv:
+        sides["megakd_separate_qkv"] = MegakdStep(*(dataclasses.replace(c, fused_qkv=False) for c in (gen_cfg, disc_cfg)),
+                                                  opt, device)
     check_same_model(gen_cfg, sides["hf"])
     samples = [make_samples(vocab, seq, batch, seed=i) for i in range(4)]
     data = [{k: v.to(device) for k, v in make_batch(s, seed=i).items()} for i, s in enumerate(samples)]
@@ -185,6 +191,8 @@ def bench(shape: str, steps: int, warmup: int, matmul_n: int, compile_: bool, de
     result["ratio"] = result["megakd_tokens_per_s"] / result["hf_tokens_per_s"]
     if compile_:
         result["compile_ratio"] = result["megakd_compiled_tokens_per_s"] / result["megakd_tokens_per_s"]
+    if separate_qkv:
+        result["fused_qkv_ratio"] = result["megakd_tokens_per_s"] / result["megakd_separate_qkv_tokens_per_s"]
     megakd = sides["megakd"]
 
     def profiled_step() -> None:
@@ -203,13 +211,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--compile", action="store_true", help="also time megakd with compiled encoders")
+    parser.add_argument("--separate-qkv", action="store_true",
+                        help="also time megakd with three q/k/v projections instead of one fused (the ablation)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cpu or cuda (fp32 both sides; on CUDA the megakd side uses the Triton kernels)")
     parser.add_argument("--matmul-n", type=int, default=2048, help="size of the square matmul that measures the peak")
     args = parser.parse_args()
     shapes = list(SHAPES) if args.shape == "all" else [args.shape]
     device = torch.device(args.device)
-    rows = [bench(s, args.steps, args.warmup, args.matmul_n, args.compile, device) for s in shapes]
+    rows = [bench(s, args.steps, args.warmup, args.matmul_n, args.compile, args.separate_qkv, device) for s in shapes]
     where = (torch.cuda.get_device_name(device) if device.type == "cuda"
              else f"{torch.get_num_threads()} threads, {os.cpu_count()} cores")
     print(f"torch {torch.__version__}, {where}; median of "
@@ -226,6 +236,10 @@ def main() -> None:
         if "compile_ratio" in r:
             print(f"{r['shape']} megakd with train.compile=true: {r['megakd_compiled_tokens_per_s']:.0f} tokens/s = "
                   f"{r['compile_ratio']:.2f}x eager, MFU {r['megakd_compiled']['mfu']:.1%} (target 1.2x)")
+    for r in rows:
+        if "fused_qkv_ratio" in r:
+            print(f"{r['shape']} megakd with separate q/k/v projections: {r['megakd_separate_qkv_tokens_per_s']:.0f} "
+                  f"tokens/s; fused QKV = {r['fused_qkv_ratio']:.2f}x separate")
     for r in rows:
         print(f"{r['shape']} megakd step split (profiled): {format_phases(r['phases'], r['megakd_step_s'])}")
 

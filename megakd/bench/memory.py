@@ -117,9 +117,10 @@ def layer_activation_bytes(cfg: EncoderConfig, seq_len: int, micro_batch: int, e
     Q, K, V, attention output (a view of the output projection's input), log-sum-exp, the key
     mask as an additive bias, residual sums and statistics of both LayerNorms, FFN input, GELU
     input and output, and the two hidden-dropout masks (`mask_bytes`: 1 for CUDA's bool masks;
-    CPU dropout keeps a mask in the activation dtype). A relative-position bias is materialised
-    per layer as [B, heads, L, L]. With `fused_qkv` the concatenated [3H, H] projection weight is
-    kept too (a copy, not a parameter).
+    CPU dropout keeps a mask in the activation dtype). A relative-position bias masked by padding is
+    materialised as [B, heads, L, L]: once per forward and shared by the layers in `Encoder.forward`,
+    once per layer on pipeline stages; counted per layer here (an upper bound outside pipelines).
+    With `fused_qkv` the concatenated [3H, H] projection weight is kept too (a copy, not a parameter).
     """
     s, b, h, i, a = seq_len, micro_batch, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads
     sbh = s * b * h

@@ -241,6 +241,21 @@ class RelativePositionBias(nn.Module):
         return self.relative_attention_bias(buckets).permute(2, 0, 1).unsqueeze(0)
 
 
+def attention_bias(key_mask: Tensor | None, position_bias: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """The `attn_mask` SDPA takes: the bool key mask alone, or the relative bias in `dtype` with the
+    masked keys at the dtype's minimum ([B, heads, L, L] when both are given)."""
+    if position_bias is None:
+        return key_mask
+    bias = position_bias.to(dtype)
+    return bias if key_mask is None else bias.masked_fill(~key_mask, torch.finfo(dtype).min)
+
+
+def compute_dtype(x: Tensor) -> torch.dtype:
+    """The dtype the layers' projections of `x` come out in (autocast's, when it is on)."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
 class SelfAttention(nn.Module):
     """Multi-head self-attention through `scaled_dot_product_attention`.
 
@@ -281,16 +296,13 @@ class SelfAttention(nn.Module):
         return heads(self.query(x)), heads(self.key(x)), heads(self.value(x))
 
     def forward(self, x: Tensor, key_mask: Tensor | None, position_bias: Tensor | None) -> Tensor:
-        """`key_mask` [B, 1, 1 or L, L] is True where a query may attend; `position_bias` [1, heads, L, L] or None."""
+        """`key_mask` [B, 1, 1 or L, L] is True where a query may attend; `position_bias` [1, heads, L, L] or None,
+        or [B, heads, L, L] with the key mask already applied (`attention_bias`, as `Encoder.forward` passes it)."""
         batch, seq_len, hidden = x.shape
         q, k, v = self.project(x)
-        mask = key_mask
-        if position_bias is not None:
-            mask = position_bias.to(q.dtype)
-            if key_mask is not None:
-                mask = mask.masked_fill(~key_mask, torch.finfo(q.dtype).min)
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=self.dropout_p if self.training else 0.0
+            q, k, v, attn_mask=attention_bias(key_mask, position_bias, q.dtype),
+            dropout_p=self.dropout_p if self.training else 0.0,
         )
         return self.output(out.transpose(1, 2).reshape(batch, seq_len, hidden))
 
@@ -400,6 +412,10 @@ class Encoder(nn.Module):
     ) -> Tensor:
         x, key_mask, position_bias = self.prepare(input_ids, attention_mask, token_type_ids, inputs_embeds,
                                                   segment_ids)
+        if position_bias is not None and key_mask is not None:
+            # Every layer would mask the same relative bias the same way: do it once, shared by all
+            # (one [B, heads, L, L] tensor per forward instead of one per layer, and one backward).
+            position_bias, key_mask = attention_bias(key_mask, position_bias, compute_dtype(x)), None
         recompute = self.config.activation_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.layers:
             if recompute:

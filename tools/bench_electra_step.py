@@ -19,6 +19,7 @@ generator, sampling, discriminator and optimizer time.
     python tools/bench_electra_step.py --shape small --steps 10
     python tools/bench_electra_step.py --shape tiny --compile   # adds megakd with train.compile=true
     python tools/bench_electra_step.py --separate-qkv           # adds megakd with fused_qkv=false (ablation)
+    python tools/bench_electra_step.py --shape small --ops 12   # adds each side's 12 largest ops by time share
     python tools/bench_electra_step.py --device cuda            # the same table on a GPU
 """
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import statistics
 import time
@@ -35,7 +37,7 @@ import torch
 from transformers import ElectraConfig, ElectraForMaskedLM, ElectraForPreTraining
 
 from megakd.bench.flops import step_flops
-from megakd.bench.roofline import format_phases, matmul_seconds, phase_seconds, roofline
+from megakd.bench.roofline import format_phases, matmul_seconds, op_shares, phase_seconds, roofline
 from megakd.config import Config, OptimizerConfig
 from megakd.data.masking import collate
 from megakd.engine.optim import build_optimizer
@@ -154,7 +156,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bench(shape: str, steps: int, warmup: int, matmul_n: int, compile_: bool, separate_qkv: bool,
+def bench(shape: str, steps: int, warmup: int, matmul_n: int, compile_: bool, separate_qkv: bool, ops: int,
           device: torch.device) -> dict:
     gen_dims, disc_dims, emb, vocab, seq, batch = SHAPES[shape]
     gen_cfg, disc_cfg = (encoder_config(d, emb, vocab, seq) for d in (gen_dims, disc_dims))
@@ -201,6 +203,9 @@ def bench(shape: str, steps: int, warmup: int, matmul_n: int, compile_: bool, se
         megakd(batch_)
 
     result["phases"] = phase_seconds(profiled_step, 2, device)
+    if ops:
+        result["ops"] = {name: dict(list(op_shares(functools.partial(step, data[0]), 2, device).items())[:ops])
+                         for name, step in sides.items()}
     result["megakd_step_s"] = tokens / result["megakd_tokens_per_s"]
     return result
 
@@ -215,11 +220,14 @@ def main() -> None:
                         help="also time megakd with three q/k/v projections instead of one fused (the ablation)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cpu or cuda (fp32 both sides; on CUDA the megakd side uses the Triton kernels)")
+    parser.add_argument("--ops", type=int, default=0,
+                        help="also print each side's N largest operators by share of the step's self time (profiled)")
     parser.add_argument("--matmul-n", type=int, default=2048, help="size of the square matmul that measures the peak")
     args = parser.parse_args()
     shapes = list(SHAPES) if args.shape == "all" else [args.shape]
     device = torch.device(args.device)
-    rows = [bench(s, args.steps, args.warmup, args.matmul_n, args.compile, args.separate_qkv, device) for s in shapes]
+    rows = [bench(s, args.steps, args.warmup, args.matmul_n, args.compile, args.separate_qkv, args.ops, device)
+            for s in shapes]
     where = (torch.cuda.get_device_name(device) if device.type == "cuda"
              else f"{torch.get_num_threads()} threads, {os.cpu_count()} cores")
     print(f"torch {torch.__version__}, {where}; median of "
@@ -242,6 +250,10 @@ def main() -> None:
                   f"tokens/s; fused QKV = {r['fused_qkv_ratio']:.2f}x separate")
     for r in rows:
         print(f"{r['shape']} megakd step split (profiled): {format_phases(r['phases'], r['megakd_step_s'])}")
+    for r in rows:
+        for side, shares in r.get("ops", {}).items():
+            print(f"{r['shape']} {side} largest ops (share of self time, profiled): "
+                  + ", ".join(f"{name.removeprefix('aten::')} {share:.1%}" for name, share in shares.items()))
 
 
 if __name__ == "__main__":

@@ -212,7 +212,9 @@ def _sample_torch(hidden, weight, bias, generator, temperature):
         argmax[r0 : r0 + step] = logits.argmax(-1)
         u = torch.rand(logits.shape, generator=generator, dtype=torch.float64, device=logits.device)
         noisy = u.log_().neg_().log_().neg_()  # Gumbel noise, in place
-        noisy += logits.to(torch.float64) / temperature
+        # The logits are widened to float64 inside the add (exactly, as .to(float64) would): no float64
+        # copy of the chunk's logits, and no division when it would be by 1.
+        noisy += logits if temperature == 1.0 else logits.to(torch.float64).div_(temperature)
         samples[r0 : r0 + step] = noisy.argmax(-1)
         del logits, u, noisy
     return samples, argmax

@@ -18,12 +18,16 @@ generator, sampling, discriminator and optimizer time.
     python tools/bench_electra_step.py                 # both shapes
     python tools/bench_electra_step.py --shape small --steps 10
     python tools/bench_electra_step.py --shape tiny --compile   # adds megakd with train.compile=true
+    python tools/bench_electra_step.py --separate-qkv           # adds megakd with fused_qkv=false (ablation)
+    python tools/bench_electra_step.py --shape small --ops 12   # adds each side's 12 largest ops by time share
     python tools/bench_electra_step.py --device cuda            # the same table on a GPU
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import os
 import statistics
 import time
@@ -33,7 +37,7 @@ import torch
 from transformers import ElectraConfig, ElectraForMaskedLM, ElectraForPreTraining
 
 from megakd.bench.flops import step_flops
-from megakd.bench.roofline import format_phases, matmul_seconds, phase_seconds, roofline
+from megakd.bench.roofline import format_phases, matmul_seconds, op_shares, phase_seconds, roofline
 from megakd.config import Config, OptimizerConfig
 from megakd.data.masking import collate
 from megakd.engine.optim import build_optimizer
@@ -152,7 +156,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bench(shape: str, steps: int, warmup: int, matmul_n: int, compile_: bool, device: torch.device) -> dict:
+def bench(shape: str, steps: int, warmup: int, matmul_n: int, compile_: bool, separate_qkv: bool, ops: int,
+          device: torch.device) -> dict:
     gen_dims, disc_dims, emb, vocab, seq, batch = SHAPES[shape]
     gen_cfg, disc_cfg = (encoder_config(d, emb, vocab, seq) for d in (gen_dims, disc_dims))
     opt = OptimizerConfig(lr=1e-4)
@@ -160,6 +165,9 @@ def bench(shape: str, steps: int, warmup: int, matmul_n: int, compile_: bool, de
     sides = {"megakd": MegakdStep(gen_cfg, disc_cfg, opt, device), "hf": HFStep(gen_cfg, disc_cfg, opt, device)}
     if compile_:
         sides["megakd_compiled"] = MegakdStep(gen_cfg, disc_cfg, opt, device, compile_=True)
+    if separate_qkv:
+        sides["megakd_separate_qkv"] = MegakdStep(*(dataclasses.replace(c, fused_qkv=False) for c in (gen_cfg, disc_cfg)),
+                                                  opt, device)
     check_same_model(gen_cfg, sides["hf"])
     samples = [make_samples(vocab, seq, batch, seed=i) for i in range(4)]
     data = [{k: v.to(device) for k, v in make_batch(s, seed=i).items()} for i, s in enumerate(samples)]
@@ -185,6 +193,8 @@ def bench(shape: str, steps: int, warmup: int, matmul_n: int, compile_: bool, de
     result["ratio"] = result["megakd_tokens_per_s"] / result["hf_tokens_per_s"]
     if compile_:
         result["compile_ratio"] = result["megakd_compiled_tokens_per_s"] / result["megakd_tokens_per_s"]
+    if separate_qkv:
+        result["fused_qkv_ratio"] = result["megakd_tokens_per_s"] / result["megakd_separate_qkv_tokens_per_s"]
     megakd = sides["megakd"]
 
     def profiled_step() -> None:
@@ -193,6 +203,9 @@ def bench(shape: str, steps: int, warmup: int, matmul_n: int, compile_: bool, de
         megakd(batch_)
 
     result["phases"] = phase_seconds(profiled_step, 2, device)
+    if ops:
+        result["ops"] = {name: dict(list(op_shares(functools.partial(step, data[0]), 2, device).items())[:ops])
+                         for name, step in sides.items()}
     result["megakd_step_s"] = tokens / result["megakd_tokens_per_s"]
     return result
 
@@ -203,13 +216,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--compile", action="store_true", help="also time megakd with compiled encoders")
+    parser.add_argument("--separate-qkv", action="store_true",
+                        help="also time megakd with three q/k/v projections instead of one fused (the ablation)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cpu or cuda (fp32 both sides; on CUDA the megakd side uses the Triton kernels)")
+    parser.add_argument("--ops", type=int, default=0,
+                        help="also print each side's N largest operators by share of the step's self time (profiled)")
     parser.add_argument("--matmul-n", type=int, default=2048, help="size of the square matmul that measures the peak")
     args = parser.parse_args()
     shapes = list(SHAPES) if args.shape == "all" else [args.shape]
     device = torch.device(args.device)
-    rows = [bench(s, args.steps, args.warmup, args.matmul_n, args.compile, device) for s in shapes]
+    rows = [bench(s, args.steps, args.warmup, args.matmul_n, args.compile, args.separate_qkv, args.ops, device)
+            for s in shapes]
     where = (torch.cuda.get_device_name(device) if device.type == "cuda"
              else f"{torch.get_num_threads()} threads, {os.cpu_count()} cores")
     print(f"torch {torch.__version__}, {where}; median of "
@@ -227,7 +245,15 @@ def main() -> None:
             print(f"{r['shape']} megakd with train.compile=true: {r['megakd_compiled_tokens_per_s']:.0f} tokens/s = "
                   f"{r['compile_ratio']:.2f}x eager, MFU {r['megakd_compiled']['mfu']:.1%} (target 1.2x)")
     for r in rows:
+        if "fused_qkv_ratio" in r:
+            print(f"{r['shape']} megakd with separate q/k/v projections: {r['megakd_separate_qkv_tokens_per_s']:.0f} "
+                  f"tokens/s; fused QKV = {r['fused_qkv_ratio']:.2f}x separate")
+    for r in rows:
         print(f"{r['shape']} megakd step split (profiled): {format_phases(r['phases'], r['megakd_step_s'])}")
+    for r in rows:
+        for side, shares in r.get("ops", {}).items():
+            print(f"{r['shape']} {side} largest ops (share of self time, profiled): "
+                  + ", ".join(f"{name.removeprefix('aten::')} {share:.1%}" for name, share in shares.items()))
 
 
 if __name__ == "__main__":

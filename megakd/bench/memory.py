@@ -117,8 +117,10 @@ def layer_activation_bytes(cfg: EncoderConfig, seq_len: int, micro_batch: int, e
     Q, K, V, attention output (a view of the output projection's input), log-sum-exp, the key
     mask as an additive bias, residual sums and statistics of both LayerNorms, FFN input, GELU
     input and output, and the two hidden-dropout masks (`mask_bytes`: 1 for CUDA's bool masks;
-    CPU dropout keeps a mask in the activation dtype). A relative-position bias is materialised
-    per layer as [B, heads, L, L].
+    CPU dropout keeps a mask in the activation dtype). A relative-position bias masked by padding is
+    materialised as [B, heads, L, L]: once per forward and shared by the layers in `Encoder.forward`,
+    once per layer on pipeline stages; counted per layer here (an upper bound outside pipelines).
+    With `fused_qkv` the concatenated [3H, H] projection weight is kept too (a copy, not a parameter).
     """
     s, b, h, i, a = seq_len, micro_batch, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads
     sbh = s * b * h
@@ -126,6 +128,8 @@ def layer_activation_bytes(cfg: EncoderConfig, seq_len: int, micro_batch: int, e
     attention = 5 * elem * sbh + 4 * b * a * s + elem * b * s + mask * sbh
     if cfg.position_encoding == "t5_relative":
         attention += elem * b * a * s * s
+    if cfg.fused_qkv:
+        attention += elem * 3 * h * h
     ffn = elem * sbh + 2 * elem * s * b * i + mask * sbh  # input, GELU input and output, dropout mask
     norms = 2 * elem * sbh + 2 * 2 * 4 * s * b  # the two residual sums, LayerNorm mean/rstd (fp32)
     return attention + ffn + norms

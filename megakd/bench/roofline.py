@@ -64,6 +64,26 @@ def phase_seconds(step: Callable[[], None], steps: int, device: torch.device) ->
     return totals
 
 
+def op_shares(step: Callable[[], None], steps: int, device: torch.device) -> dict[str, float]:
+    """Each operator's share of the step's self time (CPU; device time on CUDA), largest first.
+
+    Self time counts an op once, where its own work is done (a `linear` shows as the `addmm` it
+    calls), so the shares add up to 1 and say where a step goes whatever the machine's load.
+    """
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        _sync(device)
+    own = {}
+    for event in prof.key_averages():
+        if not event.key.startswith(PREFIX):
+            device_us = getattr(event, "self_device_time_total", 0.0) if device.type == "cuda" else 0.0
+            own[event.key] = device_us or event.self_cpu_time_total
+    total = sum(own.values()) or 1.0
+    return {k: v / total for k, v in sorted(own.items(), key=lambda kv: -kv[1])}
+
+
 def roofline(model_flops_per_step: float, tokens_per_step: float, step_s: float, peak_flops: float) -> dict:
     """FLOPs per token, achieved FLOP/s and MFU of a step that took `step_s` seconds."""
     achieved = model_flops_per_step / step_s

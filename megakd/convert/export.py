@@ -64,7 +64,8 @@ def _vendored_sources() -> dict[str, str]:
 
 def _remote_config(config: EncoderConfig, architecture: str) -> dict:
     fields = dataclasses.asdict(config)
-    fields.pop("activation_checkpointing")
+    for how_not_what in ("activation_checkpointing", "fused_qkv"):  # compute choices, not model properties
+        fields.pop(how_not_what)
     return {**fields, "model_type": "megakd", "architectures": [architecture], "auto_map": REMOTE_AUTO_MAP,
             "dtype": "float32", "transformers_version": transformers.__version__}
 

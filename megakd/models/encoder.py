@@ -46,6 +46,7 @@ class EncoderConfig:
     admin_profile: str = "reference"  # init=admin: "reference" (Xavier layers, profiled in train mode, as the
     # Admin authors' code) | "bert" (BERT's N(0, 0.02) layers, profiled in eval mode on real tokens); models/admin.py
     activation_checkpointing: bool = False
+    fused_qkv: bool = True  # one [H → 3H] matmul for query, key and value (same parameters; SelfAttention)
     pad_token_id: int = 0
 
     @property
@@ -240,8 +241,32 @@ class RelativePositionBias(nn.Module):
         return self.relative_attention_bias(buckets).permute(2, 0, 1).unsqueeze(0)
 
 
+def attention_bias(key_mask: Tensor | None, position_bias: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """The `attn_mask` SDPA takes: the bool key mask alone, or the relative bias in `dtype` with the
+    masked keys at the dtype's minimum ([B, heads, L, L] when both are given)."""
+    if position_bias is None:
+        return key_mask
+    bias = position_bias.to(dtype)
+    return bias if key_mask is None else bias.masked_fill(~key_mask, torch.finfo(dtype).min)
+
+
+def compute_dtype(x: Tensor) -> torch.dtype:
+    """The dtype the layers' projections of `x` come out in (autocast's, when it is on)."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
 class SelfAttention(nn.Module):
-    """Multi-head self-attention through `scaled_dot_product_attention`."""
+    """Multi-head self-attention through `scaled_dot_product_attention`.
+
+    query, key and value stay three Linears, so the parameters and state-dict keys are HF's
+    (checkpoints of any age, the HF mapping, parameter remapping and per-Linear regularisers see
+    the same tensors either way). With `fused_qkv` the three weights are concatenated at each call
+    and x is projected in one [H → 3H] matmul instead of three: one GEMM (and one each for the
+    input and weight gradients) reading x once. The concatenation copies 3H² weights, small next
+    to the 3·tokens·H² multiply-adds. DeepSpeed ZeRO-3 gathers weights read outside their own
+    module's forward by itself (it registers them as external parameters of this module).
+    """
 
     def __init__(self, config: EncoderConfig):
         super().__init__()
@@ -249,30 +274,37 @@ class SelfAttention(nn.Module):
         self.num_heads = config.num_heads
         self.head_dim = hidden // config.num_heads
         self.dropout_p = config.attention_dropout
+        self.fused_qkv = config.fused_qkv
         self.query = nn.Linear(hidden, hidden)
         self.key = nn.Linear(hidden, hidden)
         self.value = nn.Linear(hidden, hidden)
         self.output = nn.Linear(hidden, hidden)
 
-    def forward(self, x: Tensor, key_mask: Tensor | None, position_bias: Tensor | None) -> Tensor:
-        """`key_mask` [B, 1, 1 or L, L] is True where a query may attend; `position_bias` [1, heads, L, L] or None."""
-        batch, seq_len, hidden = x.shape
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v of `x` [B, L, H], each [B, heads, L, head_dim]."""
+        batch, seq_len, _ = x.shape
+        if self.fused_qkv:
+            linears = (self.query, self.key, self.value)
+            weight = torch.cat([linear.weight for linear in linears])
+            bias = torch.cat([linear.bias for linear in linears])
+            qkv = F.linear(x, weight, bias).view(batch, seq_len, 3, self.num_heads, self.head_dim)
+            return qkv.permute(2, 0, 3, 1, 4).unbind(0)
 
         def heads(t: Tensor) -> Tensor:
             return t.view(batch, seq_len, self.num_heads, self.head_dim).transpose(1, 2)
 
-        q, k, v = heads(self.query(x)), heads(self.key(x)), heads(self.value(x))
-        mask = key_mask
-        if position_bias is not None:
-            mask = position_bias.to(q.dtype)
-            if key_mask is not None:
-                mask = mask.masked_fill(~key_mask, torch.finfo(q.dtype).min)
+        return heads(self.query(x)), heads(self.key(x)), heads(self.value(x))
+
+    def forward(self, x: Tensor, key_mask: Tensor | None, position_bias: Tensor | None) -> Tensor:
+        """`key_mask` [B, 1, 1 or L, L] is True where a query may attend; `position_bias` [1, heads, L, L] or None,
+        or [B, heads, L, L] with the key mask already applied (`attention_bias`, as `Encoder.forward` passes it)."""
+        batch, seq_len, hidden = x.shape
+        q, k, v = self.project(x)
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=self.dropout_p if self.training else 0.0
+            q, k, v, attn_mask=attention_bias(key_mask, position_bias, q.dtype),
+            dropout_p=self.dropout_p if self.training else 0.0,
         )
         return self.output(out.transpose(1, 2).reshape(batch, seq_len, hidden))
-
-
 
 
 class FeedForward(nn.Module):
@@ -380,6 +412,10 @@ class Encoder(nn.Module):
     ) -> Tensor:
         x, key_mask, position_bias = self.prepare(input_ids, attention_mask, token_type_ids, inputs_embeds,
                                                   segment_ids)
+        if position_bias is not None and key_mask is not None:
+            # Every layer would mask the same relative bias the same way: do it once, shared by all
+            # (one [B, heads, L, L] tensor per forward instead of one per layer, and one backward).
+            position_bias, key_mask = attention_bias(key_mask, position_bias, compute_dtype(x)), None
         recompute = self.config.activation_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.layers:
             if recompute:

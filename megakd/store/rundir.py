@@ -38,6 +38,9 @@ HISTORY_DIR = "config_history"
 STEERING = ("run.", "train.max_steps", "train.log_every", "train.save_every", "train.max_bad_steps",
             "train.eval_every", "train.eval_samples", "train.probe_", "train.micro_batch_size", "init.",
             "data.num_workers", "data.cache_dir", "kernels.", "backend.dist_backend")
+# Model fields (under any model's section) that change how, not what, a model computes: the same
+# parameters either way, and absent from the configs of runs started before they existed.
+STEERING_FIELDS = ("fused_qkv",)
 # State-bearing keys that cannot change within a run even when named: the saved tensors, data
 # cursors or engine layout would not fit the new value. Start a new run from a model directory
 # or HF export instead.
@@ -135,7 +138,7 @@ PLAIN_STATE_BACKENDS = {"single", "ddp"}
 def _is_steering(key: str, old: Any, new: Any) -> bool:
     if key == "backend.name" and {old, new} <= PLAIN_STATE_BACKENDS:
         return True
-    return key.startswith(STEERING)
+    return key.startswith(STEERING) or key.rsplit(".", 1)[-1] in STEERING_FIELDS
 
 
 def state_changes(saved: dict, current: dict) -> dict:

@@ -72,11 +72,12 @@ def test_parameter_counts_match_spec(size, expected):
     assert counts["total"] == counts["generator"] + counts["discriminator"]
 
 
+@pytest.mark.parametrize("fused_qkv", [True, False])
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
-def test_layer_activations_match_saved_tensors(dropout):
+def test_layer_activations_match_saved_tensors(dropout, fused_qkv):
     """Every tensor autograd saves for one layer (parameters excluded, shared storage once)."""
     cfg = EncoderConfig(vocab_size=512, hidden_size=64, num_layers=1, num_heads=4, intermediate_size=256,
-                        dropout=dropout, attention_dropout=0.0, max_position_embeddings=128)
+                        dropout=dropout, attention_dropout=0.0, max_position_embeddings=128, fused_qkv=fused_qkv)
     encoder = Encoder(cfg).train()
     ids = torch.randint(5, 500, (4, 128))
     x, key_mask, bias = encoder.prepare(ids, torch.ones_like(ids))

@@ -185,3 +185,38 @@ def test_bf16_autocast_trains_close_to_fp32(tiny_data, tmp_path):
         assert b["gen_loss"] == pytest.approx(a["gen_loss"], rel=0.02)
         assert b["disc_loss"] == pytest.approx(a["disc_loss"], rel=0.05)
     assert rows["fp32"][-1]["gen_loss"] != rows["bf16"][-1]["gen_loss"]  # autocast really ran in bf16
+
+
+def test_run_saved_before_fused_qkv_resumes_with_it(tiny_data, tmp_path):
+    """A run of the version with three separate projections (no fused_qkv in its config) resumes
+    with the fused default: same checkpoint keys, no config change to name, and steps that match
+    the separate projections' to float32 rounding (the input gradient sums in another order)."""
+    import shutil
+
+    import yaml
+
+    from megakd.store.checkpoint import write_manifest
+
+    steps = {"train.max_steps": 3, "train.save_every": 2, "run.keep_last": 0}
+    separate = {f"model.{m}.fused_qkv": False for m in ("generator", "discriminator")}
+    full = _train(tiny_data, tmp_path / "full", **steps, **separate)
+    old = tmp_path / "old"
+    shutil.copytree(tmp_path / "full", old)
+    shutil.rmtree(old / "checkpoints/step_00000003")
+    for config in (old / "config.yaml", old / "checkpoints/step_00000002/config.yaml"):
+        saved = yaml.safe_load(config.read_text())
+        for model in ("generator", "discriminator"):
+            del saved["model"][model]["fused_qkv"]
+        config.write_text(yaml.safe_dump(saved, sort_keys=False))
+    write_manifest(old / "checkpoints/step_00000002", 2)  # as the old version wrote it
+    resumed = _train(tiny_data, old, resume="auto", **steps)
+    assert resumed.step == 3 and all(layer.attention.fused_qkv for unit in resumed.units.values()
+                                     for layer in unit.model.encoder.layers)
+    want, got = _metrics(tmp_path / "full"), _metrics(old)
+    assert [r["step"] for r in got] == [1, 2, 3] and got[:2] == want[:2]
+    for key in ("gen_loss", "disc_loss", "grad_norm_generator", "grad_norm_discriminator"):
+        assert got[2][key] == pytest.approx(want[2][key], rel=1e-5), key
+    a, b = _params(full), _params(resumed)
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=k)

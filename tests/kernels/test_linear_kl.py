@@ -109,14 +109,17 @@ def test_float32_close_to_float64_reference(backend):
     assert_matches((out[0].double(), [x.double() for x in out[1]]), ref, rtol=1e-4, atol=1e-6)
 
 
-def test_torch_sampling_is_reproducible_and_equals_reference(chunk_elems):
+@pytest.mark.parametrize("temperature", [0.8, 1.0])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_torch_sampling_is_reproducible_and_equals_reference(chunk_elems, temperature, dtype):
     g = torch.Generator().manual_seed(5)
-    hidden, weight, bias = _randn(g, 41, 12), _randn(g, 97, 12), _randn(g, 97)
+    hidden, weight, bias = (t.to(dtype) for t in (_randn(g, 41, 12), _randn(g, 97, 12), _randn(g, 97)))
     draws = []
     for seed in (123, 123, 124):
         gen = torch.Generator().manual_seed(seed)
-        draws.append(fused_linear_sample(hidden, weight, bias, generator=gen, temperature=0.8, backend="torch"))
-    ref = fused_linear_sample_reference(hidden, weight, bias, torch.Generator().manual_seed(123), 0.8)
+        draws.append(fused_linear_sample(hidden, weight, bias, generator=gen, temperature=temperature,
+                                         backend="torch"))
+    ref = fused_linear_sample_reference(hidden, weight, bias, torch.Generator().manual_seed(123), temperature)
     assert torch.equal(draws[0][0], draws[1][0])
     assert torch.equal(draws[0][0], ref[0])
     assert not torch.equal(draws[0][0], draws[2][0])

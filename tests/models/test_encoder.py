@@ -308,3 +308,48 @@ def test_local_relative_init_biases_each_head_by_distance() -> None:
     assert default.std().item() < 0.05  # the default stays HF's N(0, initializer_range)
     with pytest.raises(ValueError, match="model.relative_init"):
         tiny(relative_init="alibi").validate()
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_masked_relative_bias_is_built_once_and_equals_masking_per_layer(autocast: bool) -> None:
+    """`Encoder.forward` masks the relative bias once for all layers; each layer masking it itself
+    (as pipeline stages do) computes the same: bitwise in the forward (float64, and under bf16
+    autocast), to 1e-12 in every gradient (the layers' contributions are summed in another order)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountMaskedFills(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func.overloadpacket in (torch.ops.aten.masked_fill, torch.ops.aten.masked_fill_)
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    encoder = Encoder(tiny(position_encoding="t5_relative", dropout=0.1, attention_dropout=0.1))
+    encoder = encoder.train() if autocast else encoder.double().train()
+    with torch.no_grad():
+        encoder.relative_bias.relative_attention_bias.weight.normal_(0, 1.0)
+    input_ids, mask, token_types = padded_batch(61)
+    readout = torch.randn(3, 13, 32, generator=torch.Generator().manual_seed(2))
+    results = []
+    for hoisted in (True, False):
+        encoder.zero_grad()
+        torch.manual_seed(1)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), CountMaskedFills() as fills:
+            if hoisted:
+                out = encoder(input_ids, mask, token_types)
+            else:
+                out, key_mask, position_bias = encoder.prepare(input_ids, mask, token_types)
+                for layer in encoder.layers:
+                    out = layer(out, key_mask, position_bias)
+        (out * readout.to(out.dtype)).sum().backward()  # a random readout: LayerNorm'd outputs have unit mean square
+        results.append((out.detach(), fills.count, {n: p.grad.clone() for n, p in encoder.named_parameters()}))
+    (out_once, fills_once, grads_once), (out_each, fills_each, grads_each) = results
+    assert (fills_once, fills_each) == (1, 3)
+    assert torch.equal(out_once, out_each)
+    if not autocast:
+        for name, grad in grads_each.items():
+            torch.testing.assert_close(grads_once[name], grad, rtol=0, atol=1e-12, msg=name)
+        assert grads_once["relative_bias.relative_attention_bias.weight"].abs().max() > 1e-4

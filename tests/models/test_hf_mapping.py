@@ -26,9 +26,9 @@ CASES = [
 ]
 
 
-def make_config(embedding_size: int | None) -> EncoderConfig:
+def make_config(embedding_size: int | None, fused_qkv: bool = True) -> EncoderConfig:
     return EncoderConfig(vocab_size=97, hidden_size=48, num_layers=2, num_heads=4, intermediate_size=96,
-                         embedding_size=embedding_size, max_position_embeddings=40)
+                         embedding_size=embedding_size, max_position_embeddings=40, fused_qkv=fused_qkv)
 
 
 def make_megakd(config: EncoderConfig, kind: str) -> torch.nn.Module:
@@ -61,10 +61,11 @@ def perturb(model: torch.nn.Module) -> None:
                 p.add_(0.1 * torch.randn_like(p))
 
 
+@pytest.mark.parametrize("fused_qkv", [True, False])  # one [H, 3H] matmul or three: the same HF weights
 @pytest.mark.parametrize("kind,embedding_size", CASES)
-def test_megakd_to_hf(kind: str, embedding_size: int | None) -> None:
+def test_megakd_to_hf(kind: str, embedding_size: int | None, fused_qkv: bool) -> None:
     torch.manual_seed(0)
-    config = make_config(embedding_size)
+    config = make_config(embedding_size, fused_qkv)
     ours = make_megakd(config, kind).eval()
     perturb(ours)
     theirs = hf_model_class(kind)(hf_config(config, kind)).eval()

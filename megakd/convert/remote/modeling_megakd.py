@@ -36,12 +36,7 @@ def attention_probabilities(attention, x, key_mask, position_bias):
     megakd attends through `scaled_dot_product_attention`, which returns no weights; this computes
     the same scores explicitly for `output_attentions` (tests check probs·V against the layer).
     """
-    batch, seq_len, _ = x.shape
-
-    def heads(t):
-        return t.view(batch, seq_len, attention.num_heads, attention.head_dim).transpose(1, 2)
-
-    q, k = heads(attention.query(x)), heads(attention.key(x))
+    q, k, _ = attention.project(x)
     scores = q @ k.transpose(-1, -2) / math.sqrt(attention.head_dim)
     if position_bias is not None:
         scores = scores + position_bias.to(scores.dtype)

@@ -117,7 +117,7 @@ def cmd_repro(args: argparse.Namespace) -> int:
     from megakd.repro import FINDINGS, plan_findings, run_findings
     from megakd.repro.runs import Costs
 
-    names = list(FINDINGS) if args.name == "all" else [args.name]
+    names = list(FINDINGS) if "all" in args.name else list(dict.fromkeys(args.name))
     seeds = tuple(args.seeds) if args.seeds else None
     if args.jobs < 1:
         raise UserError(f"--jobs: expected a positive number of jobs, got {args.jobs}")
@@ -316,7 +316,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("repro", help="re-run one of the papers' findings at CPU scale and write its section of "
                        "docs/REPRODUCTION.md (paper numbers, measured mean ± std over seeds, verdict)")
-    p.add_argument("name", choices=(*FINDINGS, "all"), help="the finding, or all of them in turn")
+    p.add_argument("name", nargs="+", choices=(*FINDINGS, "all"),
+                   help="the findings to run together (jobs of different findings share the cores), or all")
     p.add_argument("--quick", action="store_true", help="small settings, for tests of the report's structure")
     p.add_argument("--seeds", type=int, nargs="+", help="override the finding's seeds")
     p.add_argument("--recipe", help="the pretraining recipe the finding trains from (default: the finding's own; "

@@ -4,7 +4,7 @@ Three operations share one tiling (rows of hidden states x vocabulary of an outp
 
 - :func:`fused_linear_kl`: KL(softmax(teacher/tau) || softmax(student/tau)) for distillation (DWT);
 - :func:`fused_linear_cross_entropy`: the generator's MLM cross-entropy;
-- :func:`fused_linear_sample`: Gumbel-max sampling (plus argmax) at masked positions.
+- :func:`fused_linear_sample`: sampling from the softmax (plus argmax) at masked positions.
 
 With a 128K vocabulary the logits of a few thousand tokens are gigabytes, while the inputs are
 megabytes. The torch path processes rows in chunks of about ``_CHUNK_ELEMS / V`` rows and, as
@@ -83,14 +83,17 @@ def fused_linear_sample_reference(
     generator: torch.Generator | None = None,
     temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Naive reference of :func:`fused_linear_sample`: one [N, V] float64 uniform draw, Gumbel-max.
+    """Naive reference of :func:`fused_linear_sample`: textbook inverse-CDF sampling in float64.
 
-    Consumes ``generator`` exactly as the chunked torch path does, so both give identical samples.
+    One uniform per row, drawn from ``generator`` in row order as the chunked torch path draws them;
+    the full [N, V] cumulative sum here and the two-level one there round differently only in the
+    last bits, so both give the same samples for the same seed.
     """
     logits = F.linear(hidden, weight, bias)
-    u = torch.rand(logits.shape, generator=generator, dtype=torch.float64, device=logits.device)
-    noisy = logits.to(torch.float64) / temperature - torch.log(-torch.log(u))
-    return noisy.argmax(-1), logits.argmax(-1)
+    cdf = torch.softmax(logits.to(torch.float64) / temperature, -1).cumsum(-1)
+    u = torch.rand(logits.shape[0], 1, generator=generator, dtype=torch.float64, device=logits.device)
+    samples = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=logits.shape[1] - 1)
+    return samples.squeeze(1), logits.argmax(-1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -208,16 +211,43 @@ def _sample_torch(hidden, weight, bias, generator, temperature):
     argmax = torch.empty(n, dtype=torch.long, device=hidden.device)
     step = _rows_per_chunk(n, v)
     for r0 in range(0, n, step):
-        logits = F.linear(hidden[r0 : r0 + step], weight, bias)
+        logits = _logits(hidden[r0 : r0 + step], weight, bias, _acc_dtype(hidden))
         argmax[r0 : r0 + step] = logits.argmax(-1)
-        u = torch.rand(logits.shape, generator=generator, dtype=torch.float64, device=logits.device)
-        noisy = u.log_().neg_().log_().neg_()  # Gumbel noise, in place
-        # The logits are widened to float64 inside the add (exactly, as .to(float64) would): no float64
-        # copy of the chunk's logits, and no division when it would be by 1.
-        noisy += logits if temperature == 1.0 else logits.to(torch.float64).div_(temperature)
-        samples[r0 : r0 + step] = noisy.argmax(-1)
-        del logits, u, noisy
+        if temperature != 1.0:
+            logits.div_(temperature)
+        weights = logits.sub_(logits.amax(-1, keepdim=True)).exp_()  # unnormalized softmax, in place
+        u = torch.rand(weights.shape[0], 1, generator=generator, dtype=torch.float64, device=weights.device)
+        samples[r0 : r0 + step] = _inverse_cdf(weights, u)
+        del logits, weights
     return samples, argmax
+
+
+# Width of the vocabulary blocks of the two-level inverse CDF: the cumulative sums cover V / 256 block
+# totals and then one block per row, instead of all V entries.
+_CDF_BLOCK = 256
+
+
+def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Row-wise index i with cdf[i-1] <= u * total < cdf[i], for unnormalized ``weights`` [R, V] >= 0.
+
+    Exact inverse-CDF sampling with one uniform ``u`` [R, 1] per row, where Gumbel-max needs V uniforms
+    and two logarithms per row: the per-element work is one exp (done by the caller) and one summation.
+    Sums run in float64. A zero weight is never chosen (``right=True`` skips empty intervals).
+    """
+    rows, v = weights.shape
+    full, tail = divmod(v, _CDF_BLOCK)
+    totals = weights[:, : full * _CDF_BLOCK].view(rows, full, _CDF_BLOCK).sum(-1, dtype=torch.float64)
+    if tail:
+        totals = torch.cat([totals, weights[:, full * _CDF_BLOCK :].sum(-1, keepdim=True, dtype=torch.float64)], 1)
+    block_cdf = totals.cumsum(-1)
+    target = u * block_cdf[:, -1:]
+    block = torch.searchsorted(block_cdf, target, right=True).clamp_(max=block_cdf.shape[1] - 1)
+    within = target - (block_cdf.gather(1, block) - totals.gather(1, block))
+    index = block * _CDF_BLOCK + torch.arange(_CDF_BLOCK, device=weights.device)
+    in_range = index < v
+    inner_cdf = weights.gather(1, index.clamp(max=v - 1)).masked_fill_(~in_range, 0).cumsum(-1, dtype=torch.float64)
+    offset = torch.searchsorted(inner_cdf, within, right=True).clamp_(max=_CDF_BLOCK - 1)
+    return (block * _CDF_BLOCK + offset).clamp_(max=v - 1).squeeze(1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -321,9 +351,9 @@ def fused_linear_sample(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row from softmax((hidden @ weight.T + bias) / tau) and return the row argmax.
 
-    Gumbel-max over vocabulary chunks, no gradient. The torch path draws float64 uniforms from
-    ``generator`` in row-major order, so it is reproducible and equals
-    :func:`fused_linear_sample_reference` for the same seed. The Triton path draws a 31-bit seed
+    No gradient. The torch path samples each row by inverse CDF from one float64 uniform drawn from
+    ``generator`` in row order, so it is reproducible and equals :func:`fused_linear_sample_reference`
+    for the same seed. The Triton path (Gumbel-max over vocabulary tiles) draws a 31-bit seed
     from ``generator`` (or torch's default generator) and uses Triton's Philox RNG: reproducible for
     the same generator state, but a different stream from the torch path.
     """

@@ -111,9 +111,10 @@ def test_float32_close_to_float64_reference(backend):
 
 @pytest.mark.parametrize("temperature", [0.8, 1.0])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_torch_sampling_is_reproducible_and_equals_reference(chunk_elems, temperature, dtype):
+@pytest.mark.parametrize("vocab", [97, 2 * 256 + 37])  # inside one CDF block; over two blocks and a partial one
+def test_torch_sampling_is_reproducible_and_equals_reference(chunk_elems, temperature, dtype, vocab):
     g = torch.Generator().manual_seed(5)
-    hidden, weight, bias = (t.to(dtype) for t in (_randn(g, 41, 12), _randn(g, 97, 12), _randn(g, 97)))
+    hidden, weight, bias = (t.to(dtype) for t in (_randn(g, 41, 12), _randn(g, vocab, 12), _randn(g, vocab)))
     draws = []
     for seed in (123, 123, 124):
         gen = torch.Generator().manual_seed(seed)
@@ -144,6 +145,25 @@ def test_sampling_distribution(backend, rows, with_bias):
     stat = ((observed - expected) ** 2 / expected).sum().item()
     # a correct sampler fails this with probability 1e-6
     assert stat < chi2.ppf(1 - 1e-6, df=v - 1), stat
+
+
+def test_torch_sampling_distribution_over_several_cdf_blocks():
+    """Chi-square over 549 tokens (two full 256-wide CDF blocks and a partial one); zero-probability
+    tokens, at a block's start and end and in the partial block, are never drawn."""
+    g = torch.Generator().manual_seed(3)
+    v, rows = 2 * 256 + 37, 60000
+    logits = _randn(g, v, scale=0.5).float()
+    impossible = torch.tensor([0, 255, 256, 511, 530, v - 1])
+    logits[impossible] = -1e4  # exp underflows to exactly 0 in float32
+    hidden, weight = torch.ones(rows, 1), logits.unsqueeze(1)  # hidden @ weight.T = logits in every row
+    samples, _ = fused_linear_sample(hidden, weight, None, torch.Generator().manual_seed(2), backend="torch")
+    observed = torch.bincount(samples, minlength=v).double()
+    assert observed[impossible].sum() == 0
+    possible = torch.ones(v, dtype=torch.bool)
+    possible[impossible] = False
+    expected = torch.softmax(logits.double()[possible], -1) * rows
+    stat = ((observed[possible] - expected) ** 2 / expected).sum().item()
+    assert stat < chi2.ppf(1 - 1e-6, df=int(possible.sum()) - 1), stat
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -71,14 +71,14 @@ QUICK_NOTE = (" Quick mode: a 1-layer, 32-wide encoder pretrained for 12 steps, 
 class Costs:
     """Seconds per unit of work for one job on one thread, the plan's cost model.
 
-    The defaults were measured on one machine (the project's shared 2-core CPU), one thread per job
-    with the other core busy, which is what `--jobs 2` gives each job. Other models are scaled from
-    them by matrix FLOPs (`megakd.bench.flops`): the scaling predicts 0.24 s for a bert-mini step
-    (4 x 128 MLM), measured there at ~0.23 s.
+    The defaults come from one machine (the project's 2-core CPU), one thread per job with the other
+    core busy, which is what `--jobs 2` gives each job: first timed directly (0.46 s, 70 s), then
+    scaled by the full run's measured/planned ratios (pretraining and distillation 0.80, fine-tuning
+    0.74 over 35 jobs; README "Budget"). Other models are scaled by matrix FLOPs (`megakd.bench.flops`).
     """
 
-    electra_mini_step: float = 0.46  # one pretraining step of configs/electra-mini.yaml (batch 32, seq 64)
-    rt_epoch: float = 70.0  # one RT fine-tuning epoch of its 4 x 128 discriminator over all 9,071 sentences
+    electra_mini_step: float = 0.37  # one pretraining step of configs/electra-mini.yaml (batch 32, seq 64)
+    rt_epoch: float = 52.0  # one RT fine-tuning epoch of its 4 x 128 discriminator over all 9,071 sentences
     job_start: float = 10.0  # a job's set-up (imports, data, model): an estimate, not measured
 
     @classmethod

@@ -232,7 +232,9 @@ def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
     Exact inverse-CDF sampling with one uniform ``u`` [R, 1] per row, where Gumbel-max needs V uniforms
     and two logarithms per row: the per-element work is one exp (done by the caller) and one summation.
-    Sums run in float64. A zero weight is never chosen (``right=True`` skips empty intervals).
+    Sums run in float64. A zero weight is never chosen (``right=True`` skips empty intervals), except
+    when float64 rounding puts a draw at the very top of its block (the block's total and its inner
+    cumulative sum add in different orders), where the block's last entry is taken.
     """
     rows, v = weights.shape
     full, tail = divmod(v, _CDF_BLOCK)

@@ -88,6 +88,18 @@ def test_plan_command_prints_the_table_and_runs_nothing(tmp_path, capsys):
     assert main(["repro", "all", "--plan", "--jobs", "0"]) == 2
 
 
+def test_several_findings_share_the_cores_in_one_plan(tmp_path, capsys):
+    def done_at(*names: str) -> dict[str, float]:
+        assert main(["repro", *names, "--plan", "--work", str(tmp_path)]) == 0
+        rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+        return {row[0]: float(row[-1]) for row in rows}
+
+    together = done_at("tgt", "dwt", "tgt")  # a repeated name is one finding
+    assert list(together) == ["tgt", "dwt", "total"]
+    alone = [done_at(name)["total"] for name in ("tgt", "dwt")]
+    assert max(alone) <= together["total"] < sum(alone)
+
+
 def _pretrain_quietly(work: str) -> None:
     pretrain(PRETRAIN_RECIPE, list(QUICK_PRETRAIN), Path(work))
 

@@ -471,5 +471,16 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERRUPTED
 
 
+def console() -> None:
+    """The `megakd` executable (and `python -m megakd.cli`, as the launchers run it): `main`, then
+    `exit_process`, which leaves a distributed run without the abort at interpreter teardown."""
+    code = main()
+    if "megakd.engine.backends" not in sys.modules:  # nothing could have created a process group
+        sys.exit(code)
+    from megakd.engine.backends import exit_process
+
+    exit_process(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console()

@@ -12,11 +12,13 @@ DeepSpeed's pipeline engine. Models never import a backend.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import logging
 import math
 import os
+import sys
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -77,8 +79,38 @@ def init_distributed(dist_backend: str = "auto") -> tuple[int, int, int]:
             dist_backend = "nccl" if torch.cuda.is_available() else "gloo"
         if dist_backend == "nccl":
             torch.cuda.set_device(local_rank)
-        dist.init_process_group(dist_backend, timeout=datetime.timedelta(minutes=30))
+        create_process_group(dist_backend)
     return rank, world, local_rank
+
+
+_created_process_group = False
+
+
+def create_process_group(dist_backend: str, **kwargs) -> None:
+    """`dist.init_process_group` with megakd's timeout, remembered for `exit_process`."""
+    global _created_process_group
+    dist.init_process_group(dist_backend, timeout=datetime.timedelta(minutes=30), **kwargs)
+    _created_process_group = True
+
+
+def exit_process(code: int) -> None:
+    """End a command's process; one that created a process group skips the interpreter's teardown.
+
+    gloo's worker threads release the tensors of the last collective they ran, which needs the GIL.
+    DeepSpeed keeps references to its process groups (engines, ZeRO's parameters, its group
+    registry), so `dist.destroy_process_group` cannot join those threads; if the interpreter has
+    begun to finalize when one of them asks for the GIL, the thread is unwound inside a noexcept
+    destructor and the process aborts ("terminate called without an active exception", SIGABRT)
+    after a run that succeeded. So: run the atexit handlers (logging, wandb, DataLoader cleanup),
+    flush, and `os._exit`. Without a process group this is plain `sys.exit`. docs/decisions.md has
+    the details.
+    """
+    if not _created_process_group:
+        sys.exit(code)
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def untimed(_phase: str) -> contextlib.AbstractContextManager:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import datetime
 import json
 import logging
 import math
@@ -42,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from megakd.config import Config, ConfigError
-from megakd.engine.backends import DDPBackend, Unit, init_distributed
+from megakd.engine.backends import DDPBackend, Unit, create_process_group, init_distributed
 from megakd.engine.optim import build_scheduler
 from megakd.store.checkpoint import DEEPSPEED_TAG
 from megakd.store.checkpoint_models import WEIGHTS_SUFFIX
@@ -133,8 +132,7 @@ def init_deepspeed(dist_backend: str) -> tuple[int, int, int]:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
-                                timeout=datetime.timedelta(minutes=30))
+        create_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False)
     return rank, world, local_rank
 

@@ -15,6 +15,7 @@ import sys
 import torch.distributed as dist
 
 from megakd.config import load_config
+from megakd.engine.backends import exit_process
 from megakd.engine.pretrain import build_trainer
 
 
@@ -27,12 +28,10 @@ def main(spec_path: str) -> None:
         trainer.open_run(run.get("resume"))
         trainer.train()
     if dist.is_initialized():
-        # Every rank has finished every run; without the barrier a rank could tear its gloo pairs
-        # down while the other was still in its last collective (seen once in CI: "terminate called
-        # without an active exception", SIGABRT at exit).
-        dist.barrier()
+        dist.barrier()  # every rank has finished every run before any leaves
         dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    exit_process(0)  # as the `megakd` executable ends: no abort at interpreter teardown

@@ -7,6 +7,7 @@ Every public kernel takes ``backend="auto" | "triton" | "torch"``; see :mod:`.di
 from .dispatch import BACKENDS, resolve_backend
 from .linear_kl import (
     fused_linear_cross_entropy,
+    fused_linear_cross_entropy_and_sample,
     fused_linear_cross_entropy_reference,
     fused_linear_kl,
     fused_linear_kl_reference,
@@ -19,6 +20,7 @@ from .rtd_loss import fused_rtd_loss, fused_rtd_loss_reference
 __all__ = [
     "BACKENDS",
     "fused_linear_cross_entropy",
+    "fused_linear_cross_entropy_and_sample",
     "fused_linear_cross_entropy_reference",
     "fused_linear_kl",
     "fused_linear_kl_reference",

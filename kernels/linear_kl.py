@@ -4,7 +4,8 @@ Three operations share one tiling (rows of hidden states x vocabulary of an outp
 
 - :func:`fused_linear_kl`: KL(softmax(teacher/tau) || softmax(student/tau)) for distillation (DWT);
 - :func:`fused_linear_cross_entropy`: the generator's MLM cross-entropy;
-- :func:`fused_linear_sample`: sampling from the softmax (plus argmax) at masked positions.
+- :func:`fused_linear_sample`: sampling from the softmax (plus argmax) at masked positions;
+- :func:`fused_linear_cross_entropy_and_sample`: the last two from one pass over the logits.
 
 With a 128K vocabulary the logits of a few thousand tokens are gigabytes, while the inputs are
 megabytes. The torch path processes rows in chunks of about ``_CHUNK_ELEMS / V`` rows and, as
@@ -182,11 +183,15 @@ class _ChunkedLinearKL(_ChunkedLinearLoss):
 
 
 class _ChunkedLinearCE(_ChunkedLinearLoss):
-    """Mean cross-entropy over rows whose target is not ``ignore_index``, chunked over rows."""
+    """Mean cross-entropy over rows whose target is not ``ignore_index``, chunked over rows.
+
+    With ``draws`` (a :class:`_Draws`) each chunk's logits are also sampled from, once the loss has
+    read them, so the sampling needs no second pass over the vocabulary.
+    """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, ignore_index):
-        ctx.num_inputs = 5
+    def forward(ctx, hidden, weight, bias, target, ignore_index, draws):
+        ctx.num_inputs = 6
         acc = _acc_dtype(hidden)
         denom = max(int((target != ignore_index).sum()), 1)
 
@@ -194,7 +199,11 @@ class _ChunkedLinearCE(_ChunkedLinearLoss):
             tgt = target[r0 : r0 + h.shape[0]]
             valid = tgt != ignore_index
             safe = torch.where(valid, tgt, 0).unsqueeze(1)
-            logp = torch.log_softmax(_logits(h, weight, bias, acc), -1)
+            logits = _logits(h, weight, bias, acc)
+            logp = torch.log_softmax(logits, -1)
+            if draws is not None:
+                draws.take(r0, logits)  # overwrites logits
+            del logits
             loss = -(logp.gather(1, safe).squeeze(1) * valid).sum()
             if not grad:
                 return loss, None, None
@@ -205,21 +214,38 @@ class _ChunkedLinearCE(_ChunkedLinearLoss):
         return _chunked_loss_and_grads(ctx, hidden, weight, bias, denom, chunk_terms)
 
 
+class _Draws:
+    """One sample from softmax(logits / temperature) and the argmax of every row, filled chunk by chunk.
+
+    Rows are drawn in order with one float64 uniform each from ``generator``, so the result does not
+    depend on which pass over the logits (the sampler's own or the cross-entropy's) supplies them.
+    """
+
+    def __init__(self, rows: int, device: torch.device, generator: torch.Generator | None, temperature: float):
+        self.samples = torch.empty(rows, dtype=torch.long, device=device)
+        self.argmax = torch.empty(rows, dtype=torch.long, device=device)
+        self.generator = generator
+        self.temperature = temperature
+
+    @torch.no_grad()
+    def take(self, r0: int, logits: torch.Tensor) -> None:
+        """Draw rows ``r0 ...`` from this chunk of ``logits`` [rows, V]; overwrites ``logits``."""
+        rows = slice(r0, r0 + logits.shape[0])
+        self.argmax[rows] = logits.argmax(-1)
+        if self.temperature != 1.0:
+            logits.div_(self.temperature)
+        weights = logits.sub_(logits.amax(-1, keepdim=True)).exp_()  # unnormalized softmax, in place
+        u = torch.rand(weights.shape[0], 1, generator=self.generator, dtype=torch.float64, device=weights.device)
+        self.samples[rows] = _inverse_cdf(weights, u)
+
+
 def _sample_torch(hidden, weight, bias, generator, temperature):
     n, v = hidden.shape[0], weight.shape[0]
-    samples = torch.empty(n, dtype=torch.long, device=hidden.device)
-    argmax = torch.empty(n, dtype=torch.long, device=hidden.device)
+    draws = _Draws(n, hidden.device, generator, temperature)
     step = _rows_per_chunk(n, v)
     for r0 in range(0, n, step):
-        logits = _logits(hidden[r0 : r0 + step], weight, bias, _acc_dtype(hidden))
-        argmax[r0 : r0 + step] = logits.argmax(-1)
-        if temperature != 1.0:
-            logits.div_(temperature)
-        weights = logits.sub_(logits.amax(-1, keepdim=True)).exp_()  # unnormalized softmax, in place
-        u = torch.rand(weights.shape[0], 1, generator=generator, dtype=torch.float64, device=weights.device)
-        samples[r0 : r0 + step] = _inverse_cdf(weights, u)
-        del logits, weights
-    return samples, argmax
+        draws.take(r0, _logits(hidden[r0 : r0 + step], weight, bias, _acc_dtype(hidden)))
+    return draws.samples, draws.argmax
 
 
 # Width of the vocabulary blocks of the two-level inverse CDF: the cumulative sums cover V / 256 block
@@ -275,6 +301,23 @@ def _check_temperature(op: str, temperature: float) -> None:
         raise ValueError(f"{op}: temperature must be a positive number, got {temperature!r}")
 
 
+def _check_generator(op: str, generator) -> None:
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"{op}: generator must be a torch.Generator or None, got {type(generator).__name__}")
+
+
+def _check_target(op: str, target: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, ignore_index: int) -> None:
+    check_tensor("target", target, 1, op)
+    if target.shape[0] != hidden.shape[0] or target.dtype not in (torch.int64, torch.int32):
+        raise ValueError(
+            f"{op}: target must be an integer tensor of shape ({hidden.shape[0]},), "
+            f"got {target.dtype} {tuple(target.shape)}"
+        )
+    valid = target[target != ignore_index]
+    if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= weight.shape[0]):
+        raise ValueError(f"{op}: target values must be in [0, {weight.shape[0]}) or ignore_index={ignore_index}")
+
+
 def fused_linear_kl(
     student_hidden: torch.Tensor,
     student_weight: torch.Tensor,
@@ -326,20 +369,48 @@ def fused_linear_cross_entropy(
     """
     op = "fused_linear_cross_entropy"
     _check_head(op, "hidden", hidden, "weight", weight, "bias", bias)
-    check_tensor("target", target, 1, op)
-    if target.shape[0] != hidden.shape[0] or target.dtype not in (torch.int64, torch.int32):
-        raise ValueError(
-            f"{op}: target must be an integer tensor of shape ({hidden.shape[0]},), "
-            f"got {target.dtype} {tuple(target.shape)}"
-        )
-    valid = target[target != ignore_index]
-    if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= weight.shape[0]):
-        raise ValueError(f"{op}: target values must be in [0, {weight.shape[0]}) or ignore_index={ignore_index}")
+    _check_target(op, target, hidden, weight, ignore_index)
     if resolve_backend(backend, hidden.device, op) == "torch":
-        return _ChunkedLinearCE.apply(hidden, weight, bias, target.long(), int(ignore_index))
+        return _ChunkedLinearCE.apply(hidden, weight, bias, target.long(), int(ignore_index), None)
     from .linear_kl_triton import linear_cross_entropy_triton
 
     return linear_cross_entropy_triton(hidden, weight, bias, target, int(ignore_index))
+
+
+def fused_linear_cross_entropy_and_sample(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    generator: torch.Generator | None = None,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, samples, argmax): :func:`fused_linear_cross_entropy` and :func:`fused_linear_sample` of
+    the same rows, equal to calling the two (bit for bit, the same draws from ``generator``).
+
+    The torch path computes each chunk's logits once for both: ELECTRA's generator samples its
+    replacements from the very logits its loss needs, and at a 128K vocabulary that second
+    [rows x V] product was most of the sampling's time. The Triton path calls the two kernels.
+    Gradients flow to the loss only.
+    """
+    op = "fused_linear_cross_entropy_and_sample"
+    _check_head(op, "hidden", hidden, "weight", weight, "bias", bias)
+    _check_target(op, target, hidden, weight, ignore_index)
+    _check_temperature(op, temperature)
+    _check_generator(op, generator)
+    if resolve_backend(backend, hidden.device, op) == "torch":
+        draws = _Draws(hidden.shape[0], hidden.device, generator, float(temperature))
+        loss = _ChunkedLinearCE.apply(hidden, weight, bias, target.long(), int(ignore_index), draws)
+        return loss, draws.samples, draws.argmax
+    from .linear_kl_triton import linear_cross_entropy_triton, linear_sample_triton
+
+    loss = linear_cross_entropy_triton(hidden, weight, bias, target, int(ignore_index))
+    with torch.no_grad():
+        samples, argmax = linear_sample_triton(hidden.detach(), weight.detach(),
+                                               None if bias is None else bias.detach(), generator, float(temperature))
+    return loss, samples, argmax
 
 
 @torch.no_grad()
@@ -362,8 +433,7 @@ def fused_linear_sample(
     op = "fused_linear_sample"
     _check_head(op, "hidden", hidden, "weight", weight, "bias", bias)
     _check_temperature(op, temperature)
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"{op}: generator must be a torch.Generator or None, got {type(generator).__name__}")
+    _check_generator(op, generator)
     if resolve_backend(backend, hidden.device, op) == "torch":
         return _sample_torch(hidden, weight, bias, generator, float(temperature))
     from .linear_kl_triton import linear_sample_triton

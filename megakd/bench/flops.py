@@ -7,8 +7,8 @@ The counts follow what megakd actually runs (docs/decisions.md):
 
 * every encoder processes all `seq_len` positions (padding included: the kernels are dense);
 * the generator's vocabulary projection runs only at the masked positions (sparse MLM head),
-  once for the loss and its two gradients (the fused loss computes them in its forward pass) and
-  once more, without gradient, for sampling the replacements;
+  once for the loss and its two gradients (the fused loss computes them in its forward pass); the
+  replacements are sampled from the same logits, with no projection of their own;
 * the discriminator runs forward and backward over every position, its RTD head included.
 
 Backward costs two forward matmuls per matmul (input and weight gradients). Activation
@@ -76,14 +76,13 @@ class StepFlops:
 
 
 def generator_head_flops(cfg: EncoderConfig, masked: float) -> dict[str, dict[str, float]]:
-    """The sparse MLM head at `masked` positions: transform, vocabulary projection, sampling."""
+    """The sparse MLM head at `masked` positions: transform and vocabulary projection."""
     e, h, v = cfg.embed_dim, cfg.hidden_size, cfg.vocab_size
     transform = 2 * h * e * masked
     projection = 2 * e * v * masked
     return {
         "generator_head": {"forward": transform, "backward": 2 * transform},
         "generator_mlm_projection": {"forward": projection, "backward": 2 * projection},
-        "generator_sampling": {"forward": projection, "backward": 0.0},
     }
 
 

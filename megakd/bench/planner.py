@@ -108,7 +108,7 @@ def _stage_flops(blocks: list[Block], cfg: Config, sequences: int, checkpointing
             per_layer = (total["forward"] + total["backward"]) / enc.num_layers  # embeddings projection spread
             out.append(per_layer * (4 / 3 if checkpointing else 1))
         elif b.kind == "head":
-            keys = (["generator_head", "generator_mlm_projection", "generator_sampling"]
+            keys = (["generator_head", "generator_mlm_projection"]
                     if b.model == "generator" else ["discriminator_head"])
             out.append(sum(parts[k]["forward"] + parts[k]["backward"] for k in keys))
         else:

@@ -46,7 +46,7 @@ def matmul_peak_flops(dtype: torch.dtype, device: torch.device, n: int = 2048, i
 def phase_seconds(step: Callable[[], None], steps: int, device: torch.device) -> dict[str, float]:
     """Seconds per step spent in each phase label, from a `torch.profiler` pass of `steps` calls.
 
-    `generator` excludes `sampling` (which runs inside it). On CUDA the device time of each range
+    On CUDA the device time of each range
     is used, on CPU its wall time on the calling thread. Profiling adds overhead, so use the
     result as a split of the step, and time the step itself without the profiler.
     """
@@ -60,7 +60,6 @@ def phase_seconds(step: Callable[[], None], steps: int, device: torch.device) ->
         if event.key.startswith(PREFIX) and event.key[len(PREFIX):] in totals:
             device_us = getattr(event, "device_time_total", 0.0) if device.type == "cuda" else 0.0
             totals[event.key[len(PREFIX):]] += (device_us or event.cpu_time_total) / 1e6 / steps
-    totals["generator"] = max(0.0, totals["generator"] - totals["sampling"])
     return totals
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from torch.profiler import record_function
 
-PHASES = ("data", "generator", "sampling", "discriminator", "optimizer")
+PHASES = ("data", "generator", "discriminator", "optimizer")
 PREFIX = "megakd."
 
 

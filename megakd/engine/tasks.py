@@ -14,12 +14,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from megakd.engine.profiling import phase
 from megakd.models.electra import Discriminator, ElectraPair, MaskedLM
 from megakd.objectives.distill import alpha_schedule, kd_loss
 from megakd.objectives.electra import (
     corrupt,
-    mlm_loss,
+    mlm_loss_and_replacements,
     precision_recall_f1,
     rtd_counts,
     rtd_labels,
@@ -78,11 +77,8 @@ class GeneratorTask(nn.Module):
         masked_hidden = self.model.masked_hidden(hidden, mlm_mask)
         targets = batch["input_ids"][mlm_mask]
         head = self.model.head
-        loss = mlm_loss(masked_hidden, head.decoder_weight, head.bias, targets, self.kernel_backend)
-        with phase("sampling"):
-            samples, argmax = sample_replacements(
-                masked_hidden, head.decoder_weight, head.bias, rng, self.temperature, self.kernel_backend
-            )
+        loss, samples, argmax = mlm_loss_and_replacements(masked_hidden, head.decoder_weight, head.bias, targets,
+                                                          rng, self.temperature, self.kernel_backend)
         n = targets.numel()
         stats = {
             "gen_loss_sum": loss.detach().float() * n,

@@ -11,18 +11,27 @@ from __future__ import annotations
 
 import torch
 
-from megakd.kernels import fused_linear_cross_entropy, fused_linear_sample, fused_rtd_loss
+from megakd.kernels import (
+    fused_linear_cross_entropy_and_sample,
+    fused_linear_sample,
+    fused_rtd_loss,
+)
 
 
-def mlm_loss(
+def mlm_loss_and_replacements(
     masked_hidden: torch.Tensor,
     decoder_weight: torch.Tensor,
     decoder_bias: torch.Tensor | None,
     targets: torch.Tensor,
+    generator: torch.Generator | None = None,
+    temperature: float = 1.0,
     backend: str = "auto",
-) -> torch.Tensor:
-    """Mean cross-entropy of the generator at masked positions ([N, E] hidden, [N] targets)."""
-    return fused_linear_cross_entropy(masked_hidden, decoder_weight, decoder_bias, targets, backend=backend)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(mean cross-entropy of the generator at masked positions, samples, argmax) from one pass over
+    the logits ([N, E] hidden, [N] targets). The samples are those `sample_replacements` draws from
+    `generator`; gradients reach the loss only."""
+    return fused_linear_cross_entropy_and_sample(masked_hidden, decoder_weight, decoder_bias, targets,
+                                                 generator=generator, temperature=temperature, backend=backend)
 
 
 @torch.no_grad()

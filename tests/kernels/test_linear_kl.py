@@ -2,6 +2,7 @@ import pytest
 import torch
 from megakd.kernels import (
     fused_linear_cross_entropy,
+    fused_linear_cross_entropy_and_sample,
     fused_linear_cross_entropy_reference,
     fused_linear_kl,
     fused_linear_kl_reference,
@@ -125,6 +126,39 @@ def test_torch_sampling_is_reproducible_and_equals_reference(chunk_elems, temper
     assert torch.equal(draws[0][0], ref[0])
     assert not torch.equal(draws[0][0], draws[2][0])
     assert torch.equal(draws[0][1], (hidden @ weight.T + bias).argmax(-1))
+
+
+@pytest.mark.parametrize("temperature", [2.0, 1.0])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_cross_entropy_and_sample_equal_the_two_ops(backend_any, temperature, dtype, with_bias):
+    """One pass over the logits gives exactly what the loss and the sampler give one after the other:
+    the same loss and gradients and the same draws from the same generator state."""
+    g = torch.Generator().manual_seed(11)
+    n, h, v = 45, 12, 2 * 256 + 37
+    hidden, weight = _randn(g, n, h).to(dtype), _randn(g, v, h, scale=0.5).to(dtype)
+    bias = _randn(g, v).to(dtype) if with_bias else None
+    target = torch.randint(0, v, (n,), generator=g)
+    target[::4] = -100
+    draws = {}
+
+    def fused(a, b, c):
+        loss, *draws["fused"] = fused_linear_cross_entropy_and_sample(
+            a, b, c, target, torch.Generator().manual_seed(7), temperature, backend=backend_any)
+        return loss
+
+    def separate(a, b, c):
+        loss = fused_linear_cross_entropy(a, b, c, target, backend=backend_any)
+        draws["separate"] = fused_linear_sample(a, b, c, torch.Generator().manual_seed(7), temperature,
+                                                backend=backend_any)
+        return loss
+
+    got, want = value_and_grads(fused, hidden, weight, bias), value_and_grads(separate, hidden, weight, bias)
+    assert torch.equal(got[0], want[0])
+    for g_got, g_want in zip(got[1], want[1]):
+        assert (g_got is None and g_want is None) or torch.equal(g_got, g_want)
+    assert all(torch.equal(a, b) for a, b in zip(draws["fused"], draws["separate"]))
+    assert not any(t.requires_grad for t in draws["fused"])
 
 
 @pytest.mark.parametrize("backend,rows", [("torch", 20000), pytest.param(*BACKENDS[1].values, 4000,

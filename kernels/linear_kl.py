@@ -185,8 +185,11 @@ class _ChunkedLinearKL(_ChunkedLinearLoss):
 class _ChunkedLinearCE(_ChunkedLinearLoss):
     """Mean cross-entropy over rows whose target is not ``ignore_index``, chunked over rows.
 
-    With ``draws`` (a :class:`_Draws`) each chunk's logits are also sampled from, once the loss has
-    read them, so the sampling needs no second pass over the vocabulary.
+    With ``draws`` (a :class:`_Draws`) each chunk's logits are also sampled from, so the sampling
+    needs no second pass over the vocabulary. One pass finds each row's max and argmax, one
+    exponentiates in place, one sums in 256-wide float64 blocks (the inverse CDF's block totals at
+    temperature 1, and the softmax's normaliser), one divides: the gradient's softmax, the loss
+    (log-sum-exp minus the target's logit) and the draws share them.
     """
 
     @staticmethod
@@ -200,14 +203,20 @@ class _ChunkedLinearCE(_ChunkedLinearLoss):
             valid = tgt != ignore_index
             safe = torch.where(valid, tgt, 0).unsqueeze(1)
             logits = _logits(h, weight, bias, acc)
-            logp = torch.log_softmax(logits, -1)
-            if draws is not None:
-                draws.take(r0, logits)  # overwrites logits
-            del logits
-            loss = -(logp.gather(1, safe).squeeze(1) * valid).sum()
+            top, index = logits.max(-1, keepdim=True)
+            target_shifted = logits.gather(1, safe) - top
+            shifted = logits.sub_(top)
+            if draws is not None and draws.temperature != 1.0:
+                draws.take_shifted(r0, shifted.clone(), index)
+            exp = shifted.exp_()
+            totals = _block_totals(exp)
+            norm = totals.sum(-1, keepdim=True)
+            if draws is not None and draws.temperature == 1.0:
+                draws.take_weights(r0, exp, index, totals)
+            loss = ((norm.log().to(acc) - target_shifted).squeeze(1) * valid).sum()
             if not grad:
                 return loss, None, None
-            dz = logp.exp_()  # softmax, in place
+            dz = exp.div_(norm.to(acc))  # softmax, in place
             dz.scatter_add_(1, safe, torch.full_like(safe, -1, dtype=acc))
             return loss, dz, (valid.to(acc) / denom).unsqueeze(1)  # 0 on ignored rows
 
@@ -230,13 +239,23 @@ class _Draws:
     @torch.no_grad()
     def take(self, r0: int, logits: torch.Tensor) -> None:
         """Draw rows ``r0 ...`` from this chunk of ``logits`` [rows, V]; overwrites ``logits``."""
-        rows = slice(r0, r0 + logits.shape[0])
-        self.argmax[rows] = logits.argmax(-1)
+        top, index = logits.max(-1, keepdim=True)
+        self.take_shifted(r0, logits.sub_(top), index)
+
+    def take_shifted(self, r0: int, shifted: torch.Tensor, index: torch.Tensor) -> None:
+        """The same from ``shifted`` = logits minus their row max, and the rows' argmax ``index`` [rows, 1];
+        overwrites ``shifted``."""
         if self.temperature != 1.0:
-            logits.div_(self.temperature)
-        weights = logits.sub_(logits.amax(-1, keepdim=True)).exp_()  # unnormalized softmax, in place
+            shifted.div_(self.temperature)
+        self.take_weights(r0, shifted.exp_(), index)
+
+    def take_weights(self, r0: int, weights: torch.Tensor, index: torch.Tensor,
+                     totals: torch.Tensor | None = None) -> None:
+        """The same from ``weights`` = exp(shifted / temperature) and, if known, their block totals."""
+        rows = slice(r0, r0 + weights.shape[0])
+        self.argmax[rows] = index.squeeze(1)
         u = torch.rand(weights.shape[0], 1, generator=self.generator, dtype=torch.float64, device=weights.device)
-        self.samples[rows] = _inverse_cdf(weights, u)
+        self.samples[rows] = _inverse_cdf(weights, u, totals)
 
 
 def _sample_torch(hidden, weight, bias, generator, temperature):
@@ -253,7 +272,18 @@ def _sample_torch(hidden, weight, bias, generator, temperature):
 _CDF_BLOCK = 256
 
 
-def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def _block_totals(weights: torch.Tensor) -> torch.Tensor:
+    """Float64 sums of each row's consecutive ``_CDF_BLOCK``-wide blocks of ``weights`` [R, V] (the last may be
+    shorter): [R, ceil(V / _CDF_BLOCK)]."""
+    rows, v = weights.shape
+    full, tail = divmod(v, _CDF_BLOCK)
+    totals = weights[:, : full * _CDF_BLOCK].view(rows, full, _CDF_BLOCK).sum(-1, dtype=torch.float64)
+    if tail:
+        totals = torch.cat([totals, weights[:, full * _CDF_BLOCK :].sum(-1, keepdim=True, dtype=torch.float64)], 1)
+    return totals
+
+
+def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor, totals: torch.Tensor | None = None) -> torch.Tensor:
     """Row-wise index i with cdf[i-1] <= u * total < cdf[i], for unnormalized ``weights`` [R, V] >= 0.
 
     Exact inverse-CDF sampling with one uniform ``u`` [R, 1] per row, where Gumbel-max needs V uniforms
@@ -262,11 +292,8 @@ def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     when float64 rounding puts a draw at the very top of its block (the block's total and its inner
     cumulative sum add in different orders), where the block's last entry is taken.
     """
-    rows, v = weights.shape
-    full, tail = divmod(v, _CDF_BLOCK)
-    totals = weights[:, : full * _CDF_BLOCK].view(rows, full, _CDF_BLOCK).sum(-1, dtype=torch.float64)
-    if tail:
-        totals = torch.cat([totals, weights[:, full * _CDF_BLOCK :].sum(-1, keepdim=True, dtype=torch.float64)], 1)
+    v = weights.shape[1]
+    totals = _block_totals(weights) if totals is None else totals
     block_cdf = totals.cumsum(-1)
     target = u * block_cdf[:, -1:]
     block = torch.searchsorted(block_cdf, target, right=True).clamp_(max=block_cdf.shape[1] - 1)

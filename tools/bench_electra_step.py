@@ -206,7 +206,6 @@ def bench(shape: str, steps: int, warmup: int, matmul_n: int, compile_: bool, se
     if ops:
         result["ops"] = {name: dict(list(op_shares(functools.partial(step, data[0]), 2, device).items())[:ops])
                          for name, step in sides.items()}
-    result["megakd_step_s"] = tokens / result["megakd_tokens_per_s"]
     return result
 
 
@@ -249,7 +248,7 @@ def main() -> None:
             print(f"{r['shape']} megakd with separate q/k/v projections: {r['megakd_separate_qkv_tokens_per_s']:.0f} "
                   f"tokens/s; fused QKV = {r['fused_qkv_ratio']:.2f}x separate")
     for r in rows:
-        print(f"{r['shape']} megakd step split (profiled): {format_phases(r['phases'], r['megakd_step_s'])}")
+        print(f"{r['shape']} megakd step split (profiled): {format_phases(r['phases'])}")
     for r in rows:
         for side, shares in r.get("ops", {}).items():
             print(f"{r['shape']} {side} largest ops (share of self time, profiled): "

@@ -51,7 +51,7 @@ def format_bench(res: dict) -> str:
                   f"  peak memory {_size(t['peak_memory_bytes'])} ({t['peak_memory_kind']}), "
                   f"{t['model_flops_per_step'] / 1e9:.2f} GFLOP/step ({t['model_flops_per_token'] / 1e6:.2f} "
                   f"MFLOP/token), {t['achieved_tflops_per_device'] * 1e3:.2f} GFLOP/s per device, {mfu}",
-                  f"  step split (profiled): {format_phases(t['phase_split_s'], t['step_s'])}"]
+                  f"  step split (profiled): {format_phases(t['phase_split_s'])}"]
     return "\n".join(lines)
 
 

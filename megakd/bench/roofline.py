@@ -90,6 +90,11 @@ def roofline(model_flops_per_step: float, tokens_per_step: float, step_s: float,
             "peak_flops": peak_flops, "mfu": achieved / peak_flops}
 
 
-def format_phases(phases: dict[str, float], step_s: float) -> str:
-    """`generator 812 ms (41%), sampling ...`: phase times and their share of the step."""
-    return ", ".join(f"{name} {s * 1e3:.0f} ms ({s / step_s:.0%})" for name, s in phases.items())
+def format_phases(phases: dict[str, float]) -> str:
+    """`generator 812 ms (41%), discriminator ...`: phase times and their share of the profiled step.
+
+    The shares are of the phases' sum, not of the step timed without the profiler: profiling slows
+    every range, so against the unprofiled step they would add up to more than 100 %.
+    """
+    total = sum(phases.values()) or 1.0
+    return ", ".join(f"{name} {s * 1e3:.0f} ms ({s / total:.0%})" for name, s in phases.items())

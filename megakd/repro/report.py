@@ -21,6 +21,13 @@ finding) and written here section by section. Each section gives what the paper 
 was measured here (mean ± std over seeds, with the command that measured it), and a verdict:
 reproduced, not reproduced at this scale, or inconclusive, with the reason. Nothing is tuned
 until a finding appears: the settings are fixed in `megakd/repro/` before the run.
+
+Where a section pretrains each arm once and its seeds are fine-tuning seeds (its setup says
+which), a p-value over those seeds says how sure the difference is *for those pretrained
+encoders*, not for the recipes. Pretraining runs themselves differ by more than that:
+two runs of `electra-mini.yaml` that differed only in the random stream of the generator's
+replacements fine-tuned to 0.778 ± 0.002 and 0.756 ± 0.010 on RT (README, "Does pretraining pay
+off here?").
 """
 
 

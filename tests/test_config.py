@@ -1,7 +1,10 @@
+from dataclasses import asdict
+
 import pytest
 
 from megakd.config import Config, ConfigError, load_config, parse_override, save_config
 from megakd.engine.pretrain import resolve_config
+from megakd.store.rundir import flatten
 
 CONFIGS = ["configs/electra-tiny.yaml", "configs/electra-base.yaml", "configs/electra-large.yaml"]
 
@@ -31,6 +34,20 @@ def test_table_a1_values():
     g, d = large.model.generator, large.model.discriminator
     assert (g.num_layers, g.hidden_size, d.num_layers, d.hidden_size) == (8, 1024, 24, 1024)
     assert (d.relative_buckets, d.relative_max_distance, d.num_heads) == (128, 256, 16)
+
+
+def test_electra_mini_long_differs_from_electra_mini_only_where_the_readme_says():
+    """The README's "Does pretraining pay off here?" compares the two recipes by these four keys."""
+    mini, long = (flatten(asdict(load_config(f"configs/{name}.yaml"))) for name in ("electra-mini", "electra-mini-long"))
+    changed = {key: (mini[key], long[key]) for key in mini if mini[key] != long[key]}
+    assert changed == {
+        "run.dir": ("runs/electra-mini", "runs/electra-mini-long"),
+        "backend.name": (mini["backend.name"], "ddp"),
+        "optim.discriminator.lr": (1e-3, 5e-4),
+        "train.max_steps": (5000, 15000),
+        "train.micro_batch_size": (32, 16),
+    }
+    assert long["train.global_batch_size"] == 32  # two ranks x 16, or one process accumulating twice
 
 
 def test_override_keeps_section_defaults():

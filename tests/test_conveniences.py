@@ -14,6 +14,7 @@ from megakd.data.tokenizer import Tokenizer
 from megakd.engine.pretrain import resolve_config
 from megakd.store.checkpoint import latest_checkpoint
 from megakd.store.files import load_weights
+from megakd.store.rundir import flatten
 from tests.helpers import TINY_VOCAB, tiny_overrides
 
 
@@ -59,19 +60,11 @@ def test_print_config_prints_the_resolved_config_and_writes_nothing(tiny_data, t
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["train"]["max_steps"] == 17
     assert printed["model"]["discriminator"]["vocab_size"] == TINY_VOCAB  # auto, resolved
-    reloaded = load_config(None, [f"{k}={json.dumps(v)}" for k, v in _flat(printed).items()])
-    assert _flat(config_to_dict(reloaded)) == _flat(printed)  # the printed config is complete and valid
+    reloaded = load_config(None, [f"{k}={json.dumps(v)}" for k, v in flatten(printed).items()])
+    assert flatten(config_to_dict(reloaded)) == flatten(printed)  # the printed config is complete and valid
     assert not run.exists()
 
 
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def test_errors_say_whether_the_file_or_the_command_line_is_wrong(tmp_path):

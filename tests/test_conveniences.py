@@ -65,8 +65,6 @@ def test_print_config_prints_the_resolved_config_and_writes_nothing(tiny_data, t
     assert not run.exists()
 
 
-
-
 def test_errors_say_whether_the_file_or_the_command_line_is_wrong(tmp_path):
     with pytest.raises(ConfigError, match=r"unknown config key 'train.max_stpes'.*\(on the command line\)$"):
         load_config("configs/electra-tiny.yaml", ["train.max_stpes=3"])

@@ -20,12 +20,14 @@ generator, sampling, discriminator and optimizer time.
     python tools/bench_electra_step.py --shape tiny --compile   # adds megakd with train.compile=true
     python tools/bench_electra_step.py --separate-qkv           # adds megakd with fused_qkv=false (ablation)
     python tools/bench_electra_step.py --shape small --ops 12   # adds each side's 12 largest ops by time share
+    python tools/bench_electra_step.py --precision bf16         # both sides' forwards under bf16 autocast
     python tools/bench_electra_step.py --device cuda            # the same table on a GPU
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import os
@@ -57,6 +59,12 @@ SHAPES = {
 }
 TARGETS = {"tiny": 1.0, "small": 2.0, "vocab128k": 3.5}
 LOSS_WEIGHT = 50.0
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def autocast(precision: str, device: torch.device):
+    """What `train.precision` does to a forward pass: nothing at fp32, autocast at bf16 (fp32 weights and optimizers)."""
+    return contextlib.nullcontext() if precision == "fp32" else torch.autocast(device.type, dtype=DTYPES[precision])
 
 
 def encoder_config(dims, embedding, vocab, seq) -> EncoderConfig:
@@ -82,7 +90,7 @@ def make_batch(samples: list[np.ndarray], seed: int = 0) -> dict[str, torch.Tens
 
 class MegakdStep:
     def __init__(self, gen_cfg: EncoderConfig, disc_cfg: EncoderConfig, opt: OptimizerConfig, device: torch.device,
-                 compile_: bool = False):
+                 precision: str, compile_: bool = False):
         # "auto" kernels: Triton on CUDA, the chunked torch path on CPU (what training uses).
         self.gen = GeneratorTask(MaskedLM(gen_cfg), kernel_backend="auto").to(device)
         self.disc = DiscriminatorTask(Discriminator(disc_cfg), kernel_backend="auto").to(device)
@@ -91,14 +99,17 @@ class MegakdStep:
         self.opt_g = build_optimizer(self.gen.named_parameters(), opt)
         self.opt_d = build_optimizer(self.disc.named_parameters(), opt)
         self.rng = torch.Generator(device).manual_seed(0)
+        self.autocast = functools.partial(autocast, precision, device)
 
     def __call__(self, batch) -> None:
         with phase("generator"):
-            g = self.gen(batch, self.rng)
+            with self.autocast():
+                g = self.gen(batch, self.rng)
             g["loss"].backward()
         with phase("discriminator"):
             corrupted = corrupt(batch["input_ids"], batch["mlm_mask"], g["samples"])
-            d = self.disc(corrupted, batch["input_ids"], batch["attention_mask"])
+            with self.autocast():
+                d = self.disc(corrupted, batch["input_ids"], batch["attention_mask"])
             (LOSS_WEIGHT * d["loss"]).backward()
         with phase("optimizer"):
             for opt in (self.opt_g, self.opt_d):
@@ -107,7 +118,8 @@ class MegakdStep:
 
 
 class HFStep:
-    def __init__(self, gen_cfg: EncoderConfig, disc_cfg: EncoderConfig, opt: OptimizerConfig, device: torch.device):
+    def __init__(self, gen_cfg: EncoderConfig, disc_cfg: EncoderConfig, opt: OptimizerConfig, device: torch.device,
+                 precision: str):
         def hf(cfg: EncoderConfig) -> ElectraConfig:
             return ElectraConfig(vocab_size=cfg.vocab_size, embedding_size=cfg.embed_dim, hidden_size=cfg.hidden_size,
                                  num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
@@ -118,17 +130,20 @@ class HFStep:
         self.disc = ElectraForPreTraining(hf(disc_cfg)).to(device)
         self.opt_g = build_optimizer(self.gen.named_parameters(), opt)
         self.opt_d = build_optimizer(self.disc.named_parameters(), opt)
+        self.autocast = functools.partial(autocast, precision, device)
 
     def __call__(self, batch) -> None:
         labels = batch["input_ids"].masked_fill(~batch["mlm_mask"], -100)
-        out = self.gen(input_ids=batch["masked_input_ids"], attention_mask=batch["attention_mask"], labels=labels)
+        with self.autocast():
+            out = self.gen(input_ids=batch["masked_input_ids"], attention_mask=batch["attention_mask"], labels=labels)
         out.loss.backward()
         with torch.no_grad():
-            probs = torch.softmax(out.logits[batch["mlm_mask"]], dim=-1)
+            probs = torch.softmax(out.logits[batch["mlm_mask"]].float(), dim=-1)
             samples = torch.multinomial(probs, 1).squeeze(-1)
         corrupted = corrupt(batch["input_ids"], batch["mlm_mask"], samples)
         rtd_labels = (corrupted != batch["input_ids"]).long()
-        d = self.disc(input_ids=corrupted, attention_mask=batch["attention_mask"], labels=rtd_labels)
+        with self.autocast():
+            d = self.disc(input_ids=corrupted, attention_mask=batch["attention_mask"], labels=rtd_labels)
         (LOSS_WEIGHT * d.loss).backward()
         for opt in (self.opt_g, self.opt_d):
             opt.step()
@@ -157,17 +172,18 @@ def _sync(device: torch.device) -> None:
 
 
 def bench(shape: str, steps: int, warmup: int, matmul_n: int, compile_: bool, separate_qkv: bool, ops: int,
-          device: torch.device) -> dict:
+          device: torch.device, precision: str) -> dict:
     gen_dims, disc_dims, emb, vocab, seq, batch = SHAPES[shape]
     gen_cfg, disc_cfg = (encoder_config(d, emb, vocab, seq) for d in (gen_dims, disc_dims))
     opt = OptimizerConfig(lr=1e-4)
     torch.manual_seed(0)
-    sides = {"megakd": MegakdStep(gen_cfg, disc_cfg, opt, device), "hf": HFStep(gen_cfg, disc_cfg, opt, device)}
+    sides = {"megakd": MegakdStep(gen_cfg, disc_cfg, opt, device, precision),
+             "hf": HFStep(gen_cfg, disc_cfg, opt, device, precision)}
     if compile_:
-        sides["megakd_compiled"] = MegakdStep(gen_cfg, disc_cfg, opt, device, compile_=True)
+        sides["megakd_compiled"] = MegakdStep(gen_cfg, disc_cfg, opt, device, precision, compile_=True)
     if separate_qkv:
         sides["megakd_separate_qkv"] = MegakdStep(*(dataclasses.replace(c, fused_qkv=False) for c in (gen_cfg, disc_cfg)),
-                                                  opt, device)
+                                                  opt, device, precision)
     check_same_model(gen_cfg, sides["hf"])
     samples = [make_samples(vocab, seq, batch, seed=i) for i in range(4)]
     data = [{k: v.to(device) for k, v in make_batch(s, seed=i).items()} for i, s in enumerate(samples)]
@@ -181,11 +197,11 @@ def bench(shape: str, steps: int, warmup: int, matmul_n: int, compile_: bool, se
             if i >= warmup:
                 times[name].append(time.perf_counter() - t0)
         if i >= warmup:
-            times["matmul"].append(matmul_seconds(torch.float32, device, matmul_n, iters=1))
+            times["matmul"].append(matmul_seconds(DTYPES[precision], device, matmul_n, iters=1))
     tokens = batch * seq
     flops = model_flops(gen_cfg, disc_cfg, data[0])
     peak = 2 * matmul_n**3 / statistics.median(times["matmul"])
-    result = {"shape": shape, "tokens_per_step": tokens, "flops_per_token": flops / tokens, "peak_flops": peak}
+    result = {"shape": shape, "precision": precision, "tokens_per_step": tokens, "flops_per_token": flops / tokens, "peak_flops": peak}
     for name in sides:
         step_s = statistics.median(times[name])
         result[f"{name}_tokens_per_s"] = tokens / step_s
@@ -218,20 +234,22 @@ def main() -> None:
     parser.add_argument("--separate-qkv", action="store_true",
                         help="also time megakd with three q/k/v projections instead of one fused (the ablation)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                        help="cpu or cuda (fp32 both sides; on CUDA the megakd side uses the Triton kernels)")
+                        help="cpu or cuda (on CUDA the megakd side uses the Triton kernels)")
+    parser.add_argument("--precision", choices=list(DTYPES), default="fp32",
+                        help="both sides' forwards at fp32, or under bf16 autocast (MFU then against the bf16 matmul peak)")
     parser.add_argument("--ops", type=int, default=0,
                         help="also print each side's N largest operators by share of the step's self time (profiled)")
     parser.add_argument("--matmul-n", type=int, default=2048, help="size of the square matmul that measures the peak")
     args = parser.parse_args()
     shapes = list(SHAPES) if args.shape == "all" else [args.shape]
     device = torch.device(args.device)
-    rows = [bench(s, args.steps, args.warmup, args.matmul_n, args.compile, args.separate_qkv, args.ops, device)
-            for s in shapes]
+    rows = [bench(s, args.steps, args.warmup, args.matmul_n, args.compile, args.separate_qkv, args.ops, device,
+                  args.precision) for s in shapes]
     where = (torch.cuda.get_device_name(device) if device.type == "cuda"
              else f"{torch.get_num_threads()} threads, {os.cpu_count()} cores")
     print(f"torch {torch.__version__}, {where}; median of "
-          f"{args.steps} steps after {args.warmup} warm-up, sides alternating with an fp32 "
-          f"{args.matmul_n}x{args.matmul_n} matmul (the peak)")
+          f"{args.steps} steps after {args.warmup} warm-up, {args.precision}, sides alternating with a "
+          f"{args.matmul_n}x{args.matmul_n} {args.precision} matmul (the peak)")
     print(f"{'shape':<10} {'tokens/step':>11} {'megakd tok/s':>13} {'HF tok/s':>10} {'ratio':>7} {'target':>7} "
           f"{'MFLOP/tok':>10} {'peak GFLOP/s':>13} {'megakd GFLOP/s':>15} {'MFU':>6} {'HF MFU':>7}")
     for r in rows:

@@ -20,7 +20,9 @@ teachers, self-KD copies and TGT labelers are loaded from:
     tokenizer/          the tokenizer the model reads (either kind, as above)
 
 Local HuggingFace BERT/ELECTRA directories are read through the same mapping `convert from-hf`
-uses (`read_hf_dir`). Everything here is read with safetensors or transformers' weights-only
+uses (`read_hf_dir`), and so are megakd's own remote-code exports (`MegakdForPreTraining`,
+`MegakdForMaskedLM`: T5 relative positions or Admin init), whose config.json holds the encoder
+fields and whose weights keep megakd's keys; their shipped Python is never run. Everything here is read with safetensors or transformers' weights-only
 loading; `megakd.store.load_model` is the one entry point that chooses among them.
 """
 
@@ -35,7 +37,7 @@ from typing import Any
 
 import torch
 import yaml
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_file, load_model, save_model
 from torch import Tensor, nn
 
 from megakd.data.hf_tokenizer import HF_TOKENIZER_FILES, HFTokenizer
@@ -62,6 +64,11 @@ HF_ARCHITECTURES: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
     "BertForPreTraining": ("masked_lm", "bert_mlm", "", ("cls.seq_relationship.", "bert.pooler.")),  # NSP dropped
     "BertModel": ("encoder", "bert_mlm", "bert.", ("bert.pooler.",)),
 }
+# megakd/convert/export.py's remote-code architectures → (megakd kind, native flavour to export back to)
+MEGAKD_REMOTE_ARCHITECTURES = {"MegakdForPreTraining": ("discriminator", "electra_discriminator"),
+                               "MegakdForMaskedLM": ("masked_lm", "electra_generator")}
+# EncoderConfig fields the export leaves out of config.json (how to compute, not what): defaults on reading
+_NOT_EXPORTED = ("activation_checkpointing", "fused_qkv")
 _HF_TOKENIZER_FILES = (*HF_TOKENIZER_FILES, "spm.model")
 
 
@@ -154,10 +161,11 @@ def _hf_architecture(src: Path) -> tuple[str, dict]:
         raise StoreError(f"{config_file}: not valid JSON ({err})") from None
     architectures = raw.get("architectures") or []
     for arch in architectures:
-        if arch in HF_ARCHITECTURES:
+        if arch in HF_ARCHITECTURES or arch in MEGAKD_REMOTE_ARCHITECTURES:
             return arch, raw
     raise StoreError(f"{config_file}: unsupported architectures {architectures} (model_type "
-                          f"{raw.get('model_type')!r}); expected one of {', '.join(HF_ARCHITECTURES)}")
+                          f"{raw.get('model_type')!r}); expected one of "
+                          f"{', '.join([*HF_ARCHITECTURES, *MEGAKD_REMOTE_ARCHITECTURES])}")
 
 
 def _tokenizer_in(src: Path) -> Path | None:
@@ -207,6 +215,8 @@ def read_hf_dir(src: str | Path) -> HFModel:
 
     src = Path(src)
     architecture, raw = _hf_architecture(src)
+    if architecture in MEGAKD_REMOTE_ARCHITECTURES:
+        return _read_megakd_export(src, architecture, raw)
     kind, mapping_kind, _, _ = HF_ARCHITECTURES[architecture]
     hf_class = getattr(__import__("transformers", fromlist=[architecture]), architecture)
     try:
@@ -233,6 +243,31 @@ def read_hf_dir(src: str | Path) -> HFModel:
     source = {"path": str(src.resolve()), "architecture": architecture, "model_type": raw.get("model_type")}
     return HFModel(kind, model.eval(), None if kind == "encoder" else mapping_kind, _tokenizer_in(src),
                    source)
+
+
+def _read_megakd_export(src: Path, architecture: str, raw: dict) -> HFModel:
+    """A megakd remote-code HF export: encoder fields from config.json, megakd keys from safetensors."""
+    config_file, weights = src / "config.json", src / "model.safetensors"
+    kind, hf_kind = MEGAKD_REMOTE_ARCHITECTURES[architecture]
+    names = [f.name for f in dataclasses.fields(EncoderConfig) if f.name not in _NOT_EXPORTED]
+    missing = [name for name in names if name not in raw]
+    if missing:
+        raise StoreError(f"{config_file}: {missing[0]}: missing (a {architecture} config.json lists every "
+                         "encoder field megakd convert to-hf writes)")
+    try:
+        config = EncoderConfig(**{name: raw[name] for name in names}).validate()
+    except (TypeError, ValueError) as err:
+        raise StoreError(f"{config_file}: {first_line(err)}") from None
+    if not weights.is_file():
+        raise StoreError(f"{weights}: missing (a {architecture} directory keeps its weights there)")
+    try:
+        sd = load_file(str(weights))
+    except Exception as err:  # not a safetensors file, truncated, or a corrupt header
+        raise StoreError(f"{weights}: not a readable safetensors file ({first_line(err)[:200]})") from None
+    model = MODEL_KINDS[kind](config)
+    load_state_checked(model, sd, str(weights), str(config_file))
+    source = {"path": str(src.resolve()), "architecture": architecture, "model_type": raw.get("model_type")}
+    return HFModel(kind, model.eval(), hf_kind, _tokenizer_in(src), source)
 
 
 # -- fine-tuned classifiers -----------------------------------------------------------------------

@@ -12,6 +12,7 @@ from megakd.convert import save_hf_model, to_hf
 from megakd.models.admin import admin_initialize
 from megakd.models.electra import Discriminator, MaskedLM
 from megakd.models.encoder import EncoderConfig
+from megakd.store import load_model
 from megakd.store.checkpoint_models import load_checkpoint, resolve_checkpoint
 from tests.helpers import TINY_VOCAB, padded_inputs, tiny_overrides
 
@@ -82,3 +83,34 @@ def test_remote_mlm_round_trip_through_model_dir_is_self_contained(tmp_path):
     x = padded_inputs()
     with torch.no_grad():
         assert (hf(**x).logits - mlm.logits(**x))[x["attention_mask"].bool()].abs().max() <= 1e-5
+
+
+def test_megakd_export_reads_back_exactly_and_its_code_never_runs(tmp_path):
+    """`load_model` (fine-tuning's model.path, DWT teachers, convert from-hf) reads megakd's remote-code
+    exports itself: the same config and weights, the MLM tie restored, and the shipped Python files,
+    replaced here by hostile ones, are never imported."""
+    torch.manual_seed(2)
+    cfg = EncoderConfig(vocab_size=TINY_VOCAB, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
+                        embedding_size=16, position_encoding="t5_relative", relative_init="local",
+                        relative_buckets=8, relative_max_distance=20, dropout=0.0, attention_dropout=0.0)
+    marker = tmp_path / "remote-code-ran"
+    x = padded_inputs()
+    for model, kind, architecture in ((MaskedLM(cfg).eval(), "masked_lm", "MegakdForMaskedLM"),
+                                      (Discriminator(cfg).eval(), "discriminator", "MegakdForPreTraining")):
+        export = tmp_path / kind
+        export.mkdir()
+        assert save_hf_model(model, "electra_generator", export, tokenizer_dir=None) == architecture
+        for py in export.glob("*.py"):
+            py.write_text(f"open({str(marker)!r}, 'w').close()\nraise SystemExit('remote code ran')\n")
+        assert main(["convert", "from-hf", str(export), str(tmp_path / f"{kind}-model")]) == 0
+        expected = model.state_dict()
+        for source in (export, tmp_path / f"{kind}-model"):
+            loaded = load_model(source).get(kind)
+            assert loaded.config == cfg
+            got = loaded.state_dict()
+            assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
+            with torch.no_grad():
+                assert torch.equal(loaded(**x), model(**x))
+    mlm = load_model(tmp_path / "masked_lm").get("masked_lm")
+    assert mlm.head.tied_embedding.weight.data_ptr() == mlm.encoder.embeddings.word_embeddings.weight.data_ptr()
+    assert not marker.exists()

@@ -1,7 +1,8 @@
 """Bad input to every command → exit 2 and one line naming the file or key; outputs not created.
 
 Each row runs the real CLI in a fresh process on files made here (a garbage SentencePiece model,
-an empty or binary corpus, an HF directory without or with garbage weights, a garbage config
+an empty or binary corpus, an HF directory without or with garbage weights, megakd's own
+remote-code export with a field removed, a size changed or garbage weights, a garbage config
 file, non-finite config values) and checks the last stderr line, that no traceback was printed,
 and that the command's output directory does not exist afterwards.
 """
@@ -16,7 +17,10 @@ from pathlib import Path
 import pytest
 
 from megakd import cli
+from megakd.convert import save_hf_model
 from megakd.errors import UserError
+from megakd.models.electra import MaskedLM
+from megakd.models.encoder import EncoderConfig
 from tests.faults.harness import megakd, snapshot
 from tests.helpers import tiny_overrides
 
@@ -27,6 +31,12 @@ BERT_CONFIG = {"model_type": "bert", "architectures": ["BertForMaskedLM"], "voca
 
 def junk(n: int = 4000) -> bytes:
     return bytes((i * 167 + 89) % 256 for i in range(n))  # not UTF-8, not a protobuf, not a pickle
+
+
+def edit_json(file: Path, edit) -> None:
+    config = json.loads(file.read_text())
+    edit(config)
+    file.write_text(json.dumps(config))
 
 
 def make_inputs(root: Path) -> None:
@@ -41,6 +51,14 @@ def make_inputs(root: Path) -> None:
         (root / name / "config.json").write_text(json.dumps(BERT_CONFIG))
         if weights:
             (root / name / weights).write_bytes(junk())
+    for name in ("megakd-nofield", "megakd-resized", "megakd-garbage"):  # T5 relative: a remote-code export
+        (root / name).mkdir()
+        save_hf_model(MaskedLM(EncoderConfig(vocab_size=100, hidden_size=32, num_layers=1, num_heads=2,
+                                             intermediate_size=64, position_encoding="t5_relative")),
+                      "electra_generator", root / name, tokenizer_dir=None)
+    edit_json(root / "megakd-nofield" / "config.json", lambda c: c.pop("relative_buckets"))
+    edit_json(root / "megakd-resized" / "config.json", lambda c: c.update(intermediate_size=48))
+    (root / "megakd-garbage" / "model.safetensors").write_bytes(junk())
     (root / "garbage.yaml").write_bytes(junk())
     (root / "list.yaml").write_text("- just\n- a list\n")
 
@@ -61,6 +79,13 @@ ROWS = [
      r"hf-garbage-safetensors: cannot load the BertForMaskedLM weights \(Error while deserializing header", "out"),
     ("from-hf-garbage-bin", ["convert", "from-hf", "hf-garbage-bin", "out"],
      r"hf-garbage-bin: cannot load the BertForMaskedLM weights \(Weights only load failed", "out"),
+    ("from-hf-megakd-missing-field", ["convert", "from-hf", "megakd-nofield", "out"],
+     r"megakd-nofield/config.json: relative_buckets: missing \(a MegakdForMaskedLM config.json lists every", "out"),
+    ("from-hf-megakd-resized", ["convert", "from-hf", "megakd-resized", "out"],
+     r"megakd-resized/model.safetensors: 'encoder.layers.0.\S+' has shape \[\d+(, \d+)?\] but "
+     r"megakd-resized/config.json expects", "out"),
+    ("from-hf-megakd-garbage-safetensors", ["convert", "from-hf", "megakd-garbage", "out"],
+     r"megakd-garbage/model.safetensors: not a readable safetensors file \(", "out"),
     ("garbage-config-file", ["pretrain", "-c", "garbage.yaml", "run.dir=out"],
      r"\S+/garbage.yaml: not a YAML text file \(not UTF-8\)$", "out"),
     ("config-not-a-mapping", ["pretrain", "-c", "list.yaml", "run.dir=out"],

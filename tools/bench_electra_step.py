@@ -27,7 +27,6 @@ generator, sampling, discriminator and optimizer time.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import functools
 import os
@@ -38,10 +37,12 @@ import numpy as np
 import torch
 from transformers import ElectraConfig, ElectraForMaskedLM, ElectraForPreTraining
 
+from megakd.bench.cluster import DTYPES
 from megakd.bench.flops import step_flops
 from megakd.bench.roofline import format_phases, matmul_seconds, op_shares, phase_seconds, roofline
 from megakd.config import Config, OptimizerConfig
 from megakd.data.masking import collate
+from megakd.engine.backends import precision_autocast
 from megakd.engine.optim import build_optimizer
 from megakd.engine.pretrain import compile_encoders
 from megakd.engine.profiling import phase
@@ -59,12 +60,6 @@ SHAPES = {
 }
 TARGETS = {"tiny": 1.0, "small": 2.0, "vocab128k": 3.5}
 LOSS_WEIGHT = 50.0
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def autocast(precision: str, device: torch.device):
-    """What `train.precision` does to a forward pass: nothing at fp32, autocast at bf16 (fp32 weights and optimizers)."""
-    return contextlib.nullcontext() if precision == "fp32" else torch.autocast(device.type, dtype=DTYPES[precision])
 
 
 def encoder_config(dims, embedding, vocab, seq) -> EncoderConfig:
@@ -99,7 +94,7 @@ class MegakdStep:
         self.opt_g = build_optimizer(self.gen.named_parameters(), opt)
         self.opt_d = build_optimizer(self.disc.named_parameters(), opt)
         self.rng = torch.Generator(device).manual_seed(0)
-        self.autocast = functools.partial(autocast, precision, device)
+        self.autocast = functools.partial(precision_autocast, precision, device)
 
     def __call__(self, batch) -> None:
         with phase("generator"):
@@ -130,7 +125,7 @@ class HFStep:
         self.disc = ElectraForPreTraining(hf(disc_cfg)).to(device)
         self.opt_g = build_optimizer(self.gen.named_parameters(), opt)
         self.opt_d = build_optimizer(self.disc.named_parameters(), opt)
-        self.autocast = functools.partial(autocast, precision, device)
+        self.autocast = functools.partial(precision_autocast, precision, device)
 
     def __call__(self, batch) -> None:
         labels = batch["input_ids"].masked_fill(~batch["mlm_mask"], -100)
@@ -235,7 +230,7 @@ def main() -> None:
                         help="also time megakd with three q/k/v projections instead of one fused (the ablation)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cpu or cuda (on CUDA the megakd side uses the Triton kernels)")
-    parser.add_argument("--precision", choices=list(DTYPES), default="fp32",
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
                         help="both sides' forwards at fp32, or under bf16 autocast (MFU then against the bf16 matmul peak)")
     parser.add_argument("--ops", type=int, default=0,
                         help="also print each side's N largest operators by share of the step's self time (profiled)")

@@ -26,7 +26,7 @@ import megakd.models.heads as heads_module
 from megakd.convert.common import ConversionError, atomic_output_dir
 from megakd.data.tokenizer import Tokenizer
 from megakd.models.electra import Discriminator, MaskedLM
-from megakd.models.encoder import EncoderConfig
+from megakd.models.encoder import COMPUTE_FIELDS, EncoderConfig
 from megakd.models.hf_mapping import TIED_EMBEDDING, hf_config, hf_model_class, to_hf_state_dict
 from megakd.store import load_model
 
@@ -64,13 +64,14 @@ def _vendored_sources() -> dict[str, str]:
 
 def _remote_config(config: EncoderConfig, architecture: str) -> dict:
     fields = dataclasses.asdict(config)
-    for how_not_what in ("activation_checkpointing", "fused_qkv"):  # compute choices, not model properties
+    for how_not_what in COMPUTE_FIELDS:
         fields.pop(how_not_what)
     return {**fields, "model_type": "megakd", "architectures": [architecture], "auto_map": REMOTE_AUTO_MAP,
             "dtype": "float32", "transformers_version": transformers.__version__}
 
 
-def _save_remote(model: MaskedLM | Discriminator, out: Path) -> None:
+def _save_remote(model: MaskedLM | Discriminator, out: Path) -> str:
+    """Write the remote-code directory; returns its architecture."""
     architecture = "MegakdForMaskedLM" if isinstance(model, MaskedLM) else "MegakdForPreTraining"
     sd = {k: v.detach().contiguous() for k, v in model.state_dict().items() if k != TIED_EMBEDDING}
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -79,6 +80,7 @@ def _save_remote(model: MaskedLM | Discriminator, out: Path) -> None:
         shutil.copyfile(REMOTE_DIR / name, out / name)
     for name, text in _vendored_sources().items():
         (out / name).write_text(text)
+    return architecture
 
 
 def save_hf_model(model: MaskedLM | Discriminator, kind: str, out: str | Path,
@@ -100,8 +102,7 @@ def save_hf_model(model: MaskedLM | Discriminator, kind: str, out: str | Path,
     else:
         log.warning("%s: no tokenizer to export; the HF directory will hold the model only", out)
     if needs_remote_code(config):
-        _save_remote(model, out)
-        return "MegakdForMaskedLM" if isinstance(model, MaskedLM) else "MegakdForPreTraining"
+        return _save_remote(model, out)
     if kind == "bert_mlm" and config.embed_dim != config.hidden_size:
         log.info("BERT-MLM with embedding_size %d != hidden %d: exporting as ElectraForMaskedLM",
                  config.embed_dim, config.hidden_size)

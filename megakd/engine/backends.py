@@ -241,6 +241,14 @@ class MicroBatch:
             self.backend.backward(unit, loss)
 
 
+def precision_autocast(precision: str, device: torch.device):
+    """What `train.precision` does to a forward pass: nothing at fp32, autocast to bf16/fp16 otherwise
+    (weights and optimizers stay fp32)."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
+
+
 class Backend(TrainingBackend):
     """One process; the micro-batch loop that the ddp and deepspeed backends share.
 
@@ -262,10 +270,7 @@ class Backend(TrainingBackend):
                 unit.scaler = torch.amp.GradScaler(self.device.type)
 
     def autocast(self):
-        if self.precision == "fp32":
-            return contextlib.nullcontext()
-        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
-        return torch.autocast(self.device.type, dtype=dtype)
+        return precision_autocast(self.precision, self.device)
 
     # -- the step ------------------------------------------------------------------------------
     def train_step(self, layout: Layout, micro_batches: Iterator[dict], step: StepContext) -> StepResult:

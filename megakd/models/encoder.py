@@ -23,6 +23,9 @@ RELATIVE_INITS = ("normal", "local")
 INITS = ("normal", "admin")
 ADMIN_PROFILES = ("reference", "bert")
 
+# EncoderConfig fields that say how to compute, not what: left out of exported model configs
+COMPUTE_FIELDS = ("activation_checkpointing", "fused_qkv")
+
 
 @dataclass
 class EncoderConfig:

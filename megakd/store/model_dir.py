@@ -22,8 +22,9 @@ teachers, self-KD copies and TGT labelers are loaded from:
 Local HuggingFace BERT/ELECTRA directories are read through the same mapping `convert from-hf`
 uses (`read_hf_dir`), and so are megakd's own remote-code exports (`MegakdForPreTraining`,
 `MegakdForMaskedLM`: T5 relative positions or Admin init), whose config.json holds the encoder
-fields and whose weights keep megakd's keys; their shipped Python is never run. Everything here is read with safetensors or transformers' weights-only
-loading; `megakd.store.load_model` is the one entry point that chooses among them.
+fields and whose weights keep megakd's keys; their shipped Python is never run. Everything here
+is read with safetensors or transformers' weights-only loading; `megakd.store.load_model` is the
+one entry point that chooses among them.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from megakd.data.hf_tokenizer import HF_TOKENIZER_FILES, HFTokenizer
 from megakd.data.tokenizer import Tokenizer, copy_tokenizer
 from megakd.fsutil import atomic_output_dir
 from megakd.models.electra import Discriminator, MaskedLM, SequenceClassifier
-from megakd.models.encoder import Encoder, EncoderConfig
+from megakd.models.encoder import COMPUTE_FIELDS, Encoder, EncoderConfig
 from megakd.store.checkpoint_models import load_state_checked
 from megakd.store.files import StoreError, first_line
 
@@ -67,8 +68,6 @@ HF_ARCHITECTURES: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
 # megakd/convert/export.py's remote-code architectures → (megakd kind, native flavour to export back to)
 MEGAKD_REMOTE_ARCHITECTURES = {"MegakdForPreTraining": ("discriminator", "electra_discriminator"),
                                "MegakdForMaskedLM": ("masked_lm", "electra_generator")}
-# EncoderConfig fields the export leaves out of config.json (how to compute, not what): defaults on reading
-_NOT_EXPORTED = ("activation_checkpointing", "fused_qkv")
 _HF_TOKENIZER_FILES = (*HF_TOKENIZER_FILES, "spm.model")
 
 
@@ -249,7 +248,7 @@ def _read_megakd_export(src: Path, architecture: str, raw: dict) -> HFModel:
     """A megakd remote-code HF export: encoder fields from config.json, megakd keys from safetensors."""
     config_file, weights = src / "config.json", src / "model.safetensors"
     kind, hf_kind = MEGAKD_REMOTE_ARCHITECTURES[architecture]
-    names = [f.name for f in dataclasses.fields(EncoderConfig) if f.name not in _NOT_EXPORTED]
+    names = [f.name for f in dataclasses.fields(EncoderConfig) if f.name not in COMPUTE_FIELDS]
     missing = [name for name in names if name not in raw]
     if missing:
         raise StoreError(f"{config_file}: {missing[0]}: missing (a {architecture} config.json lists every "

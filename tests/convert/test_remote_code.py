@@ -95,11 +95,12 @@ def test_megakd_export_reads_back_exactly_and_its_code_never_runs(tmp_path):
                         relative_buckets=8, relative_max_distance=20, dropout=0.0, attention_dropout=0.0)
     marker = tmp_path / "remote-code-ran"
     x = padded_inputs()
-    for model, kind, architecture in ((MaskedLM(cfg).eval(), "masked_lm", "MegakdForMaskedLM"),
-                                      (Discriminator(cfg).eval(), "discriminator", "MegakdForPreTraining")):
+    for model, kind, flavour, architecture in (
+            (MaskedLM(cfg).eval(), "masked_lm", "electra_generator", "MegakdForMaskedLM"),
+            (Discriminator(cfg).eval(), "discriminator", "electra_discriminator", "MegakdForPreTraining")):
         export = tmp_path / kind
         export.mkdir()
-        assert save_hf_model(model, "electra_generator", export, tokenizer_dir=None) == architecture
+        assert save_hf_model(model, flavour, export, tokenizer_dir=None) == architecture
         for py in export.glob("*.py"):
             py.write_text(f"open({str(marker)!r}, 'w').close()\nraise SystemExit('remote code ran')\n")
         assert main(["convert", "from-hf", str(export), str(tmp_path / f"{kind}-model")]) == 0

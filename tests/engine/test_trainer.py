@@ -153,8 +153,6 @@ def test_decoupled_electra_generator_is_the_mlm_run(tiny_data, tmp_path, precisi
         for objective in ("electra", "mlm")}
     electra, mlm = (runs[o].units["generator"].model.state_dict() for o in ("electra", "mlm"))
     assert electra.keys() == mlm.keys() and all(torch.equal(electra[k], mlm[k]) for k in electra)
-    assert [r["gen_loss"] for r in _metrics(tmp_path / "electra") if "gen_loss" in r] == \
-        [r["gen_loss"] for r in _metrics(tmp_path / "mlm") if "gen_loss" in r]
 
 
 def test_original_electra_shares_embeddings(tiny_data, tmp_path):

@@ -24,6 +24,7 @@ from megakd.errors import UserError
 from megakd.kernels import BACKENDS
 from megakd.models.encoder import EncoderConfig
 from megakd.objectives.distill import ALPHA_SCHEDULES
+from megakd.objectives.electra import SamplingTemperature
 
 JOINT_CLIPS = ("weighted", "unweighted")
 
@@ -91,6 +92,14 @@ class ElectraConfig:
     decoupled: bool = True  # DecoupledOptim: separate embeddings, two optimizers
     loss_weight: float = 50.0  # λ in L_MLM + λ·L_RTD
     sampling_temperature: float = 1.0
+    # Anneal linearly from sampling_temperature to this over the first sampling_anneal_steps
+    # optimizer steps (0 = train.max_steps), then hold it; null = constant.
+    sampling_temperature_end: float | None = None
+    sampling_anneal_steps: int = 0
+
+    def temperature_schedule(self, max_steps: int) -> SamplingTemperature:
+        return SamplingTemperature(self.sampling_temperature, self.sampling_temperature_end,
+                                   self.sampling_anneal_steps or max_steps)
 
 
 @dataclass
@@ -273,6 +282,13 @@ class Config:
             raise ConfigError(f"data.shuffle_shards: expected a positive integer, got {self.data.shuffle_shards}")
         if self.electra.loss_weight <= 0:
             raise ConfigError(f"electra.loss_weight: expected > 0, got {self.electra.loss_weight}")
+        for key in ("sampling_temperature", "sampling_temperature_end"):
+            value = getattr(self.electra, key)
+            if value is not None and not value > 0:
+                raise ConfigError(f"electra.{key}: expected > 0, got {value}")
+        if self.electra.sampling_anneal_steps < 0:
+            raise ConfigError(f"electra.sampling_anneal_steps: expected >= 0 (0 = train.max_steps), "
+                              f"got {self.electra.sampling_anneal_steps}")
         for name in ("generator", "discriminator"):
             opt: OptimizerConfig = getattr(self.optim, name)
             if opt.lr < 0 or opt.clip_norm < 0 or opt.eps <= 0:

@@ -74,6 +74,9 @@ def test_override_parsing():
         ("backend.zero_stage=4", "backend.zero_stage"),
         ("optim.discriminator.betas=[0.9]", "optim.discriminator.betas: expected a list of 2 values"),
         ("trainn.seed=1", "unknown config key 'trainn'"),
+        ("electra.sampling_temperature=0", "electra.sampling_temperature: expected > 0, got 0.0"),
+        ("electra.sampling_temperature_end=-1", "electra.sampling_temperature_end: expected > 0, got -1.0"),
+        ("electra.sampling_anneal_steps=-5", "electra.sampling_anneal_steps: expected >= 0"),
         ("train.max_steps", "expected key=value"),
     ],
 )

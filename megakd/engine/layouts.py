@@ -112,7 +112,7 @@ def _unit(cfg: Config, name: str, task: nn.Module, model: nn.Module, opt_cfg: Op
 
 
 def _generator_task(cfg: Config, generator: MaskedLM, kd: TeacherKD | None) -> GeneratorTask:
-    return GeneratorTask(generator, cfg.kernels.backend, cfg.electra.sampling_temperature, kd)
+    return GeneratorTask(generator, cfg.kernels.backend, cfg.electra.temperature_schedule(cfg.train.max_steps), kd)
 
 
 class MaskedLMOnly(Layout):
@@ -209,7 +209,8 @@ class JointElectra(Layout):
                         "optim.discriminator.*)", ", ".join(ignored))
         pair = ElectraPair(generator, discriminator, share_embeddings=True)
         unweighted = cfg.optim.joint_clip == "unweighted"
-        task = JointElectraTask(pair, cfg.electra.loss_weight, cfg.kernels.backend, cfg.electra.sampling_temperature,
+        task = JointElectraTask(pair, cfg.electra.loss_weight, cfg.kernels.backend,
+                                cfg.electra.temperature_schedule(cfg.train.max_steps),
                                 kd, unweighted=unweighted)
         return cls([_unit(cfg, JOINT_UNIT, task, pair, cfg.optim.discriminator,
                           loss_scale=cfg.electra.loss_weight if unweighted else 1.0)], kd)

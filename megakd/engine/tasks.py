@@ -17,6 +17,7 @@ from torch import nn
 from megakd.models.electra import Discriminator, ElectraPair, MaskedLM
 from megakd.objectives.distill import alpha_schedule, kd_loss
 from megakd.objectives.electra import (
+    SamplingTemperature,
     corrupt,
     mlm_loss_and_replacements,
     precision_recall_f1,
@@ -61,30 +62,36 @@ class GeneratorTask(nn.Module):
     where the teacher's argmax agrees with the student's, from the teacher pass the KD term made.
     """
 
-    def __init__(self, model: MaskedLM, kernel_backend: str = "auto", temperature: float = 1.0,
-                 kd: TeacherKD | None = None):
+    def __init__(self, model: MaskedLM, kernel_backend: str = "auto",
+                 temperature: float | SamplingTemperature = 1.0, kd: TeacherKD | None = None):
         super().__init__()
         self.model = model
         self.kernel_backend = kernel_backend
-        self.temperature = temperature
+        self.temperature = temperature if isinstance(temperature, SamplingTemperature) else \
+            SamplingTemperature(temperature)
         self.kd = kd
 
     def forward(self, batch: dict[str, torch.Tensor], rng: torch.Generator | None = None, step: int = 0) -> dict:
-        """`rng` draws the replacements; `step` (the 0-based optimizer step) sets DWT's α_s(t)."""
+        """`rng` draws the replacements; `step` (the 0-based optimizer step) sets DWT's α_s(t) and
+        the sampling temperature."""
         mlm_mask = batch["mlm_mask"]
         segment_ids = batch.get("segment_ids")  # packed samples only
         hidden = self.model(batch["masked_input_ids"], batch["attention_mask"], segment_ids=segment_ids)
         masked_hidden = self.model.masked_hidden(hidden, mlm_mask)
         targets = batch["input_ids"][mlm_mask]
         head = self.model.head
+        temperature = self.temperature.at(step)
         loss, samples, argmax = mlm_loss_and_replacements(masked_hidden, head.decoder_weight, head.bias, targets,
-                                                          rng, self.temperature, self.kernel_backend)
+                                                          rng, temperature, self.kernel_backend)
         n = targets.numel()
         stats = {
             "gen_loss_sum": loss.detach().float() * n,
             "gen_correct": (argmax == targets).sum(),
             "masked": torch.tensor(n),
         }
+        if self.temperature.annealed:
+            stats["temperature_sum"] = torch.tensor(float(temperature))
+            stats["gen_batches"] = torch.tensor(1.0)
         if self.kd is not None:
             teacher = self.kd.teacher
             with torch.no_grad():
@@ -107,11 +114,14 @@ class GeneratorTask(nn.Module):
 
     @staticmethod
     def metrics(s: dict[str, float]) -> dict[str, float]:
-        """gen_loss (CE per masked token), gen_acc; under DWT kd_loss (τ²·KL per masked token), the
-        interval's mean alpha_soft and, in validation, teacher_agreement."""
+        """gen_loss (CE per masked token), gen_acc; with an annealed temperature the interval's mean
+        sampling_temperature; under DWT kd_loss (τ²·KL per masked token), the interval's mean
+        alpha_soft and, in validation, teacher_agreement."""
         if not s.get("masked"):
             return {}
         out = {"gen_loss": s["gen_loss_sum"] / s["masked"], "gen_acc": s["gen_correct"] / s["masked"]}
+        if s.get("gen_batches"):
+            out["sampling_temperature"] = s["temperature_sum"] / s["gen_batches"]
         if s.get("kd_batches"):
             out["kd_loss"] = s["kd_loss_sum"] / s["masked"]
             out["alpha_soft"] = s["alpha_soft_sum"] / s["kd_batches"]
@@ -161,8 +171,9 @@ class JointElectraTask(nn.Module):
     are on the unweighted scale (optim.joint_clip=unweighted).
     """
 
-    def __init__(self, pair: ElectraPair, loss_weight: float, kernel_backend: str = "auto", temperature: float = 1.0,
-                 kd: TeacherKD | None = None, unweighted: bool = False):
+    def __init__(self, pair: ElectraPair, loss_weight: float, kernel_backend: str = "auto",
+                 temperature: float | SamplingTemperature = 1.0, kd: TeacherKD | None = None,
+                 unweighted: bool = False):
         super().__init__()
         self.model = pair
         # The per-model tasks share the pair's parameters. A tuple keeps them out of the module tree,

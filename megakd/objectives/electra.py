@@ -9,6 +9,8 @@ that never builds [tokens × vocab].
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from megakd.kernels import (
@@ -16,6 +18,32 @@ from megakd.kernels import (
     fused_linear_sample,
     fused_rtd_loss,
 )
+
+
+@dataclass(frozen=True)
+class SamplingTemperature:
+    """The generator's sampling temperature at each optimizer step: `start`, then, with `end`, a
+    linear anneal to `end` over the first `steps` optimizer steps, held there after.
+
+    A function of the step alone, so an exact resume draws exactly what an uninterrupted run draws
+    (docs/recipes.md § Annealing the sampling temperature).
+    """
+
+    start: float = 1.0
+    end: float | None = None
+    steps: int = 0
+
+    @property
+    def annealed(self) -> bool:
+        return self.end is not None and self.end != self.start
+
+    def at(self, step: int) -> float:
+        """The temperature at the 0-based optimizer step `step`."""
+        if not self.annealed:
+            return self.start
+        if step >= self.steps:
+            return self.end
+        return self.start + (self.end - self.start) * step / self.steps
 
 
 def mlm_loss_and_replacements(

@@ -74,8 +74,13 @@ def _kill_when_logged(path, lines: int) -> threading.Thread:
     return thread
 
 
-def test_sigterm_then_resume_is_bit_exact(tiny_data, tmp_path):
-    steps = {"train.max_steps": 8, "train.log_every": 1, "train.save_every": 0}
+ANNEALED = {"electra.sampling_temperature": 3.0, "electra.sampling_temperature_end": 1.0,
+            "electra.sampling_anneal_steps": 6}
+
+
+@pytest.mark.parametrize("extra", [{}, ANNEALED], ids=["constant-temperature", "annealed-temperature"])
+def test_sigterm_then_resume_is_bit_exact(tiny_data, tmp_path, extra):
+    steps = {"train.max_steps": 8, "train.log_every": 1, "train.save_every": 0, **extra}
     full = _train(tiny_data, tmp_path / "full", **steps)
     run = tmp_path / "resumed"
     watcher = _kill_when_logged(run / "metrics.jsonl", 3)

@@ -71,11 +71,12 @@ def _metrics(run_dir) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _reference_validation(tiny_data, step_dir, micro_batch: int, batches: int) -> dict[str, float]:
+def _reference_validation(tiny_data, step_dir, micro_batch: int, batches: int,
+                          temperature: float = 1.0) -> dict[str, float]:
     """The validation numbers recomputed from a checkpoint with dense float64 logits.
 
     Only the generator's replacement draws are shared with the implementation (the same kernel and
-    seed); losses, accuracies, F1 and AUC are computed here from scratch.
+    seed, at `temperature`); losses, accuracies, F1 and AUC are computed here from scratch.
     """
     models = load_checkpoint(step_dir)
     gen, disc = models.generator.eval().double(), models.discriminator.eval().double()
@@ -94,7 +95,7 @@ def _reference_validation(tiny_data, step_dir, micro_batch: int, batches: int) -
             correct += float((logits.argmax(-1) == targets).sum())
             masked += targets.numel()
             samples, _ = sample_replacements(hidden.float(), gen.head.decoder_weight.float(),
-                                             gen.head.bias.float(), rng, 1.0, "torch")
+                                             gen.head.bias.float(), rng, temperature, "torch")
             corrupted = corrupt(batch["input_ids"], mask, samples)
             valid = batch["attention_mask"].bool()
             d = disc.rtd_logits(disc(corrupted, batch["attention_mask"]))[valid]
@@ -111,13 +112,20 @@ def _reference_validation(tiny_data, step_dir, micro_batch: int, batches: int) -
             "val_rtd_auc": _pairwise_auc(scores, labels)}
 
 
-def test_validation_numbers_match_a_float64_reference(tiny_data, tmp_path):
+# Annealed 3 -> 1 over 8 steps, the validation after step 4 draws at temperature 2.
+ANNEALED = {"electra.sampling_temperature": 3.0, "electra.sampling_temperature_end": 1.0,
+            "electra.sampling_anneal_steps": 8}
+
+
+@pytest.mark.parametrize("extra,temperature", [({}, 1.0), (ANNEALED, 2.0)], ids=["constant", "annealed"])
+def test_validation_numbers_match_a_float64_reference(tiny_data, tmp_path, extra, temperature):
     run = tmp_path / "run"
-    trainer, _ = _run(tiny_data, run, **{"train.eval_every": 2, "kernels.backend": "torch"})
+    trainer, _ = _run(tiny_data, run, **{"train.eval_every": 2, "kernels.backend": "torch", **extra})
     trainer.train()
     rows = {r["step"]: r for r in _metrics(run)}
     assert all(k in rows[2] and k in rows[4] for k in VAL_KEYS) and "val_gen_loss" not in rows[3]
-    want = _reference_validation(tiny_data, latest_checkpoint(run), micro_batch=4, batches=3)  # 12 samples / 4
+    want = _reference_validation(tiny_data, latest_checkpoint(run), micro_batch=4, batches=3,  # 12 samples / 4
+                                 temperature=temperature)
     for key in VAL_KEYS:
         assert math.isclose(rows[4][key], want[key], rel_tol=1e-5, abs_tol=1e-7), (key, rows[4][key], want[key])
 

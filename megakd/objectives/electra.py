@@ -26,7 +26,7 @@ class SamplingTemperature:
     linear anneal to `end` over the first `steps` optimizer steps, held there after.
 
     A function of the step alone, so an exact resume draws exactly what an uninterrupted run draws
-    (docs/recipes.md § Annealing the sampling temperature).
+    (docs/recipes.md § Annealing the sampling temperature to 1).
     """
 
     start: float = 1.0

@@ -278,6 +278,17 @@ def test_dwt_recipes_use_the_papers_loss_weights(recipe, teacher_layers, alpha_s
     assert teacher == dataclasses.replace(cfg.model.generator, num_layers=teacher_layers)
 
 
+def test_dwt_weak_long_is_dwt_weak_on_its_teachers_budget():
+    """dwt-weak-long changes only the teacher (bert-mini-long) and the budget, to exactly the teacher's."""
+    weak, long = load_config("configs/dwt-weak.yaml"), load_config("configs/dwt-weak-long.yaml")
+    teacher = load_config("configs/bert-mini-long.yaml")
+    assert long.distill == dataclasses.replace(weak.distill, teacher=teacher.run.dir)
+    assert long.model == weak.model and long.optim == weak.optim and long.data == weak.data
+    assert long.train == dataclasses.replace(weak.train, precision=teacher.train.precision, max_steps=teacher.train.max_steps)
+    assert teacher.model.generator == dataclasses.replace(long.model.generator, num_layers=4)
+    assert "megakd pretrain -c configs/bert-mini-long.yaml" in (REPO / "configs" / "dwt-weak-long.yaml").read_text()
+
+
 def test_dwt_mini_teacher_ratios_are_the_ones_its_recipes_state():
     """The parameter ratios in the recipes' comments are those of the built models (0.77x / 0.54x / 0.43x)."""
     def parameters(layers: int) -> int:

@@ -7,6 +7,10 @@ the optimizer state, LR schedule, data position and step are fresh (step 0), bec
 schedule ended, or was another run's. A resumed run never reads the init again (its checkpoint
 holds everything), so `build_trainer` calls this only for a run that starts at step 0.
 
+`init.discriminator` may also name a source holding no discriminator but an encoder (a masked LM, a
+fine-tuned classifier, a bare encoder): the discriminator takes that encoder and a fresh RTD head,
+which is how RTD pretraining continues from a trained masked LM.
+
 The model sections of the config must describe the source's architecture: every weight is loaded
 strictly, and a difference is one line naming the parameter, both shapes and the file.
 """
@@ -23,11 +27,15 @@ from megakd.data.tokenizer import Tokenizer
 from megakd.models.electra import Discriminator, MaskedLM
 from megakd.store import StoredModels, StoreError, check_same_tokenizer, load_model
 from megakd.store.checkpoint_models import load_state_checked
+from megakd.store.load import KIND_NAMES
 
 log = logging.getLogger(__name__)
 
 # The stored kind each built model takes its weights from.
 KIND_OF_MODEL = {"generator": "masked_lm", "discriminator": "discriminator"}
+# Sources whose encoder may start a discriminator named by `init.discriminator` when they hold none
+# (continued pretraining with RTD from a masked LM: the encoder is the part fine-tuning keeps).
+ENCODER_KINDS = ("classifier", "masked_lm", "encoder")  # the order StoredModels.encoder() picks in
 # Fields that change what a model computes without changing any weight's shape (t5_relative's only
 # with that encoding), so a strict load alone would not notice them.
 FUNCTION_FIELDS = ("num_heads", "layer_norm_eps", "position_encoding", "init")
@@ -50,17 +58,23 @@ def warm_start(cfg: Config, tokenizer: Tokenizer, generator: MaskedLM, discrimin
             sources[(path, key)] = _load_source(path, key)
         stored = sources[(path, key)]
         kind = KIND_OF_MODEL[name]
-        if kind not in stored.models:
-            if key == "init.from":  # `from` fills what it can; the other model starts from random init
-                continue
+        if kind in stored.models:
+            source_model = stored.models[kind]
+            state = source_model.state_dict()
+        elif key == "init.from":  # `from` fills what it can; the other model starts from random init
+            continue
+        elif key == "init.discriminator" and any(k in stored.models for k in ENCODER_KINDS):
+            source_model = stored.encoder()
+            state = _encoder_under_fresh_head(source_model, built[name])
+            held = next(k for k in ENCODER_KINDS if k in stored.models)
+            log.info("model.discriminator: the encoder of %s at %s, the RTD head at random init", KIND_NAMES[held], path)
+        else:
             stored.get(kind)  # raises: names what the source holds and what was expected
-        source_model = stored.models[kind]
         where = f"{key}={path}"
         check_same_tokenizer(tokenizer, stored.tokenizer_dir, where, source_model.config.vocab_size)
         _check_function(cfg, name, source_model, where)
         try:
-            load_state_checked(built[name], source_model.state_dict(), _weights_file(stored, name),
-                               f"model.{name}")
+            load_state_checked(built[name], state, _weights_file(stored, name), f"model.{name}")
         except StoreError as err:
             raise StoreError(f"{where}: {err}") from None
         loaded[name] = path
@@ -72,6 +86,12 @@ def warm_start(cfg: Config, tokenizer: Tokenizer, generator: MaskedLM, discrimin
     for name in cfg.model.built_models():
         log.info("model.%s: %s", name, f"warm start from {loaded[name]}" if name in loaded else "random init")
     return loaded
+
+
+def _encoder_under_fresh_head(encoder: nn.Module, discriminator: Discriminator) -> dict:
+    """A discriminator state dict: `encoder`'s weights under the built model's (random-init) RTD head."""
+    return {**{f"encoder.{k}": v for k, v in encoder.state_dict().items()},
+            **{f"head.{k}": v for k, v in discriminator.head.state_dict().items()}}
 
 
 def _load_source(path: str, key: str) -> StoredModels:

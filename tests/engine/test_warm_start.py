@@ -19,7 +19,7 @@ from megakd.cli import main
 from megakd.config import ConfigError, load_config
 from megakd.convert import from_hf
 from megakd.engine.pretrain import build_trainer, run_distill, run_pretraining
-from megakd.models.electra import MaskedLM
+from megakd.models.electra import Discriminator, MaskedLM
 from megakd.store import StoreError, load_model
 from tests.helpers import auto_vocab_overrides, save_tiny_hf_model, tiny_overrides
 
@@ -68,6 +68,29 @@ def test_hf_bert_mlm_gives_hf_logits(wordpiece_data, tmp_path):
         expected = hf.double()(input_ids=ids, attention_mask=mask.long()).logits
         got = ours.logits(ids, mask)
     assert (got - expected)[mask].abs().max() <= 1e-12
+
+
+def test_discriminator_from_a_masked_lm_takes_its_encoder_under_a_fresh_rtd_head(wordpiece_data, tmp_path):
+    """RTD continued from a trained masked LM: `init.discriminator` naming a source with no discriminator."""
+    hf = save_tiny_hf_model("ElectraForMaskedLM", tmp_path / "mlm", wordpiece_data[0], model="discriminator")
+    cfg = _cfg(wordpiece_data, tmp_path / "run", **{"init.discriminator": tmp_path / "mlm"})
+    trainer = build_trainer(cfg)
+    disc = trainer.units["discriminator"].model
+    batch = _batch(trainer)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    with torch.no_grad():
+        expected = hf.double().electra(input_ids=ids, attention_mask=mask.long()).last_hidden_state
+        got = copy.deepcopy(disc).double().eval()(ids, mask)
+    assert (got - expected)[mask].abs().max() <= 1e-12
+    # the head is what a run without any init draws at train.seed (the generator is built first)
+    torch.manual_seed(cfg.train.seed)
+    MaskedLM(cfg.model.generator)
+    fresh_head = Discriminator(cfg.model.discriminator).head.state_dict()
+    assert all(torch.equal(v, fresh_head[k]) for k, v in disc.head.state_dict().items())
+    # an encoder that does not fit the configured discriminator is named like any other mismatch
+    with pytest.raises(StoreError, match=r"init.discriminator=.*'encoder\.embeddings.*expects"):
+        build_trainer(_cfg(wordpiece_data, tmp_path / "narrow", **{"init.discriminator": tmp_path / "mlm",
+                                                                  "model.discriminator.hidden_size": 64}))
 
 
 @pytest.mark.parametrize("source", ["run", "checkpoint", "hf_pair", "model_dir"])

@@ -50,6 +50,23 @@ def test_electra_mini_long_differs_from_electra_mini_only_where_the_readme_says(
     assert long["train.global_batch_size"] == 32  # two ranks x 16, or one process accumulating twice
 
 
+def test_electra_mini_from_mlm_is_electra_mini_long_started_from_bert_mini_long():
+    """Stage 2 of the two-stage recipe reads stage 1's run dir, whose model has both of its models' shape."""
+    long, staged = (flatten(asdict(load_config(f"configs/{name}.yaml")))
+                    for name in ("electra-mini-long", "electra-mini-from-mlm"))
+    changed = {key: (long[key], staged[key]) for key in long if long[key] != staged[key]}
+    stage1 = load_config("configs/bert-mini-long.yaml")
+    assert changed == {
+        "run.dir": ("runs/electra-mini-long", "runs/electra-mini-from-mlm"),
+        "init.from_": ("", stage1.run.dir),
+        "init.discriminator": ("", stage1.run.dir),
+        "train.precision": ("fp32", "bf16"),
+        "train.max_steps": (15000, 8000),
+    }
+    cfg = load_config("configs/electra-mini-from-mlm.yaml")
+    assert asdict(cfg.model.generator) == asdict(cfg.model.discriminator) == asdict(stage1.model.generator)
+
+
 def test_override_keeps_section_defaults():
     cfg = load_config(None, ["optim.generator.clip_norm=0", "train.max_steps=7"])
     assert cfg.optim.generator.clip_norm == 0.0

@@ -27,15 +27,11 @@ from megakd.data.tokenizer import Tokenizer
 from megakd.models.electra import Discriminator, MaskedLM
 from megakd.store import StoredModels, StoreError, check_same_tokenizer, load_model
 from megakd.store.checkpoint_models import load_state_checked
-from megakd.store.load import KIND_NAMES
 
 log = logging.getLogger(__name__)
 
 # The stored kind each built model takes its weights from.
 KIND_OF_MODEL = {"generator": "masked_lm", "discriminator": "discriminator"}
-# Sources whose encoder may start a discriminator named by `init.discriminator` when they hold none
-# (continued pretraining with RTD from a masked LM: the encoder is the part fine-tuning keeps).
-ENCODER_KINDS = ("classifier", "masked_lm", "encoder")  # the order StoredModels.encoder() picks in
 # Fields that change what a model computes without changing any weight's shape (t5_relative's only
 # with that encoding), so a strict load alone would not notice them.
 FUNCTION_FIELDS = ("num_heads", "layer_norm_eps", "position_encoding", "init")
@@ -63,11 +59,10 @@ def warm_start(cfg: Config, tokenizer: Tokenizer, generator: MaskedLM, discrimin
             state = source_model.state_dict()
         elif key == "init.from":  # `from` fills what it can; the other model starts from random init
             continue
-        elif key == "init.discriminator" and any(k in stored.models for k in ENCODER_KINDS):
+        elif key == "init.discriminator":  # a masked LM, classifier or bare encoder: its encoder, a fresh head
             source_model = stored.encoder()
             state = _encoder_under_fresh_head(source_model, built[name])
-            held = next(k for k in ENCODER_KINDS if k in stored.models)
-            log.info("model.discriminator: the encoder of %s at %s, the RTD head at random init", KIND_NAMES[held], path)
+            log.info("model.discriminator: %s holds no discriminator; its encoder under an RTD head at random init", path)
         else:
             stored.get(kind)  # raises: names what the source holds and what was expected
         where = f"{key}={path}"

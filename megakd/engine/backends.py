@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megakd.engine.profiling import phase
+from megakd.errors import UserError
 from megakd.store.checkpoint_models import OPTIM_SUFFIX, WEIGHTS_SUFFIX, load_state_checked
 from megakd.store.files import load_state, load_weights, save_state, save_weights
 
@@ -383,6 +384,19 @@ class Backend(TrainingBackend):
 def leave_process_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def single_process_backend(precision: str) -> Backend:
+    """`backend.name=single`, refused in a rank that a launcher started among several.
+
+    Each of those ranks would otherwise train the whole run on its own, and all but one would be
+    turned away by the run directory's lock with a message that hides the cause.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        raise UserError(f"backend.name=single, but the launcher started {world} ranks (WORLD_SIZE={world}): "
+                        "set backend.name=ddp (or deepspeed) to train them as one run, or start one process")
+    return Backend(precision)
 
 
 class DDPBackend(Backend):

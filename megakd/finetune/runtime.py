@@ -24,7 +24,7 @@ from torch import Tensor
 
 from megakd.config import Config, TrainConfig, config_to_dict, read_yaml_file, save_config
 from megakd.data.stream import STOP_SIGNALS
-from megakd.engine.backends import Backend, DDPBackend
+from megakd.engine.backends import Backend, DDPBackend, single_process_backend
 from megakd.finetune.config import FinetuneConfig
 from megakd.store import rundir
 from megakd.store.files import StoreError
@@ -49,7 +49,7 @@ def build_backend(cfg: FinetuneConfig) -> Backend:
     """The pretraining backend named by `backend.name`, on the device `finetune.device` asks for."""
     b, f = cfg.backend, cfg.finetune
     if b.name == "single":
-        backend = Backend(f.precision)
+        backend = single_process_backend(f.precision)
     elif b.name == "ddp":
         backend = DDPBackend(f.precision, b.dist_backend)
     else:

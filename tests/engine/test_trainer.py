@@ -14,6 +14,7 @@ import torch
 from megakd.config import ConfigError, load_config
 from megakd.engine.pretrain import build_trainer
 from megakd.engine.trainer import TooManyBadSteps
+from megakd.errors import UserError
 from megakd.store import StoreError
 from tests.helpers import tiny_overrides as tiny_overrides_for
 
@@ -239,3 +240,22 @@ def test_run_saved_before_fused_qkv_resumes_with_it(tiny_data, tmp_path):
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+@pytest.mark.parametrize("command", ["pretrain", "finetune"])
+def test_single_backend_in_a_launched_rank_is_refused_naming_the_fix(monkeypatch, command):
+    """Under torchrun, backend.name=single would run the job once per rank, side by side."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    if command == "pretrain":
+        from megakd.engine.pretrain import build_backend
+
+        cfg = load_config("configs/electra-tiny.yaml", ["backend.name=single"])
+    else:
+        from megakd.finetune.config import FinetuneConfig
+        from megakd.finetune.runtime import build_backend
+
+        cfg = load_config("configs/finetune-rt.yaml", ["backend.name=single"], cls=FinetuneConfig)
+    with pytest.raises(UserError, match=r"backend.name=single, but the launcher started 2 ranks.*backend.name=ddp"):
+        build_backend(cfg)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert build_backend(cfg).world_size == 1

@@ -51,7 +51,8 @@ def test_electra_mini_long_differs_from_electra_mini_only_where_the_readme_says(
 
 
 def test_electra_mini_from_mlm_is_electra_mini_long_started_from_bert_mini_long():
-    """Stage 2 of the two-stage recipe reads stage 1's run dir, whose model has both of its models' shape."""
+    """Stage 2 of the two-stage recipe reads stage 1's run dir, whose model has both of its models' shape;
+    it runs electra-mini-long's global batch as one micro-batch in one process, as stage 1 does."""
     long, staged = (flatten(asdict(load_config(f"configs/{name}.yaml")))
                     for name in ("electra-mini-long", "electra-mini-from-mlm"))
     changed = {key: (long[key], staged[key]) for key in long if long[key] != staged[key]}
@@ -62,7 +63,10 @@ def test_electra_mini_from_mlm_is_electra_mini_long_started_from_bert_mini_long(
         "init.discriminator": ("", stage1.run.dir),
         "train.precision": ("fp32", "bf16"),
         "train.max_steps": (15000, 8000),
+        "backend.name": ("ddp", "single"),  # the process layout, not the recipe: the global batch is the same
+        "train.micro_batch_size": (16, 32),
     }
+    assert staged["train.global_batch_size"] == long["train.global_batch_size"] == staged["train.micro_batch_size"]
     cfg = load_config("configs/electra-mini-from-mlm.yaml")
     assert asdict(cfg.model.generator) == asdict(cfg.model.discriminator) == asdict(stage1.model.generator)
 

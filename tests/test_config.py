@@ -52,7 +52,8 @@ def test_electra_mini_long_differs_from_electra_mini_only_where_the_readme_says(
 
 def test_electra_mini_from_mlm_is_electra_mini_long_started_from_bert_mini_long():
     """Stage 2 of the two-stage recipe reads stage 1's run dir, whose model has both of its models' shape;
-    it runs electra-mini-long's global batch as one micro-batch in one process, as stage 1 does."""
+    it halves the discriminator's LR and runs electra-mini-long's global batch as one micro-batch in one
+    process, as stage 1 does."""
     long, staged = (flatten(asdict(load_config(f"configs/{name}.yaml")))
                     for name in ("electra-mini-long", "electra-mini-from-mlm"))
     changed = {key: (long[key], staged[key]) for key in long if long[key] != staged[key]}
@@ -63,6 +64,7 @@ def test_electra_mini_from_mlm_is_electra_mini_long_started_from_bert_mini_long(
         "init.discriminator": ("", stage1.run.dir),
         "train.precision": ("fp32", "bf16"),
         "train.max_steps": (15000, 8000),
+        "optim.discriminator.lr": (5e-4, 2.5e-4),
         "backend.name": ("ddp", "single"),  # the process layout, not the recipe: the global batch is the same
         "train.micro_batch_size": (16, 32),
     }

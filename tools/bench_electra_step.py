@@ -19,6 +19,7 @@ generator, sampling, discriminator and optimizer time.
     python tools/bench_electra_step.py --shape small --steps 10
     python tools/bench_electra_step.py --shape tiny --compile   # adds megakd with train.compile=true
     python tools/bench_electra_step.py --separate-qkv           # adds megakd with fused_qkv=false (ablation)
+    python tools/bench_electra_step.py --torch-dropout          # adds megakd with torch's dropout masks (ablation)
     python tools/bench_electra_step.py --shape small --ops 12   # adds each side's 12 largest ops by time share
     python tools/bench_electra_step.py --precision bf16         # both sides' forwards under bf16 autocast
     python tools/bench_electra_step.py --device cuda            # the same table on a GPU
@@ -32,6 +33,7 @@ import functools
 import os
 import statistics
 import time
+from unittest import mock
 
 import numpy as np
 import torch
@@ -145,6 +147,17 @@ class HFStep:
             opt.zero_grad(set_to_none=True)
 
 
+class TorchDropoutStep:
+    """A megakd step whose dropout draws torch's masks (`bernoulli_`, SDPA) instead of megakd's CPU lanes."""
+
+    def __init__(self, step: MegakdStep):
+        self.step = step
+
+    def __call__(self, batch) -> None:
+        with mock.patch("megakd.models.dropout.uses_cpu_mask", return_value=False):
+            self.step(batch)
+
+
 def check_same_model(gen_cfg: EncoderConfig, hf_step: HFStep) -> None:
     """The two sides must be the same architecture: HF's weights load strictly into megakd's model."""
     megakd_gen = MaskedLM(gen_cfg)
@@ -166,8 +179,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bench(shape: str, steps: int, warmup: int, matmul_n: int, compile_: bool, separate_qkv: bool, ops: int,
-          device: torch.device, precision: str) -> dict:
+def bench(shape: str, steps: int, warmup: int, matmul_n: int, compile_: bool, separate_qkv: bool,
+          torch_dropout: bool, ops: int, device: torch.device, precision: str) -> dict:
     gen_dims, disc_dims, emb, vocab, seq, batch = SHAPES[shape]
     gen_cfg, disc_cfg = (encoder_config(d, emb, vocab, seq) for d in (gen_dims, disc_dims))
     opt = OptimizerConfig(lr=1e-4)
@@ -179,6 +192,8 @@ def bench(shape: str, steps: int, warmup: int, matmul_n: int, compile_: bool, se
     if separate_qkv:
         sides["megakd_separate_qkv"] = MegakdStep(*(dataclasses.replace(c, fused_qkv=False) for c in (gen_cfg, disc_cfg)),
                                                   opt, device, precision)
+    if torch_dropout:
+        sides["megakd_torch_dropout"] = TorchDropoutStep(MegakdStep(gen_cfg, disc_cfg, opt, device, precision))
     check_same_model(gen_cfg, sides["hf"])
     samples = [make_samples(vocab, seq, batch, seed=i) for i in range(4)]
     data = [{k: v.to(device) for k, v in make_batch(s, seed=i).items()} for i, s in enumerate(samples)]
@@ -206,6 +221,8 @@ def bench(shape: str, steps: int, warmup: int, matmul_n: int, compile_: bool, se
         result["compile_ratio"] = result["megakd_compiled_tokens_per_s"] / result["megakd_tokens_per_s"]
     if separate_qkv:
         result["fused_qkv_ratio"] = result["megakd_tokens_per_s"] / result["megakd_separate_qkv_tokens_per_s"]
+    if torch_dropout:
+        result["dropout_ratio"] = result["megakd_tokens_per_s"] / result["megakd_torch_dropout_tokens_per_s"]
     megakd = sides["megakd"]
 
     def profiled_step() -> None:
@@ -228,6 +245,8 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="also time megakd with compiled encoders")
     parser.add_argument("--separate-qkv", action="store_true",
                         help="also time megakd with three q/k/v projections instead of one fused (the ablation)")
+    parser.add_argument("--torch-dropout", action="store_true",
+                        help="also time megakd with torch's dropout masks instead of its CPU lanes (the ablation)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cpu or cuda (on CUDA the megakd side uses the Triton kernels)")
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
@@ -238,8 +257,8 @@ def main() -> None:
     args = parser.parse_args()
     shapes = list(SHAPES) if args.shape == "all" else [args.shape]
     device = torch.device(args.device)
-    rows = [bench(s, args.steps, args.warmup, args.matmul_n, args.compile, args.separate_qkv, args.ops, device,
-                  args.precision) for s in shapes]
+    rows = [bench(s, args.steps, args.warmup, args.matmul_n, args.compile, args.separate_qkv, args.torch_dropout,
+                  args.ops, device, args.precision) for s in shapes]
     where = (torch.cuda.get_device_name(device) if device.type == "cuda"
              else f"{torch.get_num_threads()} threads, {os.cpu_count()} cores")
     print(f"torch {torch.__version__}, {where}; median of "
@@ -260,6 +279,10 @@ def main() -> None:
         if "fused_qkv_ratio" in r:
             print(f"{r['shape']} megakd with separate q/k/v projections: {r['megakd_separate_qkv_tokens_per_s']:.0f} "
                   f"tokens/s; fused QKV = {r['fused_qkv_ratio']:.2f}x separate")
+    for r in rows:
+        if "dropout_ratio" in r:
+            print(f"{r['shape']} megakd with torch's dropout masks: {r['megakd_torch_dropout_tokens_per_s']:.0f} "
+                  f"tokens/s; megakd's CPU dropout = {r['dropout_ratio']:.2f}x torch's")
     for r in rows:
         print(f"{r['shape']} megakd step split (profiled): {format_phases(r['phases'])}")
     for r in rows:

@@ -4,7 +4,7 @@ Absolute-position models with normal init become native `ElectraForPreTraining`,
 `ElectraForMaskedLM` or `BertForMaskedLM` through `megakd.models.hf_mapping`. Models the native
 classes cannot express (T5 relative position bias, Admin residual scales ω) are written with
 megakd's own state-dict keys plus remote code: `configuration_megakd.py`, `modeling_megakd.py`
-and verbatim copies of megakd/models/encoder.py and heads.py, loaded with
+and copies of megakd/models/dropout.py, encoder.py and heads.py (imports made relative), loaded with
 `AutoModel...from_pretrained(dir, trust_remote_code=True)`. Vendoring the source (rather than a
 second implementation) keeps one definition of the encoder; tests check the loaded model's
 logits against megakd's.
@@ -21,8 +21,6 @@ from pathlib import Path
 import transformers
 from safetensors.torch import save_file
 
-import megakd.models.encoder as encoder_module
-import megakd.models.heads as heads_module
 from megakd.convert.common import ConversionError, atomic_output_dir
 from megakd.data.tokenizer import Tokenizer
 from megakd.models.electra import Discriminator, MaskedLM
@@ -42,7 +40,7 @@ REMOTE_AUTO_MAP = {
     "AutoModelForTokenClassification": "modeling_megakd.MegakdForTokenClassification",
     "AutoModelForQuestionAnswering": "modeling_megakd.MegakdForQuestionAnswering",
 }
-_HEADS_IMPORT = "from megakd.models.encoder import"
+VENDORED_MODULES = ("dropout", "encoder", "heads")  # megakd/models/<name>.py → megakd_<name>.py
 
 
 def needs_remote_code(config: EncoderConfig) -> bool:
@@ -51,15 +49,22 @@ def needs_remote_code(config: EncoderConfig) -> bool:
 
 
 def _vendored_sources() -> dict[str, str]:
-    """megakd_encoder.py / megakd_heads.py: megakd's model source, made importable without megakd."""
-    encoder_src = Path(encoder_module.__file__).read_text()
-    heads_src = Path(heads_module.__file__).read_text()
-    if "megakd" in "".join(line for line in encoder_src.splitlines() if line.startswith(("import", "from"))):
-        raise RuntimeError("megakd/models/encoder.py imports megakd: it can no longer be vendored as remote code")
-    if heads_src.count(_HEADS_IMPORT) != 1:
-        raise RuntimeError(f"megakd/models/heads.py: expected exactly one {_HEADS_IMPORT!r} line to make relative")
-    return {"megakd_encoder.py": encoder_src,
-            "megakd_heads.py": heads_src.replace(_HEADS_IMPORT, "from .megakd_encoder import")}
+    """megakd_<name>.py for each of VENDORED_MODULES: megakd's model source, made importable without megakd.
+
+    Each module may import megakd only as `from megakd.models.<vendored name> import`, which becomes
+    the relative `from .megakd_<name> import`; anything else would not exist beside the copies."""
+    models_dir = Path(__file__).parents[1] / "models"
+    sources = {}
+    for name in VENDORED_MODULES:
+        text = (models_dir / f"{name}.py").read_text()
+        for other in VENDORED_MODULES:
+            text = text.replace(f"from megakd.models.{other} import", f"from .megakd_{other} import")
+        imports = [line for line in text.splitlines() if line.startswith(("import", "from"))]
+        if any("megakd" in line and not line.startswith("from .megakd_") for line in imports):
+            raise RuntimeError(f"megakd/models/{name}.py imports megakd beyond {VENDORED_MODULES}: "
+                               "it can no longer be vendored as remote code")
+        sources[f"megakd_{name}.py"] = text
+    return sources
 
 
 def _remote_config(config: EncoderConfig, architecture: str) -> dict:

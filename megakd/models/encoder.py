@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from megakd.models.dropout import Dropout, attention
+
 POSITION_ENCODINGS = ("absolute", "t5_relative")
 RELATIVE_INITS = ("normal", "local")
 INITS = ("normal", "admin")
@@ -152,7 +154,7 @@ class Embeddings(nn.Module):
         )
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, dim)
         self.layer_norm = nn.LayerNorm(dim, eps=config.layer_norm_eps)
-        self.dropout = nn.Dropout(config.dropout)
+        self.dropout = Dropout(config.dropout)
         # ELECTRA-small style: narrow embeddings projected up to the hidden width.
         self.embeddings_project = nn.Linear(dim, config.hidden_size) if dim != config.hidden_size else None
 
@@ -303,10 +305,7 @@ class SelfAttention(nn.Module):
         or [B, heads, L, L] with the key mask already applied (`attention_bias`, as `Encoder.forward` passes it)."""
         batch, seq_len, hidden = x.shape
         q, k, v = self.project(x)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attention_bias(key_mask, position_bias, q.dtype),
-            dropout_p=self.dropout_p if self.training else 0.0,
-        )
+        out = attention(q, k, v, attention_bias(key_mask, position_bias, q.dtype), self.dropout_p, self.training)
         return self.output(out.transpose(1, 2).reshape(batch, seq_len, hidden))
 
 
@@ -336,7 +335,7 @@ class EncoderLayer(nn.Module):
         self.attention_norm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
         self.ffn = FeedForward(config)
         self.ffn_norm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
-        self.dropout = nn.Dropout(config.dropout)
+        self.dropout = Dropout(config.dropout)
         admin = config.init == "admin"
         self.attention_omega = nn.Parameter(torch.ones(hidden)) if admin else None
         self.ffn_omega = nn.Parameter(torch.ones(hidden)) if admin else None

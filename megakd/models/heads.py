@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from megakd.models.dropout import Dropout
 from megakd.models.encoder import EncoderConfig, init_weights
 
 
@@ -65,7 +66,7 @@ class ClassificationHead(nn.Module):
         super().__init__()
         if num_labels < 1:
             raise ValueError(f"num_labels: expected a positive integer, got {num_labels}")
-        self.dropout = nn.Dropout(config.dropout if dropout is None else dropout)
+        self.dropout = Dropout(config.dropout if dropout is None else dropout)
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
         self.out_proj = nn.Linear(config.hidden_size, num_labels)
         for module in (self.dense, self.out_proj):

@@ -1,8 +1,8 @@
 """HF model classes around megakd's own encoder and heads (T5-relative positions, Admin ω).
 
-`megakd_encoder.py` and `megakd_heads.py` beside this file are verbatim copies of
-megakd/models/encoder.py and heads.py (only the heads' import of the encoder is made relative),
-written by `megakd convert to-hf`. Shipping megakd's source instead of a re-implementation means
+`megakd_dropout.py`, `megakd_encoder.py` and `megakd_heads.py` beside this file are copies of
+megakd/models/dropout.py, encoder.py and heads.py (only their imports of each other are made
+relative), written by `megakd convert to-hf`. Shipping megakd's source instead of a re-implementation means
 there is one definition of the model to trust, and the state-dict keys are megakd's own.
 """
 

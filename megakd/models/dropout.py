@@ -42,18 +42,11 @@ def dropout(x: Tensor, p: float, training: bool) -> Tensor:
     return x * keep.to(x.dtype).mul_(scale)
 
 
-class Dropout(nn.Module):
-    """`nn.Dropout` with the cheap CPU mask; no parameters, so state dicts are unchanged."""
-
-    def __init__(self, p: float):
-        super().__init__()
-        self.p = p
+class Dropout(nn.Dropout):
+    """`nn.Dropout` (its validation of p, its repr, no parameters) with the cheap CPU mask."""
 
     def forward(self, x: Tensor) -> Tensor:
         return dropout(x, self.p, self.training)
-
-    def extra_repr(self) -> str:
-        return f"p={self.p}"
 
 
 class _AttentionWithDropout(torch.autograd.Function):
@@ -79,7 +72,6 @@ class _AttentionWithDropout(torch.autograd.Function):
         dropped = probs * keep
         ctx.save_for_backward(q, k, v, probs, keep, dropped)
         ctx.scale = scale
-        ctx.bias_needs_grad = bias is not None and bias.requires_grad
         return torch.matmul(dropped, v).mul_(scale)
 
     @staticmethod
@@ -90,7 +82,7 @@ class _AttentionWithDropout(torch.autograd.Function):
         grad_v = torch.matmul(dropped.transpose(-1, -2), grad_out)
         grad_probs = torch.matmul(grad_out, v.transpose(-1, -2)).mul_(keep)
         grad_scores = torch._softmax_backward_data(grad_probs, probs, -1, probs.dtype)
-        grad_bias = grad_scores if ctx.bias_needs_grad else None
+        grad_bias = grad_scores if ctx.needs_input_grad[3] else None
         grad_scores = grad_scores * q.shape[-1] ** -0.5
         return torch.matmul(grad_scores, k), torch.matmul(grad_scores.transpose(-1, -2), q), grad_v, grad_bias, None
 

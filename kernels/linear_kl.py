@@ -14,6 +14,11 @@ and bias inside the forward (chunk by chunk) so the chunk's logits can be freed 
 only scales the stored gradients by ``grad_output``. Peak extra memory is O(chunk x V + V x H)
 instead of several N x V tensors. The Triton path goes further: an online softmax over vocabulary
 tiles keeps O(N) state in forward and recomputes logit tiles in backward.
+
+Dtypes: activations and weights may be fp32, bf16 or fp16, and may differ (bf16 activations with fp32
+weights, as under autocast: the weights are cast to the activations' dtype for the matmul, as
+autocast does). Softmax, logs and sums run in fp32 (fp64 for fp64 inputs), and the loss is returned
+in that dtype; each gradient comes back in its input's dtype.
 """
 
 from __future__ import annotations
@@ -39,6 +44,12 @@ def _acc_dtype(t: torch.Tensor) -> torch.dtype:
 
 def _logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, acc: torch.dtype) -> torch.Tensor:
     return F.linear(h, w, b).to(acc)
+
+
+def _as_activation_dtype(hidden: torch.Tensor, *params: torch.Tensor | None) -> list[torch.Tensor | None]:
+    """The head's weights in the activations' dtype, as autocast would cast them for the matmul
+    (bf16 activations with fp32 weights): a differentiable cast, so the gradient reaches the fp32 weight."""
+    return [p if p is None or p.dtype == hidden.dtype else p.to(hidden.dtype) for p in params]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -92,7 +103,8 @@ def fused_linear_sample_reference(
     """
     logits = F.linear(hidden, weight, bias)
     cdf = torch.softmax(logits.to(torch.float64) / temperature, -1).cumsum(-1)
-    u = torch.rand(logits.shape[0], 1, generator=generator, dtype=torch.float64, device=logits.device)
+    u = torch.rand(logits.shape[0], 1, generator=generator, dtype=torch.float64,
+                   device=logits.device if generator is None else generator.device).to(logits.device)
     samples = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=logits.shape[1] - 1)
     return samples.squeeze(1), logits.argmax(-1)
 
@@ -131,7 +143,7 @@ def _chunked_loss_and_grads(ctx, hidden, weight, bias, denom, chunk_terms):
         del dz
     ctx.save_for_backward(gh, gw, gb)
     ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
-    return (total / denom).to(hidden.dtype)
+    return total / denom  # fp32 (fp64 for fp64 inputs): a 16-bit loss would resolve only ~3 digits
 
 
 class _ChunkedLinearLoss(torch.autograd.Function):
@@ -196,7 +208,8 @@ class _ChunkedLinearCE(_ChunkedLinearLoss):
     def forward(ctx, hidden, weight, bias, target, ignore_index, draws):
         ctx.num_inputs = 6
         acc = _acc_dtype(hidden)
-        denom = max(int((target != ignore_index).sum()), 1)
+        # A tensor, not a Python int: reading the count would wait for the device.
+        denom = (target != ignore_index).sum().clamp(min=1).to(acc)
 
         def chunk_terms(r0, h, grad):
             tgt = target[r0 : r0 + h.shape[0]]
@@ -254,8 +267,17 @@ class _Draws:
         """The same from ``weights`` = exp(shifted / temperature) and, if known, their block totals."""
         rows = slice(r0, r0 + weights.shape[0])
         self.argmax[rows] = index.squeeze(1)
-        u = torch.rand(weights.shape[0], 1, generator=self.generator, dtype=torch.float64, device=weights.device)
-        self.samples[rows] = _inverse_cdf(weights, u, totals)
+        self.samples[rows] = _inverse_cdf(weights, self._uniforms(weights.shape[0], weights.device), totals)
+
+    def _uniforms(self, rows: int, device: torch.device) -> torch.Tensor:
+        """[rows, 1] float64 uniforms from the generator, on its own device, then moved to ``device``.
+
+        A CPU generator (the trainer's) thus drives CUDA tensors too, drawing the very numbers it
+        draws for CPU tensors; the copy is asynchronous (no host-device sync).
+        """
+        gen_device = self.generator.device if self.generator is not None else device
+        u = torch.rand(rows, 1, generator=self.generator, dtype=torch.float64, device=gen_device)
+        return u.to(device, non_blocking=True)
 
 
 def _sample_torch(hidden, weight, bias, generator, temperature):
@@ -340,8 +362,8 @@ def _check_target(op: str, target: torch.Tensor, hidden: torch.Tensor, weight: t
             f"{op}: target must be an integer tensor of shape ({hidden.shape[0]},), "
             f"got {target.dtype} {tuple(target.shape)}"
         )
-    valid = target[target != ignore_index]
-    if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= weight.shape[0]):
+    out_of_range = ((target < 0) | (target >= weight.shape[0])) & (target != ignore_index)
+    if bool(out_of_range.any()):  # one host-device sync: an out-of-range target would read out of bounds
         raise ValueError(f"{op}: target values must be in [0, {weight.shape[0]}) or ignore_index={ignore_index}")
 
 
@@ -376,7 +398,11 @@ def fused_linear_kl(
     _check_temperature(op, temperature)
     teacher = tuple(None if t is None else t.detach() for t in (teacher_hidden, teacher_weight, teacher_bias))
     if resolve_backend(backend, student_hidden.device, op) == "torch":
-        return _ChunkedLinearKL.apply(student_hidden, student_weight, student_bias, *teacher, float(temperature))
+        student_weight, student_bias = _as_activation_dtype(student_hidden, student_weight, student_bias)
+        t_hidden, t_weight, t_bias = teacher
+        t_weight, t_bias = _as_activation_dtype(t_hidden, t_weight, t_bias)
+        return _ChunkedLinearKL.apply(student_hidden, student_weight, student_bias, t_hidden, t_weight, t_bias,
+                                      float(temperature))
     from .linear_kl_triton import linear_kl_triton
 
     return linear_kl_triton(student_hidden, student_weight, student_bias, *teacher, float(temperature))
@@ -398,6 +424,7 @@ def fused_linear_cross_entropy(
     _check_head(op, "hidden", hidden, "weight", weight, "bias", bias)
     _check_target(op, target, hidden, weight, ignore_index)
     if resolve_backend(backend, hidden.device, op) == "torch":
+        weight, bias = _as_activation_dtype(hidden, weight, bias)
         return _ChunkedLinearCE.apply(hidden, weight, bias, target.long(), int(ignore_index), None)
     from .linear_kl_triton import linear_cross_entropy_triton
 
@@ -428,6 +455,7 @@ def fused_linear_cross_entropy_and_sample(
     _check_temperature(op, temperature)
     _check_generator(op, generator)
     if resolve_backend(backend, hidden.device, op) == "torch":
+        weight, bias = _as_activation_dtype(hidden, weight, bias)
         draws = _Draws(hidden.shape[0], hidden.device, generator, float(temperature))
         loss = _ChunkedLinearCE.apply(hidden, weight, bias, target.long(), int(ignore_index), draws)
         return loss, draws.samples, draws.argmax
@@ -462,7 +490,7 @@ def fused_linear_sample(
     _check_temperature(op, temperature)
     _check_generator(op, generator)
     if resolve_backend(backend, hidden.device, op) == "torch":
-        return _sample_torch(hidden, weight, bias, generator, float(temperature))
+        return _sample_torch(hidden, *_as_activation_dtype(hidden, weight, bias), generator, float(temperature))
     from .linear_kl_triton import linear_sample_triton
 
     return linear_sample_triton(hidden, weight, bias, generator, float(temperature))

@@ -9,6 +9,15 @@ atomically adds its contributions to ``grad_hidden``, ``grad_weight`` and ``grad
 size [N x V] is ever allocated. Float32 atomics make the Triton gradients non-bitwise-deterministic
 on GPU (summation order); use the torch path where bitwise determinism matters.
 
+Dtypes: hidden states and weights may be fp32, bf16 or fp16, and may differ (bf16 activations with
+fp32 weights, as under autocast). Every tile is converted once, at load, to the matmul dtype
+``DOT`` (the 16-bit activation dtype on GPU, so ``tl.dot`` uses the tensor cores as autocast's
+matmul would; fp32 or fp64 otherwise), and everything after the matmul (softmax, logs, sums, atomics)
+runs in ``ACC`` = fp32 (fp64 for fp64 inputs). The interpreter cannot compute 16-bit arithmetic
+(it operates on raw bits), so under ``TRITON_INTERPRET=1`` ``DOT`` is ``ACC``: the same kernels,
+verifiable on CPU on the same rounded inputs; what this leaves for a GPU to confirm is in
+docs/decisions.md ("Kernel dtypes").
+
 Fixed block sizes (no autotune: the interpreter rejects multi-config autotuning).
 """
 
@@ -20,33 +29,43 @@ import triton.language as tl
 
 from .dispatch import triton_interpret
 
+# (BLOCK_N, BLOCK_V, BLOCK_H). Small tiles under the interpreter so that small test shapes still span
+# several tiles; tests also run the GPU tiles under the interpreter.
+GPU_BLOCKS = (64, 128, 32)
+INTERPRETER_BLOCKS = (16, 32, 16)
+
+_TL = {torch.float64: tl.float64, torch.float32: tl.float32, torch.bfloat16: tl.bfloat16,
+       torch.float16: tl.float16}
+
 
 def _blocks() -> tuple[int, int, int]:
-    # Small tiles under the interpreter so that small test shapes still span several tiles.
-    return (16, 32, 16) if triton_interpret() else (64, 128, 32)
+    return INTERPRETER_BLOCKS if triton_interpret() else GPU_BLOCKS
 
 
-def _precision(t: torch.Tensor) -> str:
+def _dtypes(hidden: torch.Tensor) -> tuple[torch.dtype, tl.dtype, tl.dtype, str]:
+    """(accumulator torch dtype, ACC, DOT, input precision) for a head whose activations are ``hidden``."""
+    acc_t, acc = (torch.float64, tl.float64) if hidden.dtype == torch.float64 else (torch.float32, tl.float32)
+    if hidden.dtype in (torch.bfloat16, torch.float16) and not triton_interpret():
+        return acc_t, acc, _TL[hidden.dtype], "ieee"  # 16-bit dots: the precision flag is for fp32 only
     # Match torch: fp32 matmuls use TF32 only when torch itself is allowed to.
-    if t.dtype == torch.float32 and t.is_cuda and torch.backends.cuda.matmul.allow_tf32:
-        return "tf32"
-    return "ieee"
+    tf32 = acc is tl.float32 and hidden.is_cuda and torch.backends.cuda.matmul.allow_tf32
+    return acc_t, acc, acc, "tf32" if tf32 else "ieee"
 
 
 @triton.jit
 def _logit_tile(
     h_ptr, w_ptr, b_ptr, rows, cols, row_ok, col_ok, H, stride_h, stride_w,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-    ACC: tl.constexpr, PREC: tl.constexpr,
+    ACC: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
 ):
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=ACC)
     for k0 in range(0, H, BLOCK_H):
         ks = k0 + tl.arange(0, BLOCK_H)
         k_ok = ks < H
         a = tl.load(h_ptr + rows[:, None].to(tl.int64) * stride_h + ks[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(DOT)
         b = tl.load(w_ptr + cols[None, :].to(tl.int64) * stride_w + ks[:, None],
-                    mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+                    mask=col_ok[None, :] & k_ok[:, None], other=0.0).to(DOT)
         acc = tl.dot(a, b, acc, input_precision=PREC)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(ACC)[None, :]
@@ -60,7 +79,7 @@ def _forward_kernel(
     N, V, Hs, Ht, stride_hs, stride_ws, stride_ht, stride_wt, inv_tau_ptr, ignore_index,
     KL: tl.constexpr, HAS_BS: tl.constexpr, HAS_BT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-    ACC: tl.constexpr, PREC: tl.constexpr,
+    ACC: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -79,14 +98,14 @@ def _forward_kernel(
         cols = v0 + tl.arange(0, BLOCK_V)
         col_ok = cols < V
         s_raw = _logit_tile(hs_ptr, ws_ptr, bs_ptr, rows, cols, row_ok, col_ok, Hs, stride_hs, stride_ws,
-                            HAS_BS, BLOCK_N, BLOCK_V, BLOCK_H, ACC, PREC) * inv_tau
+                            HAS_BS, BLOCK_N, BLOCK_V, BLOCK_H, ACC, DOT, PREC) * inv_tau
         s = tl.where(col_ok[None, :], s_raw, float("-inf"))
         m_new = tl.maximum(m_s, tl.max(s, axis=1))
         z_s = z_s * tl.exp(m_s - m_new) + tl.sum(tl.exp(s - m_new[:, None]), axis=1)
         m_s = m_new
         if KL:
             t_raw = _logit_tile(ht_ptr, wt_ptr, bt_ptr, rows, cols, row_ok, col_ok, Ht, stride_ht, stride_wt,
-                                HAS_BT, BLOCK_N, BLOCK_V, BLOCK_H, ACC, PREC) * inv_tau
+                                HAS_BT, BLOCK_N, BLOCK_V, BLOCK_H, ACC, DOT, PREC) * inv_tau
             t = tl.where(col_ok[None, :], t_raw, float("-inf"))
             mt_new = tl.maximum(m_t, tl.max(t, axis=1))
             alpha = tl.exp(m_t - mt_new)
@@ -115,7 +134,7 @@ def _backward_kernel(
     KL: tl.constexpr, HAS_BS: tl.constexpr, HAS_BT: tl.constexpr,
     GRAD_H: tl.constexpr, GRAD_W: tl.constexpr, GRAD_B: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-    ACC: tl.constexpr, PREC: tl.constexpr,
+    ACC: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
 ):
     inv_tau = tl.load(inv_tau_ptr)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -123,12 +142,12 @@ def _backward_kernel(
     row_ok = rows < N
     col_ok = cols < V
     s = _logit_tile(hs_ptr, ws_ptr, bs_ptr, rows, cols, row_ok, col_ok, Hs, stride_hs, stride_ws,
-                    HAS_BS, BLOCK_N, BLOCK_V, BLOCK_H, ACC, PREC) * inv_tau
+                    HAS_BS, BLOCK_N, BLOCK_V, BLOCK_H, ACC, DOT, PREC) * inv_tau
     p_s = tl.exp(s - tl.load(lse_s_ptr + rows, mask=row_ok, other=0.0)[:, None])
     keep = row_ok[:, None] & col_ok[None, :]
     if KL:
         t = _logit_tile(ht_ptr, wt_ptr, bt_ptr, rows, cols, row_ok, col_ok, Ht, stride_ht, stride_wt,
-                        HAS_BT, BLOCK_N, BLOCK_V, BLOCK_H, ACC, PREC) * inv_tau
+                        HAS_BT, BLOCK_N, BLOCK_V, BLOCK_H, ACC, DOT, PREC) * inv_tau
         dz = p_s - tl.exp(t - tl.load(lse_t_ptr + rows, mask=row_ok, other=0.0)[:, None])
     else:
         target = tl.load(tgt_ptr + rows, mask=row_ok, other=ignore_index)
@@ -138,22 +157,38 @@ def _backward_kernel(
     dz = tl.where(keep, dz * tl.load(scale_ptr), 0.0)
     if GRAD_B:
         tl.atomic_add(gb_ptr + cols, tl.sum(dz, axis=0), mask=col_ok)
-    dz_in = dz.to(hs_ptr.dtype.element_ty)
+    dz_in = dz.to(DOT)
     for k0 in range(0, Hs, BLOCK_H):
         ks = k0 + tl.arange(0, BLOCK_H)
         k_ok = ks < Hs
         if GRAD_H:
             w = tl.load(ws_ptr + cols[:, None].to(tl.int64) * stride_ws + ks[None, :],
-                        mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+                        mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(DOT)
             tl.atomic_add(gh_ptr + rows[:, None].to(tl.int64) * Hs + ks[None, :],
                           tl.dot(dz_in, w, out_dtype=ACC, input_precision=PREC),
                           mask=row_ok[:, None] & k_ok[None, :])
         if GRAD_W:
             h = tl.load(hs_ptr + rows[:, None].to(tl.int64) * stride_hs + ks[None, :],
-                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                        mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(DOT)
             tl.atomic_add(gw_ptr + cols[:, None].to(tl.int64) * Hs + ks[None, :],
                           tl.dot(tl.trans(dz_in), h, out_dtype=ACC, input_precision=PREC),
                           mask=col_ok[:, None] & k_ok[None, :])
+
+
+@triton.jit
+def _uniform53(seed, rows, cols, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+    """A float64 uniform in [0, 1) for each (row, column): 53 bits from two words of Philox-4x32-10
+    (genrand_res53), so the Gumbel tail is not cut at float32 resolution.
+
+    The counter is (column, row, 0, 0) as 32-bit words and the key the 31-bit seed, passed to
+    ``tl.philox`` itself: not ``tl.randint4x``, whose handling of 64-bit offsets changed between
+    Triton releases (older ones return 64-bit words for them). One counter per (row, column) makes
+    the draw independent of the tiling.
+    """
+    zero = tl.zeros((BLOCK_N, BLOCK_V), tl.uint32)
+    r0, r1, _, _ = tl.philox(seed, zero + cols[None, :].to(tl.uint32), zero + rows[:, None].to(tl.uint32),
+                             zero, zero)
+    return ((r0 >> 5).to(tl.float64) * 67108864.0 + (r1 >> 6).to(tl.float64)) * (1.0 / 9007199254740992.0)
 
 
 @triton.jit
@@ -161,7 +196,7 @@ def _sample_kernel(
     h_ptr, w_ptr, b_ptr, sample_ptr, argmax_ptr, seed,
     N, V, H, stride_h, stride_w, inv_tau_ptr,
     HAS_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-    ACC: tl.constexpr, PREC: tl.constexpr,
+    ACC: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
 ):
     inv_tau = tl.load(inv_tau_ptr)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -174,7 +209,7 @@ def _sample_kernel(
         cols = v0 + tl.arange(0, BLOCK_V)
         col_ok = cols < V
         z = _logit_tile(h_ptr, w_ptr, b_ptr, rows, cols, row_ok, col_ok, H, stride_h, stride_w,
-                        HAS_B, BLOCK_N, BLOCK_V, BLOCK_H, ACC, PREC)
+                        HAS_B, BLOCK_N, BLOCK_V, BLOCK_H, ACC, DOT, PREC)
         z = tl.where(col_ok[None, :], z, float("-inf"))
         # Strict ">" keeps the earlier tile on ties: first maximal index, like torch.argmax.
         tile_max = tl.max(z, axis=1)
@@ -182,11 +217,7 @@ def _sample_kernel(
         better = tile_max > best_raw
         best_raw = tl.where(better, tile_max, best_raw)
         best_arg = tl.where(better, tile_arg, best_arg)
-        # 53-bit uniform from two Philox words (genrand_res53), so the Gumbel tail is not cut at
-        # float32 resolution; one counter per (row, column) makes the draw independent of tiling.
-        offs = rows[:, None].to(tl.int64) * V + cols[None, :]
-        r0, r1, _, _ = tl.randint4x(seed, offs)
-        u = ((r0 >> 5).to(tl.float64) * 67108864.0 + (r1 >> 6).to(tl.float64)) * (1.0 / 9007199254740992.0)
+        u = _uniform53(seed, rows, cols, BLOCK_N, BLOCK_V)
         noisy = z.to(tl.float64) * inv_tau - tl.log(-tl.log(u))
         noisy = tl.where(col_ok[None, :], noisy, float("-inf"))
         tile_max = tl.max(noisy, axis=1)
@@ -198,12 +229,29 @@ def _sample_kernel(
     tl.store(argmax_ptr + rows, best_arg, mask=row_ok)
 
 
-def _acc(t: torch.Tensor) -> tuple[torch.dtype, tl.dtype]:
-    return (torch.float64, tl.float64) if t.dtype == torch.float64 else (torch.float32, tl.float32)
+@triton.jit
+def _uniform_kernel(out_ptr, seed, N, V, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    ok = (rows < N)[:, None] & (cols < V)[None, :]
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * V + cols[None, :], _uniform53(seed, rows, cols, BLOCK_N, BLOCK_V),
+             mask=ok)
+
+
+def sampler_uniforms(seed: int, rows: int, vocab: int, device: torch.device) -> torch.Tensor:
+    """The [rows, vocab] uniforms the sampling kernel draws for ``seed`` (tests compare them with Philox)."""
+    out = torch.empty(rows, vocab, dtype=torch.float64, device=device)
+    _uniform_kernel[(triton.cdiv(rows, 16), triton.cdiv(vocab, 32))](out, seed, rows, vocab, BLOCK_N=16, BLOCK_V=32)
+    return out
 
 
 def _row_major(t: torch.Tensor | None) -> torch.Tensor | None:
     return t if t is None or t.stride(-1) == 1 else t.contiguous()
+
+
+def _scalar(value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A one-element tensor on ``device`` made by a fill, not copied from the host (no sync on CUDA)."""
+    return torch.full((1,), value, dtype=dtype, device=device)
 
 
 class _LinearLossTriton(torch.autograd.Function):
@@ -212,7 +260,7 @@ class _LinearLossTriton(torch.autograd.Function):
         hs, ws, bs = _row_major(hs), _row_major(ws), _row_major(bs)
         ht, wt, bt = _row_major(ht), _row_major(wt), _row_major(bt)
         n, v = hs.shape[0], ws.shape[0]
-        acc_t, acc_tl = _acc(hs)
+        acc_t, acc_tl, dot_tl, prec = _dtypes(hs)
         bn, bv, bh = _blocks()
         dev = hs.device
         lse_s = torch.empty(n, dtype=acc_t, device=dev)
@@ -226,27 +274,26 @@ class _LinearLossTriton(torch.autograd.Function):
         )
         dims = (
             n, v, hs.shape[1], teacher[0].shape[1], hs.stride(0), ws.stride(0),
-            teacher[0].stride(0), teacher[1].stride(0),
-            torch.tensor([inv_tau], dtype=acc_t, device=dev), ignore_index,
+            teacher[0].stride(0), teacher[1].stride(0), _scalar(inv_tau, acc_t, dev), ignore_index,
         )
         flags = dict(KL=kl, HAS_BS=bs is not None, HAS_BT=kl and bt is not None,
-                     BLOCK_N=bn, BLOCK_V=bv, BLOCK_H=bh, ACC=acc_tl, PREC=_precision(hs))
+                     BLOCK_N=bn, BLOCK_V=bv, BLOCK_H=bh, ACC=acc_tl, DOT=dot_tl, PREC=prec)
         if n > 0:
             _forward_kernel[(triton.cdiv(n, bn),)](*args, lse_s, lse_t, loss_rows, *dims, **flags)
         if kl:
-            denom = torch.tensor(float(max(n, 1)), dtype=acc_t, device=dev)
+            denom = _scalar(float(max(n, 1)), acc_t, dev)[0]
         else:
             denom = (target != ignore_index).sum().to(acc_t).clamp(min=1.0)
         ctx.save_for_backward(*args[:6], target, lse_s, lse_t, denom)
-        ctx.meta = (kl, bs is not None, inv_tau, dims, flags, hs.dtype, ws.dtype)
-        return (loss_rows.sum() / denom).to(hs.dtype)
+        ctx.meta = (kl, bs is not None, inv_tau, dims, flags, hs.dtype, ws.dtype, None if bs is None else bs.dtype)
+        return loss_rows.sum() / denom
 
     @staticmethod
     def backward(ctx, grad_out):
         hs, ws, bs, ht, wt, bt, target, lse_s, lse_t, denom = ctx.saved_tensors
-        kl, has_bs, inv_tau, dims, flags, dt_h, dt_w = ctx.meta
+        kl, has_bs, inv_tau, dims, flags, dt_h, dt_w, dt_b = ctx.meta
         want_h, want_w, want_b = ctx.needs_input_grad[1], ctx.needs_input_grad[2], has_bs and ctx.needs_input_grad[3]
-        acc_t, _ = _acc(hs)
+        acc_t = lse_s.dtype
         n, v = hs.shape[0], ws.shape[0]
         gh = torch.zeros(hs.shape, dtype=acc_t, device=hs.device) if want_h else lse_s
         gw = torch.zeros(ws.shape, dtype=acc_t, device=ws.device) if want_w else lse_s
@@ -261,18 +308,18 @@ class _LinearLossTriton(torch.autograd.Function):
             None,
             gh.to(dt_h) if want_h else None,
             gw.to(dt_w) if want_w else None,
-            gb.to(dt_w) if want_b else None,
+            gb.to(dt_b) if want_b else None,
             None, None, None, None, None, None,
         )
 
 
 def linear_kl_triton(hs, ws, bs, ht, wt, bt, temperature: float) -> torch.Tensor:
-    """Triton path of ``fused_linear_kl`` (teacher tensors already detached)."""
+    """Triton path of ``fused_linear_kl`` (teacher tensors already detached); the loss in fp32 (fp64)."""
     return _LinearLossTriton.apply(True, hs, ws, bs, ht, wt, bt, None, 1.0 / temperature, 0)
 
 
 def linear_cross_entropy_triton(hidden, weight, bias, target, ignore_index: int) -> torch.Tensor:
-    """Triton path of ``fused_linear_cross_entropy``."""
+    """Triton path of ``fused_linear_cross_entropy``; the loss in fp32 (fp64)."""
     return _LinearLossTriton.apply(False, hidden, weight, bias, None, None, None, target, 1.0, ignore_index)
 
 
@@ -285,12 +332,12 @@ def linear_sample_triton(hidden, weight, bias, generator, temperature: float):
     samples = torch.empty(n, dtype=torch.long, device=hidden.device)
     argmax = torch.empty(n, dtype=torch.long, device=hidden.device)
     bn, bv, bh = _blocks()
-    _, acc_tl = _acc(hidden)
+    _, acc_tl, dot_tl, prec = _dtypes(hidden)
     if n > 0:
         _sample_kernel[(triton.cdiv(n, bn),)](
             hidden, weight, bias if bias is not None else weight, samples, argmax, seed,
             n, v, hidden.shape[1], hidden.stride(0), weight.stride(0),
-            torch.tensor([1.0 / temperature], dtype=torch.float64, device=hidden.device),
-            HAS_B=bias is not None, BLOCK_N=bn, BLOCK_V=bv, BLOCK_H=bh, ACC=acc_tl, PREC=_precision(hidden),
+            _scalar(1.0 / temperature, torch.float64, hidden.device),
+            HAS_B=bias is not None, BLOCK_N=bn, BLOCK_V=bv, BLOCK_H=bh, ACC=acc_tl, DOT=dot_tl, PREC=prec,
         )
     return samples, argmax

@@ -4,8 +4,10 @@ For ``W`` laid out [out, in] as in ``nn.Linear``, the operator norm induced by t
 the maximum over columns ``j`` of ``sum_i |W[i, j]|``. Backward uses the subgradient ``sign(W)`` on
 the maximizing column and 0 elsewhere (first maximal column on ties, as ``torch.max``).
 
-The Triton path reads every matrix in a single launch through a table of data pointers; the torch
-path reduces each matrix without materializing ``|W|``.
+The Triton path reads every matrix of one dtype in a single launch through a table of data pointers;
+the torch path reduces each matrix without materializing ``|W|``. Column sums run in fp32 (fp64 for
+fp64 weights) whatever the weights' dtype, and the value is returned in that dtype; neither path
+reads a number back to the host.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ class _Lipschitz1Norm(torch.autograd.Function):
 
             values, argmax = column_abs_sums_triton(weights)
         else:
-            maxes = [torch.linalg.vector_norm(w, ord=1, dim=0).max(0) for w in weights]
+            acc = torch.float64 if any(w.dtype == torch.float64 for w in weights) else torch.float32
+            maxes = [torch.linalg.vector_norm(w, ord=1, dim=0, dtype=acc).max(0) for w in weights]
             values = torch.stack([m.values for m in maxes])
             argmax = torch.stack([m.indices for m in maxes])
         ctx.use_triton = use_triton
@@ -48,10 +51,10 @@ class _Lipschitz1Norm(torch.autograd.Function):
             grads = column_sign_grads_triton(weights, argmax, grad_out)
         else:
             grads = []
-            for w, j in zip(weights, argmax.tolist()):
-                g = torch.zeros_like(w)
-                g[:, j] = torch.sign(w[:, j]) * grad_out.to(w.dtype)
-                grads.append(g)
+            for w, j in zip(weights, argmax):  # 0-d tensors: the column index stays on the device
+                column = j.view(1)
+                grads.append(torch.zeros_like(w).index_copy_(
+                    1, column, torch.sign(w.index_select(1, column)) * grad_out.to(w.dtype)))
         return (None, *grads)
 
 
@@ -63,7 +66,7 @@ def lipschitz_1norm(weights: Sequence[torch.Tensor], backend: str = "auto") -> t
         if not isinstance(w, torch.Tensor) or w.dim() != 2 or not w.is_floating_point() or w.numel() == 0:
             desc = f"{w.dtype} {tuple(w.shape)}" if isinstance(w, torch.Tensor) else type(w).__name__
             raise ValueError(f"{_OP}: weights[{i}] must be a non-empty 2-D floating tensor, got {desc}")
+    if len({w.device for w in weights}) > 1:
+        raise ValueError(f"{_OP}: all weights must be on one device, got {sorted({str(w.device) for w in weights})}")
     use_triton = resolve_backend(backend, weights[0].device, _OP) == "triton"
-    if use_triton and len({(w.dtype, w.device) for w in weights}) > 1:
-        raise ValueError(f"{_OP}: the Triton path needs all weights on one device with one dtype")
     return _Lipschitz1Norm.apply(use_triton, *weights)

@@ -1,9 +1,9 @@
 """Triton kernels for :mod:`kernels.lipschitz` (imported lazily by the dispatcher).
 
-All matrices go to one launch: a table of data pointers, shapes and strides is indexed by
-``program_id(0)`` (the matrix) while ``program_id(1)`` picks a block of columns. The backward
+All matrices of one dtype go to one launch: a table of data pointers, shapes and strides is indexed
+by ``program_id(0)`` (the matrix) while ``program_id(1)`` picks a block of columns. The backward
 kernel writes ``grad_output * sign(W[:, j])`` into the maximizing column of each zeroed gradient,
-again in one launch.
+again in one launch. Sums and sign tests run in fp32 (fp64 for fp64 weights), loaded as such.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def _colsum_kernel(ptrs, shapes, strides, out_ptr, out_stride,
 
 @triton.jit
 def _sign_grad_kernel(w_ptrs, g_ptrs, shapes, strides, argmax_ptr, gout_ptr,
-                      DTYPE: tl.constexpr, BLOCK_R: tl.constexpr):
+                      DTYPE: tl.constexpr, ACC: tl.constexpr, BLOCK_R: tl.constexpr):
     m = tl.program_id(0)
     n_rows = tl.load(shapes + 2 * m)
     n_cols = tl.load(shapes + 2 * m + 1)
@@ -52,50 +52,70 @@ def _sign_grad_kernel(w_ptrs, g_ptrs, shapes, strides, argmax_ptr, gout_ptr,
     j = tl.load(argmax_ptr + m)
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = rows < n_rows
-    w = tl.load(w_ptr + rows.to(tl.int64) * s_row + j * s_col, mask=ok, other=0.0)
+    # Compared in ACC: the interpreter compares 16-bit floats on their raw bits.
+    w = tl.load(w_ptr + rows.to(tl.int64) * s_row + j * s_col, mask=ok, other=0.0).to(ACC)
     sign = tl.where(w > 0, 1.0, tl.where(w < 0, -1.0, 0.0))
     g = sign * tl.load(gout_ptr)
     tl.store(g_ptr + rows.to(tl.int64) * n_cols + j, g.to(DTYPE), mask=ok)
 
 
+def _table(values: list, device: torch.device) -> torch.Tensor:
+    # Built on the host and copied without waiting (a blocking copy to a GPU is a host-device sync).
+    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+
+
 def _tables(weights: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dev = weights[0].device
-    ptrs = torch.tensor([w.data_ptr() for w in weights], dtype=torch.int64, device=dev)
-    shapes = torch.tensor([list(w.shape) for w in weights], dtype=torch.int64, device=dev)
-    strides = torch.tensor([list(w.stride()) for w in weights], dtype=torch.int64, device=dev)
-    return ptrs, shapes, strides
+    return (_table([w.data_ptr() for w in weights], dev), _table([list(w.shape) for w in weights], dev),
+            _table([list(w.stride()) for w in weights], dev))
 
 
-def _dtypes(t: torch.Tensor):
-    table = {torch.float64: tl.float64, torch.float32: tl.float32, torch.float16: tl.float16,
-             torch.bfloat16: tl.bfloat16}
-    acc = tl.float64 if t.dtype == torch.float64 else tl.float32
-    return table[t.dtype], acc
+_TL = {torch.float64: tl.float64, torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _by_dtype(weights: Sequence[torch.Tensor]) -> dict[torch.dtype, list[int]]:
+    """Indices of the weights of each dtype: one launch per dtype (a launch reads one element type)."""
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, w in enumerate(weights):
+        groups.setdefault(w.dtype, []).append(i)
+    return groups
 
 
 def column_abs_sums_triton(weights: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per matrix: max column absolute sum and its column index, from a single kernel launch."""
-    ptrs, shapes, strides = _tables(weights)
-    max_cols = max(w.shape[1] for w in weights)
-    acc_t = torch.float64 if weights[0].dtype == torch.float64 else torch.float32
-    out = torch.full((len(weights), max_cols), -1.0, dtype=acc_t, device=weights[0].device)
-    dtype, acc = _dtypes(weights[0])
-    grid = (len(weights), triton.cdiv(max_cols, _BLOCK_C))
-    _colsum_kernel[grid](ptrs, shapes, strides, out, out.stride(0),
-                         DTYPE=dtype, ACC=acc, BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C)
-    values, argmax = out.max(dim=1)
-    return values.to(weights[0].dtype), argmax
+    """Per matrix: max column absolute sum (fp32; fp64 if any weight is fp64) and its column index."""
+    acc_t = torch.float64 if any(w.dtype == torch.float64 for w in weights) else torch.float32
+    dev = weights[0].device
+    values = torch.empty(len(weights), dtype=acc_t, device=dev)
+    argmax = torch.empty(len(weights), dtype=torch.int64, device=dev)
+    for dtype, idx in _by_dtype(weights).items():
+        group = [weights[i] for i in idx]
+        ptrs, shapes, strides = _tables(group)
+        max_cols = max(w.shape[1] for w in group)
+        out = torch.full((len(group), max_cols), -1.0, dtype=_acc(dtype), device=dev)
+        grid = (len(group), triton.cdiv(max_cols, _BLOCK_C))
+        _colsum_kernel[grid](ptrs, shapes, strides, out, out.stride(0),
+                             DTYPE=_TL[dtype], ACC=_TL[_acc(dtype)], BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C)
+        group_values, group_argmax = out.max(dim=1)
+        where = _table(idx, dev)
+        values[where] = group_values.to(acc_t)
+        argmax[where] = group_argmax
+    return values, argmax
 
 
 def column_sign_grads_triton(weights: Sequence[torch.Tensor], argmax: torch.Tensor,
                              grad_out: torch.Tensor) -> list[torch.Tensor]:
-    """Zero gradients with ``grad_out * sign(W[:, j])`` in each maximizing column, one launch."""
+    """Zero gradients with ``grad_out * sign(W[:, j])`` in each maximizing column, one launch per dtype."""
     grads = [torch.zeros(w.shape, dtype=w.dtype, device=w.device) for w in weights]
-    ptrs, shapes, strides = _tables(weights)
-    gptrs = torch.tensor([g.data_ptr() for g in grads], dtype=torch.int64, device=ptrs.device)
-    dtype, _ = _dtypes(weights[0])
-    gout = grad_out.reshape(1).to(weights[0].dtype)
-    grid = (len(weights), triton.cdiv(max(w.shape[0] for w in weights), _BLOCK_R))
-    _sign_grad_kernel[grid](ptrs, gptrs, shapes, strides, argmax.contiguous(), gout,
-                            DTYPE=dtype, BLOCK_R=_BLOCK_R)
+    for dtype, idx in _by_dtype(weights).items():
+        group = [weights[i] for i in idx]
+        ptrs, shapes, strides = _tables(group)
+        gptrs = _table([grads[i].data_ptr() for i in idx], ptrs.device)
+        acc_t = _acc(dtype)
+        grid = (len(group), triton.cdiv(max(w.shape[0] for w in group), _BLOCK_R))
+        _sign_grad_kernel[grid](ptrs, gptrs, shapes, strides, argmax[_table(idx, ptrs.device)].contiguous(),
+                                grad_out.reshape(1).to(acc_t), DTYPE=_TL[dtype], ACC=_TL[acc_t], BLOCK_R=_BLOCK_R)
     return grads

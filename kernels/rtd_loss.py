@@ -37,9 +37,12 @@ def fused_rtd_loss_reference(
 
 
 def _rtd_torch(hidden, weight, bias, corrupted, original, mask):
-    logits = hidden @ weight + bias
-    keep = mask.to(logits.dtype)
-    labels = (corrupted != original).to(logits.dtype)
+    # In fp32 like the Triton kernel (a 16-bit loss would resolve only ~3 digits); the [N, H] upcast is
+    # one more pass over memory this memory-bound head reads anyway.
+    acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    logits = hidden.to(acc) @ weight.to(acc) + bias.to(acc)
+    keep = mask.to(acc)
+    labels = (corrupted != original).to(acc)
     per_pos = F.binary_cross_entropy_with_logits(logits, labels, reduction="none")
     return (per_pos * keep).sum() / keep.sum().clamp(min=1.0)
 
@@ -70,7 +73,8 @@ def fused_rtd_loss(
 ) -> torch.Tensor:
     """Mean RTD BCE over masked-in positions; ``hidden`` [N,H], ``weight`` [H], ``bias`` scalar.
 
-    Gradients flow to ``hidden``, ``weight`` and ``bias``. Flatten [B,T,H] inputs to [B*T,H].
+    Gradients flow to ``hidden``, ``weight`` and ``bias``. Flatten [B,T,H] inputs to [B*T,H]. Any
+    float dtypes (bf16 activations with fp32 weights too); the loss is fp32 (fp64 for fp64 inputs).
     """
     _check(hidden, weight, bias, corrupted, original, mask)
     if resolve_backend(backend, hidden.device, _OP) == "torch":

@@ -1,0 +1,245 @@
+"""Every kernel takes every dtype a GPU run feeds it, and is checked against float64 on the same rounded inputs.
+
+A GPU run feeds the kernels fp32 (the default), bf16 or fp16 everywhere (DeepSpeed casts the weights),
+or bf16 activations with fp32 weights (autocast). Inputs are drawn in float64, rounded to the run's
+dtypes, and the reference sees exactly those rounded values in float64, so the only errors left are
+the kernel's own: its arithmetic, its matmul dtype and the rounding of each gradient to its input's
+dtype. The loss must come back in fp32 whatever went in.
+
+Under the interpreter the Triton kernels compute their matmuls in fp32 (it cannot do 16-bit
+arithmetic; docs/decisions.md "Kernel dtypes"), so their only 16-bit error is the gradients'
+final rounding: loss to fp32 precision, gradients to one 16-bit rounding. The torch path multiplies
+in the activations' dtype (as autocast would), so its logits carry one 16-bit rounding too.
+Tolerances below are a few times those roundings: a wrong scale, a lost temperature or bits read as
+the wrong type are off by orders of magnitude more.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from megakd.kernels import (
+    fused_linear_cross_entropy,
+    fused_linear_cross_entropy_reference,
+    fused_linear_kl,
+    fused_linear_kl_reference,
+    fused_linear_sample,
+    fused_rtd_loss,
+    fused_rtd_loss_reference,
+    lipschitz_1norm,
+    lipschitz_1norm_reference,
+)
+from scipy.stats import chi2
+
+from .helpers import BACKENDS, TRITON, value_and_grads
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+# (activation dtype, weight dtype): what fp32, DeepSpeed bf16/fp16 and autocast bf16 runs feed a head.
+COMBOS = {"fp32": (F32, F32), "bf16": (BF16, BF16), "fp16": (F16, F16), "bf16-act-fp32-weight": (BF16, F32)}
+EPS = {F32: 2.0**-24, BF16: 2.0**-8, F16: 2.0**-11}  # unit roundoff
+
+
+def _tolerances(backend: str, act: torch.dtype, weight: torch.dtype) -> tuple[float, float]:
+    """(loss relative error, gradient norm-wise relative error) allowed for this backend and combo."""
+    grad = 8 * max(EPS[act], EPS[weight]) + 1e-6  # each gradient is rounded once to its input's dtype
+    if backend == "torch" and act != F32:
+        return 30 * EPS[act], 30 * EPS[act]  # logits (and products) rounded to the activation dtype
+    return 1e-5, grad
+
+
+def _rounded(g: torch.Generator, *shape, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+def _check(out, ref, inputs, backend, act, weight):
+    loss_tol, grad_tol = _tolerances(backend, act, weight)
+    assert out[0].dtype == (torch.float32), f"loss dtype {out[0].dtype}"
+    assert math.isfinite(float(out[0]))
+    err = abs(float(out[0]) - float(ref[0])) / max(abs(float(ref[0])), 1e-30)
+    assert err < loss_tol, f"loss {float(out[0])!r} vs float64 {float(ref[0])!r}: rel {err:.2e} > {loss_tol:.0e}"
+    for i, (g, r, x) in enumerate(zip(out[1], ref[1], inputs)):
+        if r is None:
+            continue
+        assert g.dtype == x.dtype, f"grad {i}: dtype {g.dtype}, input {x.dtype}"
+        e = _rel(g, r)
+        assert e < grad_tol, f"grad {i}: rel {e:.2e} > {grad_tol:.0e}"
+
+
+@pytest.fixture(params=["interpreter-blocks", "gpu-blocks"])
+def blocks(request, monkeypatch):
+    """The head kernels at the interpreter's small tiles and at the tiles a GPU compiles (64 x 128 x 32)."""
+    if request.param == "gpu-blocks":
+        from megakd.kernels import linear_kl_triton
+
+        monkeypatch.setattr(linear_kl_triton, "_blocks", lambda: linear_kl_triton.GPU_BLOCKS)
+    return request.param
+
+
+# (N, H, V): ragged against both tilings (16/32/16 and 64/128/32), and a single row.
+HEAD_SHAPES = [(1, 5, 7), (130, 70, 300)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("combo", COMBOS)
+@pytest.mark.parametrize("n,h,v", HEAD_SHAPES)
+def test_cross_entropy_every_dtype(backend, combo, n, h, v, blocks):
+    if backend == "torch" and blocks == "gpu-blocks":
+        pytest.skip("block sizes are the Triton kernel's")
+    act, wdt = COMBOS[combo]
+    g = torch.Generator().manual_seed(n + h + v)
+    hidden, weight, bias = _rounded(g, n, h, dtype=act), _rounded(g, v, h, dtype=wdt, scale=0.2), _rounded(
+        g, v, dtype=wdt, scale=0.1)
+    target = torch.randint(0, v, (n,), generator=g)
+    target[1::3] = -100
+    ref = value_and_grads(lambda a, b, c: fused_linear_cross_entropy_reference(a, b, c, target),
+                          hidden.double(), weight.double(), bias.double())
+    out = value_and_grads(lambda a, b, c: fused_linear_cross_entropy(a, b, c, target, backend=backend),
+                          hidden, weight, bias)
+    _check(out, ref, (hidden, weight, bias), backend, act, wdt)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("combo", COMBOS)
+@pytest.mark.parametrize("n,h,v", HEAD_SHAPES)
+def test_kl_every_dtype(backend, combo, n, h, v, blocks):
+    """The student in the run's dtypes; the frozen teacher in fp32 (its own autocast) or the same dtypes."""
+    if backend == "torch" and blocks == "gpu-blocks":
+        pytest.skip("block sizes are the Triton kernel's")
+    act, wdt = COMBOS[combo]
+    g = torch.Generator().manual_seed(n * h + v)
+    hs, ws, bs = _rounded(g, n, h, dtype=act), _rounded(g, v, h, dtype=wdt, scale=0.3), _rounded(g, v, dtype=wdt)
+    th, tw = _rounded(g, n, h + 3, dtype=act), _rounded(g, v, h + 3, dtype=wdt, scale=0.3)
+    ref = value_and_grads(lambda a, b, c: fused_linear_kl_reference(a, b, th.double(), tw.double(), 2.0, c),
+                          hs.double(), ws.double(), bs.double())
+    out = value_and_grads(lambda a, b, c: fused_linear_kl(a, b, th, tw, 2.0, c, backend=backend), hs, ws, bs)
+    _check(out, ref, (hs, ws, bs), backend, act, wdt)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("combo", COMBOS)
+@pytest.mark.parametrize("n,h", [(1, 3), (70, 40), (37, 768)])  # 768: electra-base's width, 8-row tiles
+def test_rtd_every_dtype(backend, combo, n, h):
+    act, wdt = COMBOS[combo]
+    g = torch.Generator().manual_seed(n + h)
+    hidden, weight, bias = _rounded(g, n, h, dtype=act, scale=0.5), _rounded(g, h, dtype=wdt, scale=0.1), _rounded(
+        g, (), dtype=wdt)
+    original = torch.randint(0, 50, (n,), generator=g)
+    corrupted = torch.where(torch.rand(n, generator=g) < 0.3, original + 1, original)
+    mask = torch.rand(n, generator=g) < 0.8
+    mask[0] = True
+    ref = value_and_grads(lambda a, b, c: fused_rtd_loss_reference(a, b, c, corrupted, original, mask),
+                          hidden.double(), weight.double(), bias.double())
+    out = value_and_grads(lambda a, b, c: fused_rtd_loss(a, b, c, corrupted, original, mask, backend=backend),
+                          hidden, weight, bias)
+    # The RTD head is elementwise + a dot over H in fp32 in both paths: no 16-bit logits on either.
+    _check(out, ref, (hidden, weight, bias), "triton", act, wdt)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [F32, BF16, F16, "mixed"])
+def test_lipschitz_every_dtype(backend, dtype):
+    """Sums in fp32 and an exact subgradient: sign(W) in the maximizing column, in W's dtype."""
+    g = torch.Generator().manual_seed(4)
+    dtypes = [F32, BF16, F16, BF16] if dtype == "mixed" else [dtype] * 4
+    ws = [_rounded(g, *s, dtype=d) for s, d in zip([(7, 11), (64, 33), (33, 65), (1, 1)], dtypes)]
+    ws[1] = ws[1].t().contiguous().t()  # column-major: strides matter
+    out = value_and_grads(lambda *w: lipschitz_1norm(list(w), backend=backend), *ws)
+    ref = lipschitz_1norm_reference([w.double() for w in ws])
+    assert out[0].dtype == torch.float32
+    assert abs(float(out[0]) - float(ref)) / float(ref) < 1e-6
+    for w, gr in zip(ws, out[1]):
+        assert gr.dtype == w.dtype
+        cols = gr.abs().sum(0).nonzero().flatten()
+        expected_col = w.double().abs().sum(0).argmax()
+        assert cols.tolist() == [int(expected_col)]
+        assert torch.equal(gr[:, cols[0]], torch.sign(w[:, cols[0]]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("combo", ["bf16", "fp16", "bf16-act-fp32-weight"])
+def test_sampling_distribution_every_dtype(backend, combo):
+    """Chi-square of many draws from one row against softmax(z / tau) of the rounded inputs in float64."""
+    act, wdt = COMBOS[combo]
+    g = torch.Generator().manual_seed(9)
+    v, h, tau, rows = 37, 6, 0.7, 4000
+    weight, bias = _rounded(g, v, h, dtype=wdt, scale=0.4), _rounded(g, v, dtype=wdt, scale=0.3)
+    one = _rounded(g, 1, h, dtype=act)
+    samples, argmax = fused_linear_sample(one.expand(rows, h).contiguous(), weight, bias,
+                                          torch.Generator().manual_seed(1), tau, backend=backend)
+    logits = (one.double() @ weight.double().T + bias.double())[0]
+    assert int(argmax[0]) == int(logits.argmax()) and bool((argmax == argmax[0]).all())
+    expected = torch.softmax(logits / tau, -1) * rows
+    observed = torch.bincount(samples, minlength=v).double()
+    stat = float(((observed - expected) ** 2 / expected).sum())
+    # The torch path's logits carry one 16-bit rounding (a relative 2^-8 shift of each probability
+    # at most), far below what 4,000 draws resolve. A correct sampler fails with probability 1e-6.
+    assert stat < chi2.ppf(1 - 1e-6, df=v - 1), stat
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("combo", ["fp32", "bf16"])
+def test_cross_entropy_at_128k_vocabulary(backend, combo, monkeypatch):
+    """The production vocabulary (128,000 = 1,000 GPU tiles): no overflow of an index or a sum."""
+    from megakd.kernels import linear_kl_triton
+
+    monkeypatch.setattr(linear_kl_triton, "_blocks", lambda: linear_kl_triton.GPU_BLOCKS)
+    act, wdt = COMBOS[combo]
+    g = torch.Generator().manual_seed(0)
+    n, h, v = 5, 8, 128_000
+    hidden, weight = _rounded(g, n, h, dtype=act), _rounded(g, v, h, dtype=wdt, scale=0.3)
+    target = torch.tensor([0, v - 1, 64_000, 127_872, -100])
+    ref = value_and_grads(lambda a, b: fused_linear_cross_entropy_reference(a, b, None, target),
+                          hidden.double(), weight.double())
+    out = value_and_grads(lambda a, b: fused_linear_cross_entropy(a, b, None, target, backend=backend),
+                          hidden, weight)
+    _check(out, ref, (hidden, weight), backend, act, wdt)
+
+
+# ------------------------------------------------------------------------------------------------
+# The sampler's random numbers: Philox-4x32-10 on (column, row) counters, whatever the Triton release.
+
+_M0, _M1, _W0, _W1 = 0xD2511F53, 0xCD9E8D57, 0x9E3779B9, 0xBB67AE85
+_U32 = 0xFFFFFFFF
+
+
+def _philox4x32_10(counter: tuple[int, int, int, int], key: tuple[int, int]) -> tuple[int, int, int, int]:
+    """Philox-4x32-10 as Random123 defines it (Salmon et al., SC'11), in plain Python integers."""
+    c0, c1, c2, c3 = counter
+    k0, k1 = key
+    for _ in range(10):
+        p0, p1 = _M0 * c0, _M1 * c2
+        c0, c1, c2, c3 = (p1 >> 32) ^ c1 ^ k0, p1 & _U32, (p0 >> 32) ^ c3 ^ k1, p0 & _U32
+        k0, k1 = (k0 + _W0) & _U32, (k1 + _W1) & _U32
+    return c0, c1, c2, c3
+
+
+def test_reference_philox_matches_random123_known_answers():
+    # Random123's kat_vectors for philox4x32_10: the reference itself is checked before it judges.
+    assert _philox4x32_10((0, 0, 0, 0), (0, 0)) == (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)
+    assert _philox4x32_10((_U32,) * 4, (_U32, _U32)) == (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)
+
+
+@pytest.mark.parametrize("backend", [TRITON])
+def test_sampler_uniforms_are_philox_of_row_and_column(backend):
+    """The Gumbel noise's uniforms are 53 bits from words 0 and 1 of Philox(counter=(col, row, 0, 0),
+    key=seed): one fixed stream for any Triton version and any tiling."""
+    from megakd.kernels.linear_kl_triton import sampler_uniforms
+
+    seed, rows, vocab = 1_234_567, 19, 45
+    got = sampler_uniforms(seed, rows, vocab, torch.device("cpu")).numpy()
+    want = np.empty((rows, vocab))
+    for r in range(rows):
+        for c in range(vocab):
+            w0, w1, _, _ = _philox4x32_10((c, r, 0, 0), (seed, 0))
+            want[r, c] = ((w0 >> 5) * 67108864.0 + (w1 >> 6)) / 9007199254740992.0
+    np.testing.assert_array_equal(got, want)
+    assert 0.0 <= got.min() and got.max() < 1.0 and len(np.unique(got)) == rows * vocab

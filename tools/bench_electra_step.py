@@ -45,6 +45,7 @@ from megakd.bench.roofline import format_phases, matmul_seconds, op_shares, phas
 from megakd.config import Config, OptimizerConfig
 from megakd.data.masking import collate
 from megakd.engine.backends import precision_autocast
+from megakd.engine.device_audit import SIMULATED, SyncCounter, simulated_cuda
 from megakd.engine.optim import build_optimizer
 from megakd.engine.pretrain import compile_encoders
 from megakd.engine.profiling import phase
@@ -104,7 +105,7 @@ class MegakdStep:
                 g = self.gen(batch, self.rng)
             g["loss"].backward()
         with phase("discriminator"):
-            corrupted = corrupt(batch["input_ids"], batch["mlm_mask"], g["samples"])
+            corrupted = corrupt(batch["input_ids"], batch["mlm_mask"], g["samples"], g["positions"])
             with self.autocast():
                 d = self.disc(corrupted, batch["input_ids"], batch["attention_mask"])
             (LOSS_WEIGHT * d["loss"]).backward()
@@ -174,6 +175,22 @@ def model_flops(gen_cfg: EncoderConfig, disc_cfg: EncoderConfig, batch: dict[str
     return step_flops(cfg, sequences, seq, masked=int(batch["mlm_mask"].sum())).model
 
 
+def count_syncs(gen_cfg: EncoderConfig, disc_cfg: EncoderConfig, opt: OptimizerConfig,
+                batch: dict[str, torch.Tensor]) -> SyncCounter:
+    """Host-device syncs of one megakd step (after a warm-up step) on the simulated cuda:0
+    (megakd/engine/device_audit.py): fp32, torch kernels, the sampling generator on the CPU as in training."""
+    step = MegakdStep(gen_cfg, disc_cfg, opt, torch.device("cpu"), "fp32")
+    with simulated_cuda() as syncs:
+        for task in (step.gen, step.disc):
+            task.to(SIMULATED)
+            task.kernel_backend = "torch"
+        batch = {k: v.to(SIMULATED) for k, v in batch.items()}
+        step(batch)
+        syncs.sites.clear()
+        step(batch)
+    return syncs
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -231,6 +248,7 @@ def bench(shape: str, steps: int, warmup: int, matmul_n: int, compile_: bool, se
         megakd(batch_)
 
     result["phases"] = phase_seconds(profiled_step, 2, device)
+    result["syncs"] = count_syncs(gen_cfg, disc_cfg, opt, make_batch(samples[0]))
     if ops:
         result["ops"] = {name: dict(list(op_shares(functools.partial(step, data[0]), 2, device).items())[:ops])
                          for name, step in sides.items()}
@@ -285,6 +303,10 @@ def main() -> None:
                   f"tokens/s; megakd's CPU dropout = {r['dropout_ratio']:.2f}x torch's")
     for r in rows:
         print(f"{r['shape']} megakd step split (profiled): {format_phases(r['phases'])}")
+    for r in rows:
+        syncs = r["syncs"]
+        print(f"{r['shape']} megakd host-device syncs per optimizer step (simulated cuda): {syncs.total} ("
+              + ", ".join(f"{n} {kind} at {site.rsplit('/', 1)[-1]}" for kind, site, n in syncs.top(4)) + ")")
     for r in rows:
         for side, shares in r.get("ops", {}).items():
             print(f"{r['shape']} {side} largest ops (share of self time, profiled): "

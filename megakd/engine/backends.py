@@ -84,6 +84,22 @@ def init_distributed(dist_backend: str = "auto") -> tuple[int, int, int]:
     return rank, world, local_rank
 
 
+def require_launcher(name: str) -> None:
+    """Refuse a multi-rank backend started as one bare process on a CUDA machine.
+
+    Without RANK/WORLD_SIZE (or Slurm's SLURM_PROCID/SLURM_NTASKS, as `init_distributed` reads them)
+    DeepSpeed gets a private one-process gloo group holding CUDA tensors and DDP a world of one: a
+    run that looks distributed and is not. On CPU that lone process is the reference run the tests
+    compare against, so it stays.
+    """
+    if "RANK" in os.environ or {"SLURM_PROCID", "SLURM_NTASKS"} <= os.environ.keys() or not torch.cuda.is_available():
+        return
+    gpus = max(torch.cuda.device_count(), 1)
+    raise UserError(f"backend.name={name} on a CUDA machine needs a launcher, not a bare process: "
+                    f"launch/torchrun.sh {gpus} [COMMAND] -c CONFIG (or launch/deepspeed.sh --num_gpus {gpus}, "
+                    f"or launch/slurm.sbatch under sbatch)")
+
+
 _created_process_group = False
 
 
@@ -150,6 +166,19 @@ class StepResult:
     interrupted: bool = False  # that signal was SIGINT on some rank
 
 
+def default_device(local_rank: int) -> torch.device:
+    """cuda:`local_rank` (made the current device, where Triton launches) when CUDA is available, else cpu."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """A CPU batch on `device`; the copies do not block the host (the loader pins its batches on CUDA)."""
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
 def stat_sums(device: torch.device) -> defaultdict[str, torch.Tensor]:
     """Running float64 sums on `device`: a micro-batch adds its statistics without a host sync."""
     return defaultdict(lambda: torch.zeros((), dtype=torch.float64, device=device))
@@ -160,9 +189,9 @@ class TrainingBackend:
 
     name = "base"
 
-    def __init__(self, precision: str = "fp32"):
+    def __init__(self, precision: str = "fp32", device: torch.device | None = None):
         self.rank, self.world_size, self.local_rank = 0, 1, 0
-        self.device = torch.device("cpu")
+        self.device = device if device is not None else torch.device("cpu")
         self.precision = precision
         self.accumulation_steps = 1
 
@@ -263,9 +292,11 @@ class Backend(TrainingBackend):
         self.wrap_units(list(layout.units.values()), accumulation_steps)
 
     def wrap_units(self, units: list[Unit], accumulation_steps: int) -> None:
-        """Wrap each unit for this backend (its own gradient sync, precision, engine)."""
+        """Move each unit's task (and so its optimizer's parameters, whose state follows them) to the
+        backend's device and wrap it for this backend (its own gradient sync, precision, engine)."""
         self.accumulation_steps = accumulation_steps
         for unit in units:
+            unit.task.to(self.device)
             unit.wrapped = unit.task
             if self.precision == "fp16":
                 unit.scaler = torch.amp.GradScaler(self.device.type)
@@ -286,8 +317,8 @@ class Backend(TrainingBackend):
         for i in range(self.accumulation_steps):
             with phase("data"):
                 batch = next(micro_batches)
-                stats["tokens"] += float(batch["attention_mask"].sum())
-                batch = {k: v.to(self.device) for k, v in batch.items()}
+                stats["tokens"] += float(batch["attention_mask"].sum())  # still on the host: no sync
+                batch = to_device(batch, self.device)
             run = MicroBatch(self, last=i == self.accumulation_steps - 1, timer=step.timer)
             out = layout.micro_step(run, batch, step)
             losses += out.losses
@@ -328,7 +359,8 @@ class Backend(TrainingBackend):
         Under fp16 the loss scaler owns overflow: a non-finite norm there means the scale was too
         high; `GradScaler.step` skips that update and `update` lowers the scale, as it always has.
         """
-        norms = {unit.name: self._clip(unit) for unit in units}
+        norms = torch.stack([self._clip(unit).to(self.device) for unit in units]).tolist()  # one host sync
+        norms = dict(zip([unit.name for unit in units], norms))
         fp16_scaling = any(unit.scaler is not None for unit in units)
         if not fp16_scaling and not all(math.isfinite(n) for n in norms.values()):
             for unit in units:
@@ -344,12 +376,13 @@ class Backend(TrainingBackend):
             unit.optimizer.zero_grad(set_to_none=True)
         return {unit.name: norms[unit.name] / unit.loss_scale for unit in units}
 
-    def _clip(self, unit: Unit) -> float:
-        """Unscale (fp16) and clip this unit's gradients; returns the norm before clipping."""
+    def _clip(self, unit: Unit) -> torch.Tensor:
+        """Unscale (fp16) and clip this unit's gradients; returns the norm before clipping (on the
+        device: `step` reads all units' norms with one host sync)."""
         if unit.scaler is not None:
             unit.scaler.unscale_(unit.optimizer)
         params = [p for g in unit.optimizer.param_groups for p in g["params"]]
-        return float(torch.nn.utils.clip_grad_norm_(params, unit.max_grad_norm))
+        return torch.nn.utils.clip_grad_norm_(params, unit.max_grad_norm)
 
     def skip_step(self, unit: Unit) -> None:
         """Drop this step's gradients (non-finite loss or norm) without touching optimizer or schedule."""
@@ -396,7 +429,7 @@ def single_process_backend(precision: str) -> Backend:
     if world > 1:
         raise UserError(f"backend.name=single, but the launcher started {world} ranks (WORLD_SIZE={world}): "
                         "set backend.name=ddp (or deepspeed) to train them as one run, or start one process")
-    return Backend(precision)
+    return Backend(precision, default_device(int(os.environ.get("LOCAL_RANK", "0"))))
 
 
 class DDPBackend(Backend):
@@ -407,8 +440,7 @@ class DDPBackend(Backend):
     def __init__(self, precision: str = "fp32", dist_backend: str = "auto"):
         super().__init__(precision)
         self.rank, self.world_size, self.local_rank = self.join(dist_backend)
-        if torch.cuda.is_available():
-            self.device = torch.device("cuda", self.local_rank)
+        self.device = default_device(self.local_rank)
 
     @staticmethod
     def join(dist_backend: str) -> tuple[int, int, int]:
@@ -420,7 +452,6 @@ class DDPBackend(Backend):
         if self.world_size == 1:
             return
         for unit in units:
-            unit.task.to(self.device)
             unit.wrapped = nn.parallel.DistributedDataParallel(
                 unit.task, device_ids=[self.local_rank] if self.device.type == "cuda" else None
             )

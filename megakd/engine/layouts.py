@@ -176,7 +176,7 @@ class DecoupledElectra(Layout):
             g = run.forward(gen, batch, step.rng, step.index)
             run.backward(gen, g["loss"])
         with phase("discriminator"), run.unit(disc):
-            corrupted = corrupt(batch["input_ids"], batch["mlm_mask"], g["samples"])
+            corrupted = corrupt(batch["input_ids"], batch["mlm_mask"], g["samples"], g["positions"])
             d = run.forward(disc, corrupted, batch["input_ids"], batch["attention_mask"], batch.get("segment_ids"))
             run.backward(disc, d["loss"])
         return MicroStepOutput([g["loss"].detach(), d["loss"].detach()], {**g["stats"], **d["stats"]},

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
@@ -51,7 +52,14 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from megakd.config import Config, ConfigError
-from megakd.engine.backends import StepContext, StepResult, TrainingBackend, Unit, leave_process_group
+from megakd.engine.backends import (
+    StepContext,
+    StepResult,
+    TrainingBackend,
+    Unit,
+    default_device,
+    leave_process_group,
+)
 from megakd.engine.deepspeed_backend import EngineConfigs, init_deepspeed
 from megakd.engine.layouts import Layout
 from megakd.engine.tasks import DiscriminatorTask, GeneratorTask
@@ -77,11 +85,11 @@ class _Encoded(nn.Module):
     """The model as a head's task sees it on a later stage: its encoder already ran.
 
     `forward` returns the hidden states the stage received (set in `hidden` just before the task
-    runs); `head` and `masked_hidden` are the real model's, so the tasks' losses, sampling and
+    runs); `head` and `hidden_at` are the real model's, so the tasks' losses, sampling and
     statistics run unchanged.
     """
 
-    masked_hidden = MaskedLM.masked_hidden
+    hidden_at = MaskedLM.hidden_at
 
     def __init__(self, model: nn.Module):
         super().__init__()
@@ -143,15 +151,19 @@ class _Layer(nn.Module):
 
 
 class _Head(nn.Module):
-    """Base of the two heads: statistics summed over the micro-batches of a step."""
+    """Base of the two heads: statistics summed over the micro-batches of a step, on the device they
+    are computed on (read by the trainer once per log line, not per micro-batch)."""
 
     def __init__(self):
         super().__init__()
-        self.stats: dict[str, Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
+        self.stats: dict[str, Tensor] = {}
 
     def _add(self, stats: dict[str, Tensor]) -> None:
         for key, value in stats.items():
-            self.stats[key] += value.detach().double().cpu()
+            value = value.detach().double()
+            if key not in self.stats:
+                self.stats[key] = torch.zeros((), dtype=torch.float64, device=value.device)
+            self.stats[key] += value
 
 
 class _GeneratorHead(_Head):
@@ -180,8 +192,8 @@ class _GeneratorHead(_Head):
         if not self.electra:
             return {"loss": out["loss"]}
         rest = {k: v for k, v in state.items() if k not in self.CONSUMED}
-        return {**rest, "corrupted": corrupt(state["input_ids"], state["mlm_mask"], out["samples"]),
-                "mlm_loss": out["loss"].reshape(1)}
+        corrupted = corrupt(state["input_ids"], state["mlm_mask"], out["samples"], out["positions"])
+        return {**rest, "corrupted": corrupted, "mlm_loss": out["loss"].reshape(1)}
 
 
 class _DiscriminatorHead(_Head):
@@ -304,12 +316,14 @@ class PipelineOptimizer(torch.optim.Optimizer):
     `overflow`, which makes DeepSpeed leave the schedules alone; `norms` is then None.
     """
 
-    def __init__(self, units: list[Unit], pipe_group, ties: list[tuple[nn.Parameter, object, bool]]):
+    def __init__(self, units: list[Unit], pipe_group, ties: list[tuple[nn.Parameter, object, bool]],
+                 device: torch.device):
         # The groups are the units' own dicts, so the LRs DeepSpeed and the trainer read are live.
         super().__init__([g for u in units for g in u.optimizer.param_groups], {})
         self.units = units
         self.pipe_group = pipe_group
         self.ties = ties  # (parameter, process group of the stages holding it, counted here)
+        self.device = device  # where a unit with no gradient on this stage puts its zero
         self.overflow = False
         self.norms: dict[str, float] | None = None
 
@@ -326,23 +340,24 @@ class PipelineOptimizer(torch.optim.Optimizer):
         for unit in self.units:
             grads = [p.grad for g in unit.optimizer.param_groups for p in g["params"]
                      if p.grad is not None and p not in replicas]
-            squares.append(sum((g.double().pow(2).sum() for g in grads), torch.zeros((), dtype=torch.float64)))
+            squares.append(sum((g.double().pow(2).sum() for g in grads),
+                               torch.zeros((), dtype=torch.float64, device=self.device)))
         squares = torch.stack(squares)
         dist.all_reduce(squares, group=self.pipe_group)
-        norms = squares.sqrt()
-        self.overflow = not bool(torch.isfinite(norms).all())
+        norms = squares.sqrt().tolist()  # the step's one host sync
+        self.overflow = not all(math.isfinite(n) for n in norms)
         if self.overflow:
             self.norms = None
             self.zero_grad(set_to_none=True)
             return None
-        for unit, norm in zip(self.units, norms.tolist()):
+        for unit, norm in zip(self.units, norms):
             coef = min(unit.max_grad_norm / (norm + 1e-6), 1.0)  # torch.nn.utils.clip_grad_norm_'s factor
             for g in unit.optimizer.param_groups:
                 for p in g["params"]:
                     if p.grad is not None:
                         p.grad.mul_(coef)
             unit.optimizer.step()
-        self.norms = {u.name: n / u.loss_scale for u, n in zip(self.units, norms.tolist())}
+        self.norms = {u.name: n / u.loss_scale for u, n in zip(self.units, norms)}
         return None
 
     def state_dict(self) -> dict:
@@ -369,8 +384,8 @@ class _MicroBatches:
 
     def __next__(self):
         batch = next(self.batches)
-        self.tokens += float(batch["attention_mask"].sum())
-        return tuple(batch[k].to(self.device) for k in DATA_KEYS), None
+        self.tokens += float(batch["attention_mask"].sum())  # still on the host: no sync
+        return tuple(batch[k].to(self.device, non_blocking=True) for k in DATA_KEYS), None
 
 
 class PipelineBackend(TrainingBackend):
@@ -387,8 +402,7 @@ class PipelineBackend(TrainingBackend):
         super().__init__(cfg.train.precision)
         self.num_stages = cfg.backend.pipeline_stages
         self.rank, self.world_size, self.local_rank = init_deepspeed(cfg.backend.dist_backend)
-        if torch.cuda.is_available():
-            self.device = torch.device("cuda", self.local_rank)
+        self.device = default_device(self.local_rank)
         self.engine_configs = EngineConfigs(cfg)
         if self.world_size % self.num_stages:
             raise ConfigError(f"backend.pipeline_stages={self.num_stages} does not divide the world size "
@@ -426,7 +440,8 @@ class PipelineBackend(TrainingBackend):
         for unit in units:  # each unit's optimizer updates the parameters of this stage only
             for group in unit.optimizer.param_groups:
                 group["params"] = [p for p in group["params"] if id(p) in mine]
-        optimizer = PipelineOptimizer(units, grid.get_pipe_parallel_group(), self._ties(stages, grid))
+        optimizer = PipelineOptimizer(units, grid.get_pipe_parallel_group(), self._ties(stages, grid),
+                                      self.device)
         # gradient_clipping 0: PipelineOptimizer clips per unit
         config = self.engine_configs.for_engine(0.0, accumulation_steps, self.data_world_size)
         self.engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=_Schedules(units),
@@ -469,7 +484,7 @@ class PipelineBackend(TrainingBackend):
             stats.update(head.stats)
             head.stats.clear()
         if engine.is_first_stage():
-            stats["tokens"] = torch.tensor(micro.tokens, dtype=torch.float64)
+            stats["tokens"] = torch.full((), micro.tokens, dtype=torch.float64, device=self.device)
         stop, interrupted = self.agree(*step.stop_flags())
         norms = engine.optimizer.norms
         return StepResult(norms, self._all_keys(stats), None if norms is not None else "non-finite gradient norm",
@@ -481,7 +496,7 @@ class PipelineBackend(TrainingBackend):
             names: list = [None] * self.world_size
             dist.all_gather_object(names, sorted(stats))
             self._stat_keys = sorted(set().union(*names))
-        return {k: stats.get(k, torch.zeros((), dtype=torch.float64)) for k in self._stat_keys}
+        return {k: stats.get(k, torch.zeros((), dtype=torch.float64, device=self.device)) for k in self._stat_keys}
 
     # -- checkpoint state ------------------------------------------------------------------------
     def save_units(self, units: list[Unit], directory: Path) -> None:

@@ -12,7 +12,7 @@ from megakd.config import Config, ConfigError, bundled_vocab_size, resolve_vocab
 from megakd.data.shards import read_manifest
 from megakd.data.stream import PretrainingLoader
 from megakd.data.tokenizer import Tokenizer
-from megakd.engine.backends import DDPBackend, TrainingBackend, Unit, single_process_backend
+from megakd.engine.backends import DDPBackend, TrainingBackend, Unit, require_launcher, single_process_backend
 from megakd.engine.layouts import Layout, build_layout
 from megakd.engine.tasks import TeacherKD
 from megakd.engine.trainer import Trainer, TrainResult
@@ -30,6 +30,7 @@ def build_backend(cfg: Config) -> TrainingBackend:
     name = cfg.backend.name
     if name == "single":
         return single_process_backend(cfg.train.precision)
+    require_launcher(name)
     if name == "ddp":
         return DDPBackend(cfg.train.precision, cfg.backend.dist_backend)
     if cfg.backend.pipeline_stages > 1:

@@ -21,6 +21,7 @@ from torch import Tensor
 from megakd.config import Config
 from megakd.data.tasks import EncodedTask, load_split
 from megakd.data.tokenizer import Tokenizer
+from megakd.engine.backends import to_device
 from megakd.models.encoder import Encoder
 from megakd.objectives.logreg import fit_logistic_regression, predict_logistic_regression
 
@@ -57,7 +58,7 @@ class Probe:
         out = []
         device = next(encoder.parameters()).device
         for start in range(0, len(data), PROBE_BATCH_SIZE):
-            b = {k: v.to(device) for k, v in data.batch(range(start, min(start + PROBE_BATCH_SIZE, len(data)))).items()}
+            b = to_device(data.batch(range(start, min(start + PROBE_BATCH_SIZE, len(data)))), device)
             hidden = encoder(b["input_ids"], b["attention_mask"], b["token_type_ids"]).double()
             mask = b["attention_mask"].to(hidden.dtype)[..., None]
             mean = (hidden * mask).sum(1) / mask.sum(1)

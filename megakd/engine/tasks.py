@@ -19,6 +19,7 @@ from megakd.objectives.distill import alpha_schedule, kd_loss
 from megakd.objectives.electra import (
     SamplingTemperature,
     corrupt,
+    masked_positions,
     mlm_loss_and_replacements,
     precision_recall_f1,
     rtd_counts,
@@ -74,43 +75,44 @@ class GeneratorTask(nn.Module):
     def forward(self, batch: dict[str, torch.Tensor], rng: torch.Generator | None = None, step: int = 0) -> dict:
         """`rng` draws the replacements; `step` (the 0-based optimizer step) sets DWT's α_s(t) and
         the sampling temperature."""
-        mlm_mask = batch["mlm_mask"]
+        positions = masked_positions(batch["mlm_mask"])  # the micro-batch's one sync for the sparse head
         segment_ids = batch.get("segment_ids")  # packed samples only
         hidden = self.model(batch["masked_input_ids"], batch["attention_mask"], segment_ids=segment_ids)
-        masked_hidden = self.model.masked_hidden(hidden, mlm_mask)
-        targets = batch["input_ids"][mlm_mask]
+        masked_hidden = self.model.hidden_at(hidden, positions)
+        targets = batch["input_ids"].reshape(-1).index_select(0, positions)
         head = self.model.head
         temperature = self.temperature.at(step)
         loss, samples, argmax = mlm_loss_and_replacements(masked_hidden, head.decoder_weight, head.bias, targets,
                                                           rng, temperature, self.kernel_backend)
         n = targets.numel()
+        device = targets.device
         stats = {
             "gen_loss_sum": loss.detach().float() * n,
             "gen_correct": (argmax == targets).sum(),
-            "masked": torch.tensor(n),
+            "masked": torch.full((), n, device=device),
         }
         if self.temperature.annealed:
-            stats["temperature_sum"] = torch.tensor(float(temperature))
-            stats["gen_batches"] = torch.tensor(1.0)
+            stats["temperature_sum"] = torch.full((), float(temperature), device=device)
+            stats["gen_batches"] = torch.ones((), device=device)
         if self.kd is not None:
             teacher = self.kd.teacher
             with torch.no_grad():
-                t_hidden = teacher.masked_hidden(
-                    teacher(batch["masked_input_ids"], batch["attention_mask"], segment_ids=segment_ids), mlm_mask)
+                t_hidden = teacher.hidden_at(teacher(batch["masked_input_ids"], batch["attention_mask"],
+                                                     segment_ids=segment_ids), positions)
             soft = kd_loss(masked_hidden, head.decoder_weight, head.bias, t_hidden, teacher.head.decoder_weight,
                            teacher.head.bias, self.kd.temperature, self.kernel_backend)
             alpha_soft = self.kd.alpha_soft(step)
             loss = self.kd.alpha_hard * loss + alpha_soft * soft
             stats["kd_loss_sum"] = soft.detach().float() * n
-            stats["alpha_soft_sum"] = torch.tensor(float(alpha_soft))
-            stats["kd_batches"] = torch.tensor(1.0)
+            stats["alpha_soft_sum"] = torch.full((), float(alpha_soft), device=device)
+            stats["kd_batches"] = torch.ones((), device=device)
             if not self.training:
                 # Only the argmax is read; the draw uses a throwaway generator, not a training stream.
                 _, teacher_argmax = sample_replacements(
                     t_hidden, teacher.head.decoder_weight, teacher.head.bias,
                     torch.Generator(t_hidden.device).manual_seed(0), 1.0, self.kernel_backend)
                 stats["teacher_agree"] = (teacher_argmax == argmax).sum()
-        return {"loss": loss, "samples": samples, "argmax": argmax, "stats": stats}
+        return {"loss": loss, "samples": samples, "argmax": argmax, "positions": positions, "stats": stats}
 
     @staticmethod
     def metrics(s: dict[str, float]) -> dict[str, float]:
@@ -196,7 +198,7 @@ class JointElectraTask(nn.Module):
     def forward(self, batch: dict[str, torch.Tensor], rng: torch.Generator | None = None, step: int = 0) -> dict:
         generator_task, discriminator_task = self._tasks
         gen = generator_task(batch, rng, step)
-        corrupted = corrupt(batch["input_ids"], batch["mlm_mask"], gen["samples"])
+        corrupted = corrupt(batch["input_ids"], batch["mlm_mask"], gen["samples"], gen["positions"])
         disc = discriminator_task(corrupted, batch["input_ids"], batch["attention_mask"], batch.get("segment_ids"))
         loss = gen["loss"] / self.loss_weight + disc["loss"] if self.unweighted else \
             gen["loss"] + self.loss_weight * disc["loss"]

@@ -21,7 +21,7 @@ import contextlib
 import torch
 
 from megakd.data.stream import PretrainingLoader
-from megakd.engine.backends import StepContext, TrainingBackend, Unit
+from megakd.engine.backends import StepContext, TrainingBackend, Unit, stat_sums, to_device
 from megakd.engine.layouts import Layout
 from megakd.objectives.electra import roc_auc, rtd_labels
 
@@ -61,21 +61,23 @@ class Validator:
             self.batches = [batch for _, batch in zip(range(self.num_batches), self.loader)]
         context = StepContext(index=step, rng=torch.Generator().manual_seed(VALID_SEED))
         run = ForwardOnly(self.backend)
-        sums: dict[str, float] = {}
+        totals = stat_sums(self.backend.device)  # read once at the end, not per batch and statistic
         scores, labels = [], []
         self.layout.train(False)
         try:
             for cpu_batch in self.batches:
-                batch = {k: v.to(self.backend.device) for k, v in cpu_batch.items()}
+                batch = to_device(cpu_batch, self.backend.device)
                 out = self.layout.micro_step(run, batch, context)
                 for key, value in out.stats.items():
-                    sums[key] = sums.get(key, 0.0) + float(value)
-                if out.rtd_logits is not None:
-                    valid = batch["attention_mask"].bool()
-                    scores.append(out.rtd_logits[valid].float().cpu())
-                    labels.append(rtd_labels(out.corrupted, batch["input_ids"])[valid].cpu())
+                    totals[key] += value.double()
+                if out.rtd_logits is not None:  # to the host whole, then selected there
+                    valid = cpu_batch["attention_mask"].bool()
+                    scores.append(out.rtd_logits.float().cpu()[valid])
+                    labels.append(rtd_labels(out.corrupted, batch["input_ids"]).cpu()[valid])
         finally:
             self.layout.train(True)
+        names = sorted(totals)
+        sums = dict(zip(names, torch.stack([totals[k] for k in names]).tolist())) if names else {}
         rec = {f"val_{k}": v for k, v in self.layout.metrics(sums).items()}
         auc = roc_auc(torch.cat(scores), torch.cat(labels)) if scores else None
         if auc is not None:

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from megakd.config import Config, TrainConfig, config_to_dict, read_yaml_file, save_config
 from megakd.data.stream import STOP_SIGNALS
-from megakd.engine.backends import Backend, DDPBackend, single_process_backend
+from megakd.engine.backends import Backend, DDPBackend, require_launcher, single_process_backend
 from megakd.finetune.config import FinetuneConfig
 from megakd.store import rundir
 from megakd.store.files import StoreError
@@ -50,15 +50,17 @@ def build_backend(cfg: FinetuneConfig) -> Backend:
     b, f = cfg.backend, cfg.finetune
     if b.name == "single":
         backend = single_process_backend(f.precision)
-    elif b.name == "ddp":
-        backend = DDPBackend(f.precision, b.dist_backend)
     else:
-        from megakd.engine.deepspeed_backend import DeepSpeedBackend
+        require_launcher(b.name)
+        if b.name == "ddp":
+            backend = DDPBackend(f.precision, b.dist_backend)
+        else:
+            from megakd.engine.deepspeed_backend import DeepSpeedBackend
 
-        # The engine config comes from a pretraining config (precision, ZeRO stage); its batch
-        # layout is one micro-batch per step, this rank's share of the global batch.
-        backend = DeepSpeedBackend(Config(train=TrainConfig(precision=f.precision), backend=b))
-        backend.cfg.train.micro_batch_size = f.batch_size // backend.world_size
+            # The engine config comes from a pretraining config (precision, ZeRO stage); its batch
+            # layout is one micro-batch per step, this rank's share of the global batch.
+            backend = DeepSpeedBackend(Config(train=TrainConfig(precision=f.precision), backend=b))
+            backend.cfg.train.micro_batch_size = f.batch_size // backend.world_size
     backend.device = _device(f.device, backend.local_rank)
     return backend
 

@@ -36,6 +36,10 @@ class MaskedLM(nn.Module):
         """Head features [N, E] at the N masked positions (row-major order of `mlm_mask`)."""
         return self.head.transform(hidden[mlm_mask.bool()])
 
+    def hidden_at(self, hidden: Tensor, positions: Tensor) -> Tensor:
+        """`masked_hidden` at flat row-major `positions` of [B, L]: a gather, no host-device sync."""
+        return self.head.transform(hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions))
+
     def logits(
         self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None
     ) -> Tensor:

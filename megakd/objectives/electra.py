@@ -79,10 +79,27 @@ def sample_replacements(
     )
 
 
-def corrupt(input_ids: torch.Tensor, mlm_mask: torch.Tensor, samples: torch.Tensor) -> torch.Tensor:
-    """x̂: the original sequence with the generator's samples written into the masked slots."""
+def masked_positions(mlm_mask: torch.Tensor) -> torch.Tensor:
+    """Flat row-major indices of the masked slots of a [B, L] mask.
+
+    The sparse generator head's one host-device sync per micro-batch (its row count depends on
+    the data); the gathers and the scatter that use it need none.
+    """
+    return mlm_mask.reshape(-1).nonzero().squeeze(1)
+
+
+def corrupt(input_ids: torch.Tensor, mlm_mask: torch.Tensor, samples: torch.Tensor,
+            positions: torch.Tensor | None = None) -> torch.Tensor:
+    """x̂: the original sequence with the generator's samples written into the masked slots.
+
+    `positions` (`masked_positions(mlm_mask)`, when the caller has it) writes them without the
+    host sync of boolean-mask indexing.
+    """
     corrupted = input_ids.clone()
-    corrupted[mlm_mask] = samples.to(input_ids.dtype)
+    if positions is None:
+        corrupted[mlm_mask] = samples.to(input_ids.dtype)
+    else:
+        corrupted.view(-1).index_copy_(0, positions, samples.to(input_ids.dtype))
     return corrupted
 
 
@@ -117,13 +134,14 @@ def rtd_counts(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -
     """Confusion counts of RTD predictions (logit > 0 = replaced) over non-padding tokens.
 
     Counts (not ratios) so they can be summed over micro-batches and ranks before computing
-    precision/recall/F1.
+    precision/recall/F1. Masked with `&`, not selected: fixed-size ops, no host sync on a GPU.
     """
-    pred = (logits > 0)[mask]
-    gold = labels.bool()[mask]
+    mask = mask.bool()
+    pred = (logits > 0) & mask
+    gold = labels.bool() & mask
     return {
         "tokens": mask.sum(),
-        "correct": (pred == gold).sum(),
+        "correct": ((pred == gold) & mask).sum(),
         "tp": (pred & gold).sum(),
         "fp": (pred & ~gold).sum(),
         "fn": (~pred & gold).sum(),

@@ -17,12 +17,13 @@ gradient, exactly as the single-process backend does.
 User settings (`backend.deepspeed_config=FILE.json`) are merged into what megakd derives with
 HF's `"auto"` convention: `"auto"` takes megakd's value, a value that contradicts a key megakd
 derives from its own config is refused naming both, and everything else (bucket sizes,
-overlap_comm, offload, activation settings, ...) passes through. With
+overlap_comm, offload, activation settings, `data_types.grad_accum_dtype`, ...) passes through. With
 `zero_optimization.offload_optimizer` each unit's optimizer becomes DeepSpeed's CPU Adam (in
 AdamW mode, same groups and hyperparameters): ZeRO-Offload steps on the CPU copy of the states.
 
 Checkpoints: `<step_dir>/<unit>/ds/...` via `engine.save_checkpoint(<step_dir>/<unit>, tag="ds")`;
-`megakd.convert` consolidates them (zero_to_fp32 under ZeRO 1-3). DeepSpeed's loaders unpickle;
+`megakd.convert` consolidates them (zero_to_fp32 under ZeRO 1-3; DeepSpeed's BF16_Optimizer, which
+ZeRO-1 + bf16 with fp32 accumulation becomes, in `megakd.store.checkpoint_models`). DeepSpeed's loaders unpickle;
 `megakd.store.files.deepspeed_safe_loading` makes them weights-only with an allow-list.
 """
 
@@ -143,13 +144,23 @@ class EngineConfigs:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.user_config = read_user_config(cfg.backend.deepspeed_config) if cfg.backend.deepspeed_config else {}
+        self.warned = False  # the low-precision accumulation warning, once per run, not per engine
 
     def for_engine(self, gradient_clipping: float, accumulation_steps: int, data_world_size: int) -> dict:
         """The config of one engine: what megakd derives, merged with the user's file."""
         derived = self.derived(gradient_clipping, accumulation_steps, data_world_size)
-        if not self.user_config:
-            return derived
-        return merge_user_config(derived, self.user_config, f"backend.deepspeed_config={self.cfg.backend.deepspeed_config}")
+        merged = merge_user_config(derived, self.user_config, f"backend.deepspeed_config={self.cfg.backend.deepspeed_config}")
+        accum_dtype = merged.get("data_types", {}).get("grad_accum_dtype")
+        precision = self.cfg.train.precision
+        if self.cfg.backend.zero_stage == 0 and accum_dtype not in (None, precision):
+            raise ConfigError(f"backend.deepspeed_config: data_types.grad_accum_dtype={accum_dtype!r} needs "
+                              f"backend.zero_stage >= 1 (DeepSpeed 0.19 accumulates in the model's dtype without ZeRO)")
+        if precision != "fp32" and accumulation_steps > 1 and accum_dtype != "fp32" and not self.warned:
+            self.warned = True
+            log.warning("DeepSpeed sums the %d micro-batches' gradients in %s (data_types.grad_accum_dtype=%s); "
+                        "fp32 needs backend.zero_stage >= 1 without a user grad_accum_dtype",
+                        accumulation_steps, precision, accum_dtype)
+        return merged
 
     def derived(self, gradient_clipping: float, accumulation_steps: int, data_world_size: int) -> dict:
         """Batch layout, ZeRO stage, precision and explicit clipping, from megakd's config."""
@@ -169,6 +180,12 @@ class EngineConfigs:
         config["fp16"] = {"enabled": precision == "fp16"}
         if precision == "fp16":
             config["fp16"]["loss_scale"] = 0  # 0 = dynamic loss scaling
+        if precision != "fp32" and self.cfg.backend.zero_stage > 0:
+            # DeepSpeed sums the micro-batches' gradients in the model's dtype unless told otherwise
+            # (grad_accum_dtype None): under bf16 each add keeps 8 significant bits. fp32 turns ZeRO-1 +
+            # bf16 into DeepSpeed's BF16_Optimizer (fp32 gradient buffers) and gives ZeRO-2/3 fp32
+            # partitions; ZeRO-0 (and so the pipeline engine) refuses any dtype but the model's.
+            config["data_types"] = {"grad_accum_dtype": "fp32"}
         return config
 
 
@@ -232,7 +249,9 @@ class DeepSpeedBackend(DDPBackend):
         for unit in units:
             if not unit.wrapped.is_gradient_accumulation_boundary():
                 raise RuntimeError(f"{unit.name}: optimizer step requested before the last micro-batch")
-        if not any(hasattr(u.wrapped.optimizer, "_global_grad_norm") for u in units):
+        if self.precision == "fp32" and self.cfg.backend.zero_stage == 0:
+            # the engine steps the bare torch optimizer (a wrapper's `_global_grad_norm` cannot tell:
+            # BF16_Optimizer sets it only in its first step)
             norms = {u.name: _grad_norm(u.wrapped.module) for u in units}
             if not all(math.isfinite(n) for n in norms.values()):
                 for unit in units:

@@ -72,8 +72,11 @@ def _read_deepspeed_unit(directory: Path) -> dict[str, Tensor]:
     plain = tag_dir / "mp_rank_00_model_states.pt"
     with deepspeed_safe_loading(tag_dir):
         state = load_state(plain) if plain.is_file() else {}
+    bf16_shards = sorted(tag_dir.glob("bf16_zero_pp_rank_*_optim_states.pt"))
     if state and not (state.get("ds_config") or {}).get("zero_optimization", {}).get("stage", 0):
         sd = dict(state["module"])
+    elif state and bf16_shards:
+        sd = _consolidate_bf16_optimizer(state, bf16_shards, tag_dir)
     else:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -90,6 +93,36 @@ def _read_deepspeed_unit(directory: Path) -> dict[str, Tensor]:
         raise StoreError(f"{directory}: expected DeepSpeed module keys prefixed {DEEPSPEED_PREFIX!r} "
                               f"(the task's model), got e.g. {next(iter(sd), None)!r}")
     return {k[len(DEEPSPEED_PREFIX):]: v.float() for k, v in sd.items()}
+
+
+def _consolidate_bf16_optimizer(state: dict, shards: list[Path], tag_dir: Path) -> dict[str, Tensor]:
+    """fp32 master weights from DeepSpeed's BF16_Optimizer shards (ZeRO-1 + bf16 + fp32 accumulation).
+
+    Its state has no `zero_stage`, so zero_to_fp32 refuses it. Each rank's file holds one flat fp32
+    partition per parameter group and where each parameter's fragment sits in it; the fragments of
+    a parameter, in rank order, are the parameter.
+    """
+    import torch
+
+    shards = sorted(shards, key=lambda f: int(f.name.split("_")[4]))  # bf16_zero_pp_rank_<r>_...
+    with deepspeed_safe_loading(tag_dir):
+        parts = [load_state(f)["optimizer_state_dict"] for f in shards]
+    if len(parts) != parts[0]["partition_count"][0]:
+        raise StoreError(f"{tag_dir}: {len(parts)} BF16 optimizer shards, expected {parts[0]['partition_count'][0]}")
+    sd: dict[str, Tensor] = {}
+    for group, shapes in enumerate(state["param_shapes"]):
+        for name, shape in shapes.items():
+            fragments = []
+            for part in parts:
+                address = part["param_slice_mappings"][group].get(name)
+                if address is not None:
+                    flat = part["single_partition_of_fp32_groups"][group].detach()
+                    fragments.append(flat.narrow(0, address.start, address.numel))
+            sd[name] = torch.cat(fragments).view(shape)
+    sd.update(state.get("frozen_param_fragments") or {})
+    for alias, source in (state.get("shared_params") or {}).items():
+        sd[alias] = sd[source]
+    return sd
 
 
 def has_unit_state(step_dir: Path, unit: str) -> bool:

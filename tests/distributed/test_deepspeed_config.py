@@ -9,7 +9,7 @@ import torch
 
 from megakd.cli import main
 from megakd.config import ConfigError, load_config
-from megakd.engine.deepspeed_backend import merge_user_config
+from megakd.engine.deepspeed_backend import EngineConfigs, merge_user_config
 from megakd.engine.pretrain import build_trainer
 from tests.distributed.harness import (
     CONFIG,
@@ -82,6 +82,32 @@ def test_cli_refuses_a_contradicting_file_in_one_line(tiny_data, tmp_path, capsy
     assert f"{user} is not valid JSON" in capsys.readouterr().err
     assert main(["pretrain", "-c", str(CONFIG), *tiny_overrides(tiny_data, run), f"backend.deepspeed_config={user}"]) == 2
     assert "backend.deepspeed_config needs backend.name=deepspeed" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("precision, stage, accum", [
+    ("bf16", 1, "fp32"), ("bf16", 3, "fp32"), ("fp16", 2, "fp32"), ("fp32", 2, None),
+    ("bf16", 0, None),  # DeepSpeed 0.19 refuses another accumulation dtype without ZeRO
+])
+def test_low_precision_accumulates_in_fp32_unless_the_user_says_otherwise(tiny_data, tmp_path, precision, stage,
+                                                                          accum):
+    overrides = {"backend.name": "deepspeed", "backend.zero_stage": stage, "train.precision": precision}
+    cfg = load_config(CONFIG, tiny_overrides(tiny_data, tmp_path / "run", **overrides))
+    assert EngineConfigs(cfg).for_engine(1.0, 8, 1).get("data_types", {}).get("grad_accum_dtype") == accum
+    user = tmp_path / "ds.json"
+    user.write_text(json.dumps({"data_types": {"grad_accum_dtype": "bf16"}}))
+    cfg = load_config(CONFIG, tiny_overrides(tiny_data, tmp_path / "run", **overrides,
+                                             **{"backend.deepspeed_config": str(user)}))
+    assert EngineConfigs(cfg).for_engine(1.0, 8, 1)["data_types"] == {"grad_accum_dtype": "bf16"}
+
+
+def test_fp32_accumulation_without_zero_is_refused_in_one_line(tiny_data, tmp_path):
+    user = tmp_path / "ds.json"
+    user.write_text(json.dumps({"data_types": {"grad_accum_dtype": "fp32"}}))
+    cfg = load_config(CONFIG, tiny_overrides(tiny_data, tmp_path / "run", **{
+        "backend.name": "deepspeed", "backend.zero_stage": 0, "train.precision": "bf16",
+        "backend.deepspeed_config": str(user)}))
+    with pytest.raises(ConfigError, match="grad_accum_dtype='fp32' needs backend.zero_stage >= 1"):
+        EngineConfigs(cfg).for_engine(1.0, 8, 1)
 
 
 @pytest.mark.slow

@@ -2,14 +2,14 @@
 # Local (or simple multi-node) launch with torchrun: one process per CPU slot / GPU.
 #
 #   launch/torchrun.sh [NPROC] [COMMAND] [ARGS...]
-#   launch/torchrun.sh 2 finetune -c configs/finetune-rt.yaml backend.name=ddp
-#   launch/torchrun.sh 2 -c configs/electra-tiny.yaml backend.name=ddp train.micro_batch_size=16   (no COMMAND: pretrain)
+#   launch/torchrun.sh 2 finetune -c configs/finetune-rt.yaml
+#   launch/torchrun.sh 2 -c configs/electra-tiny.yaml train.micro_batch_size=16   (no COMMAND: pretrain)
 #
-# COMMAND is any megakd command (pretrain, distill, finetune, bench, ...). Commands that train need
-# a multi-rank backend from the config or the arguments (ddp or deepspeed): backend.name=single is
-# refused under a launcher (bench measures it as ddp). NPROC defaults to the GPU count (or 2 on
-# CPU). On one node the rendezvous is c10d on a port the OS picks, so two jobs
-# on one machine never collide. Multi-node without a scheduler: set NNODES, NODE_RANK, MASTER_ADDR
+# COMMAND is any megakd command (pretrain, distill, finetune, bench, ...). Commands that train run
+# every rank as one run with backend.name auto (the default: ddp under a launcher), ddp or deepspeed;
+# an explicit backend.name=single is refused under a launcher (bench measures it as ddp). NPROC
+# defaults to the GPU count (or 2 on CPU). On one node the rendezvous is c10d on a port the OS
+# picks, so two jobs on one machine never collide. Multi-node without a scheduler: set NNODES, NODE_RANK, MASTER_ADDR
 # (and MASTER_PORT) on every node. SIGTERM/SIGUSR1 to this script make every rank save a
 # checkpoint and exit; run the same command with --resume auto to continue.
 set -euo pipefail

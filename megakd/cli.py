@@ -7,22 +7,42 @@ user input (config keys, files) end the process with a one-line message and exit
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import fnmatch
+import inspect
 import logging
 import os
 import re
 import sys
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
-from megakd.config import ConfigError, load_config
-from megakd.errors import UserError
+from megakd.config import (
+    Config,
+    ConfigError,
+    KeyDoc,
+    config_key,
+    config_keys,
+    config_sections,
+    config_to_dict,
+    load_config,
+    read_recipe,
+    value_text,
+)
+from megakd.errors import LaunchError, UserError
 from megakd.repro import FINDINGS
 
 log = logging.getLogger("megakd")
 
 
+def _rank() -> int:
+    """This process's rank under a launcher (torchrun, deepspeed: RANK; srun: SLURM_PROCID); 0 alone."""
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+
+
 def setup_logging(level: str = "INFO") -> None:
     """One log format for every process; non-zero ranks only log warnings and errors."""
-    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+    rank = _rank()
     logging.basicConfig(
         level=getattr(logging, level) if rank == 0 else logging.WARNING,
         format=f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s",
@@ -52,12 +72,9 @@ def _train(args: argparse.Namespace, run) -> int:
     loop around the command stops too. Either way the checkpoint of the last step was written."""
     cfg = load_config(args.config, args.overrides)
     if args.print_config:
-        import yaml
-
-        from megakd.config import config_to_dict
         from megakd.engine.pretrain import resolve_config
 
-        emit(yaml.safe_dump(config_to_dict(resolve_config(cfg)), sort_keys=False).rstrip())
+        print_config(resolve_config(cfg))
         return 0
     result = run(cfg, resume=args.resume, allow_change=tuple(args.allow_change))
     if result.preempted:
@@ -79,6 +96,12 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     from megakd.finetune.runtime import Runtime, Stopped, describe
 
     cfg = load_config(args.config, args.overrides, cls=FinetuneConfig)
+    if args.print_config:
+        from megakd.engine.backends import resolve_backend_name
+
+        cfg.backend.name = resolve_backend_name(cfg.backend.name)
+        print_config(cfg)
+        return 0
     run = job_for(cfg)
     runtime = Runtime(cfg, resume=args.resume)
     try:
@@ -146,7 +169,6 @@ def cmd_data_tokenizer(args: argparse.Namespace) -> int:
 
 def cmd_data_shards(args: argparse.Namespace) -> int:
     import functools
-    from pathlib import Path
 
     from megakd.data.shards import in_valid_split, write_shards
     from megakd.data.tokenizer import Tokenizer
@@ -180,6 +202,140 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def print_config(cfg: object) -> None:
+    """`--print-config`: the config as the command would run it, as YAML a recipe can hold."""
+    import yaml
+
+    emit(yaml.safe_dump(config_to_dict(cfg), sort_keys=False).rstrip())
+
+
+def _config_trees(args: argparse.Namespace) -> list[tuple[str, type]]:
+    """(title, root dataclass) of the config trees `megakd config keys` describes, as its flags select."""
+    from megakd.finetune.config import FinetuneConfig
+
+    trees = [("megakd pretrain and megakd distill", Config), ("megakd finetune", FinetuneConfig)]
+    return trees[:1] if args.pretrain else trees[1:] if args.finetune else trees
+
+
+def _matches(pattern: str | None, key: str) -> bool:
+    """A glob (any of *?[) matches the whole key; a plain pattern where a word of the key starts (`lr` finds
+    `finetune.lr_select_frac` and `soteacher.lambda_lr`, not `labelreg.*`)."""
+    if pattern is None:
+        return True
+    if any(c in pattern for c in "*?["):
+        return fnmatch.fnmatchcase(key, pattern)
+    return re.search(rf"(^|[._]){re.escape(pattern)}", key) is not None
+
+
+def cmd_config_keys(args: argparse.Namespace) -> int:
+    trees = [(title, cls, [k for k in config_keys(cls) if _matches(args.pattern, k.key)])
+             for title, cls in _config_trees(args)]
+    if not any(keys for _, _, keys in trees):
+        raise UserError(f"no config key matches {args.pattern!r} (a glob like 'optim.*.lr', or a word of a "
+                        "key)")
+    if args.markdown:
+        emit(reference_markdown(trees))
+        return 0
+    blocks = []
+    for title, cls, keys in trees:
+        if keys:
+            rows = [(k.key, k.type, value_text(k.default), k.meaning) for k in keys]
+            widths = [max(len(row[i]) for row in rows) for i in range(3)]
+            header = f"{title} ({cls.__module__}.{cls.__name__}): key, type, default, meaning"
+            lines = ["  ".join([*(c.ljust(w) for c, w in zip(row, widths)), row[3]]) for row in rows]
+            blocks.append("\n".join([header, *lines]))
+    emit("\n\n".join(blocks))
+    return 0
+
+
+def reference_markdown(trees: list[tuple[str, type, list[KeyDoc]]]) -> str:
+    """docs/configuration.md: per tree, each section's description and a table of its own keys."""
+    root = Path(__file__).parents[1]
+    sources = sorted({str(Path(inspect.getsourcefile(type(obj))).relative_to(root))
+                      for _, cls, _ in trees for obj in _dataclasses_in(cls())})
+    lines = ["# Configuration reference", "",
+             "Every key of the two config trees: its type, its default and what it means. A recipe sets "
+             "keys as nested YAML sections (`inherit: other.yaml` starts from another recipe); the command "
+             "line takes `key=value` after the command, e.g. `megakd pretrain -c configs/electra-tiny.yaml "
+             "train.max_steps=100`. `megakd config keys PATTERN` prints the same in the terminal; "
+             "`--print-config` prints a recipe's every value.", "",
+             "Generated by `megakd config keys --markdown > docs/configuration.md` from the comments above "
+             f"and beside the fields in {', '.join(sources)}: edit those, then regenerate "
+             "(tests/test_config_reference.py fails while this file is stale)."]
+    for title, cls, keys in trees:
+        lines += ["", f"## {title}", "", f"`{cls.__module__}.{cls.__name__}`"]
+        for section, doc in config_sections(cls).items():
+            own = [k for k in keys if k.key.rpartition(".")[0] == section]
+            if not own:
+                continue
+            lines += ["", f"{'#' * (3 + section.count('.'))} `{section}`", ""]
+            lines += [_markdown_text(doc), ""] if doc else []
+            lines += ["| key | type | default | meaning |", "|---|---|---|---|"]
+            lines += [f"| `{k.key}` | `{_cell(k.type)}` | `{_cell(value_text(k.default))}` | "
+                      f"{_cell(_markdown_text(k.meaning))} |" for k in own]
+    return "\n".join(lines)
+
+
+def _dataclasses_in(obj):
+    """`obj` and every config section below it."""
+    yield obj
+    for f in dataclasses.fields(obj):
+        if dataclasses.is_dataclass(getattr(obj, f.name)):
+            yield from _dataclasses_in(getattr(obj, f.name))
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def _markdown_text(text: str) -> str:
+    """A comment as Markdown text: outside `code`, < and > would read as HTML tags."""
+    parts = text.split("`")
+    return "`".join(part if i % 2 else part.replace("<", "&lt;").replace(">", "&gt;")
+                    for i, part in enumerate(parts))
+
+
+def recipe_summary(path: Path) -> tuple[str, str]:
+    """(the command that runs the recipe, its description): the first sentence of its opening comment, with
+    parenthesised asides dropped, cut at the first colon when that sentence is long."""
+    data = read_recipe(path)
+    if set(data) - {config_key(f.name) for f in dataclasses.fields(Config)}:  # sections only fine-tuning has
+        command = "finetune"
+    else:
+        command = "distill" if (data.get("distill") or {}).get("teacher") else "pretrain"
+    header = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.startswith("#") or line.startswith("#  ") or not line.strip("# "):
+            break
+        header.append(line.lstrip("#").strip())
+    text = " ".join(header)
+    while (shorter := re.sub(r"\s*\([^()]*\)", "", text)) != text:
+        text = shorter
+    sentence = re.split(r"(?<=\.)\s", text, maxsplit=1)[0]
+    if len(sentence) > 100 and ": " in sentence:
+        sentence = sentence.split(": ", 1)[0]
+    return command, sentence.rstrip(":;,")
+
+
+def cmd_config_recipes(args: argparse.Namespace) -> int:
+    directory = Path(args.dir)
+    paths = sorted(directory.glob("*.yaml"))
+    if not paths:
+        raise UserError(f"{directory}: no recipes (*.yaml) there")
+    rows = [(str(_relative(p.absolute())), *recipe_summary(p)) for p in paths]
+    widths = [max(len(row[i]) for row in rows) for i in range(2)]
+    emit("\n".join(f"{path:<{widths[0]}}  {command:<{widths[1]}}  {text}" for path, command, text in rows))
+    return 0
+
+
+def _relative(path: Path) -> Path:
+    """`path` from the current directory when it is below it (configs/x.yaml in the repository)."""
+    try:
+        return path.relative_to(Path.cwd())
+    except ValueError:
+        return path
+
+
 def emit(text: str) -> None:
     """The CLI's table output (bench, plan): plain stdout, so it can be piped or saved."""
     print(text, flush=True)
@@ -198,7 +354,6 @@ def _bytes_arg(text: str) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     import json
-    from pathlib import Path
 
     from megakd.bench.plots import plot_bandwidth, plot_scaling
 
@@ -217,9 +372,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from megakd.bench.report import format_bench
 
     parts = tuple(args.parts.split(","))
-    unknown = set(parts) - {"collectives", "matmul", "loader", "train"}
+    unknown = set(parts) - set(BENCH_PARTS)
     if unknown:
-        raise ConfigError(f"--parts: expected a comma list of collectives, matmul, loader, train; got {sorted(unknown)}")
+        raise ConfigError(f"--parts: expected a comma list of {', '.join(BENCH_PARTS)}; "
+                          f"got {sorted(unknown)}")
     if args.config is None and {"loader", "train"} & set(parts):
         raise ConfigError("bench: -c CONFIG is needed for the loader and train measurements (or --parts without them)")
     if args.min_bytes > args.max_bytes or args.factor < 2:
@@ -246,7 +402,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     import json
-    from pathlib import Path
 
     from megakd.bench.memory import parameter_counts
     from megakd.bench.planner import GPUS, hardware_from_bench, model_flops, plan
@@ -265,57 +420,120 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+BENCH_PARTS = ("collectives", "matmul", "loader", "train")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+RECIPES = Path(__file__).parents[1] / "configs"  # in the source tree, as megakd/repro/runs.py finds it
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Epilog examples keep their lines; an option's default is shown unless empty or its help says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        empty = action.default in (None, [], argparse.SUPPRESS) or action.default is False  # 0 is a value
+        if not action.option_strings or empty or "default" in text:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class ReproHelpFormatter(HelpFormatter):
+    """`megakd repro --help` shows the cost model's defaults, imported only then: megakd.repro.runs loads the
+    engine, which no other command line needs for parsing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = super()._get_help_string(action)
+        if action.dest != "unit_seconds":
+            return text
+        from megakd.repro.runs import Costs
+
+        defaults = ", ".join(f"{f.name}={f.default:g}" for f in dataclasses.fields(Costs))
+        return f"{text} (default: {defaults})"
+
+
+def _examples(*lines: str, note: str = "") -> str:
+    """An epilog: example command lines (a trailing `  # ...` says what one does), then a note."""
+    return "\n".join(["examples:", *(f"  {line}" for line in lines), *(["", note] if note else [])])
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="megakd", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="megakd", description=__doc__.splitlines()[0], formatter_class=HelpFormatter,
+        epilog=_examples("megakd pretrain -c configs/electra-tiny.yaml  # the CPU demo: minutes on 2 cores",
+                         "megakd finetune -c configs/finetune-rt.yaml  # its discriminator on RT sentiment",
+                         "megakd config recipes  # every recipe in configs/, one line each",
+                         note="`megakd COMMAND --help` shows a command's options and examples; "
+                              "`megakd config keys` every config key."))
     parser.add_argument("--version", action="version", version=f"megakd {_version()}")
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--log-level", default="INFO", choices=LOG_LEVELS,
+                        help="also accepted after the command")
+    # The same option after the command; SUPPRESS keeps the value given before it when it is absent.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-level", default=argparse.SUPPRESS, choices=LOG_LEVELS,
+                        help="DEBUG also keeps the traceback of an input error (default: INFO)")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("pretrain", help="ELECTRA (DecoupledOptim or original) or BERT-MLM pretraining")
-    p.add_argument("-c", "--config", required=True, help="YAML recipe, e.g. configs/electra-tiny.yaml")
-    p.add_argument("--resume", help="'auto' (newest intact checkpoint in run.dir, if any) or a checkpoint directory")
-    p.add_argument("--allow-change", action="append", default=[], metavar="KEY",
-                   help="at resume, let this state-bearing config key differ from the checkpoint's and take effect "
-                        "(repeatable), e.g. --allow-change optim.discriminator.lr")
-    p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
-    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.max_steps=100")
+    def command(parent, name: str, help_text: str, epilog: str, formatter: type = HelpFormatter):
+        return parent.add_parser(name, help=help_text, description=help_text, epilog=epilog, parents=[common],
+                                 formatter_class=formatter)
+
+    recipes_note = "Recipes: `megakd config recipes`; config keys: `megakd config keys PATTERN`."
+    p = command(sub, "pretrain", "ELECTRA (DecoupledOptim or original) or BERT-MLM pretraining", _examples(
+        "megakd pretrain -c configs/electra-tiny.yaml train.max_steps=100 run.dir=runs/quick",
+        "megakd pretrain -c configs/electra-tiny.yaml --resume auto  # continue from the newest checkpoint",
+        "launch/torchrun.sh 2 pretrain -c configs/electra-mini-long.yaml  # two data-parallel ranks",
+        note=recipes_note))
+    _training_arguments(p, "configs/electra-tiny.yaml", "train.max_steps=100")
     p.set_defaults(func=cmd_pretrain)
 
-    p = sub.add_parser("finetune", help="sequence (pair) classification/regression: fine-tuning, label "
-                       "regularisation, SoTeacher, TGT")
+    p = command(sub, "finetune", "sequence (pair) classification/regression: fine-tuning, label "
+                "regularisation, SoTeacher, TGT", _examples(
+                    "megakd finetune -c configs/finetune-rt.yaml  # the discriminator of electra-tiny.yaml",
+                    "megakd finetune -c configs/finetune-rt.yaml model.path=runs/electra-mini "
+                    "finetune.seeds=[1,2,3]",
+                    "launch/torchrun.sh 2 finetune -c configs/finetune-rt.yaml  # backend.name auto: ddp",
+                    note=recipes_note))
     p.add_argument("-c", "--config", required=True, help="YAML recipe, e.g. configs/finetune-rt.yaml")
     p.add_argument("--resume", choices=["auto"], help="'auto': reuse finished seeds in run.dir and continue the "
                    "unfinished one from its newest intact checkpoint")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. finetune.seeds=[1,2,3]")
     p.set_defaults(func=cmd_finetune)
 
-    p = sub.add_parser("distill", help="DWT: pretraining with a frozen teacher MLM (distill.teacher) on the "
-                       "student's MLM loss")
-    p.add_argument("-c", "--config", required=True, help="YAML recipe, e.g. configs/dwt-weak.yaml")
-    p.add_argument("--resume", help="'auto' (newest intact checkpoint in run.dir, if any) or a checkpoint directory")
-    p.add_argument("--allow-change", action="append", default=[], metavar="KEY",
-                   help="at resume, let this state-bearing config key differ from the checkpoint's and take effect "
-                        "(repeatable), e.g. --allow-change optim.discriminator.lr")
-    p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
-    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. distill.teacher=runs/teacher")
+    p = command(sub, "distill", "DWT: pretraining with a frozen teacher MLM (distill.teacher) on the "
+                "student's MLM loss", _examples(
+                    "megakd pretrain -c configs/dwt-tiny.yaml model.generator.num_layers=2 "
+                    "run.dir=runs/dwt-teacher-2l",
+                    "megakd distill -c configs/dwt-tiny.yaml distill.teacher=runs/dwt-teacher-2l",
+                    "megakd distill -c configs/dwt-weak.yaml  # teacher: runs/bert-mini (bert-mini.yaml)",
+                    note=recipes_note))
+    _training_arguments(p, "configs/dwt-weak.yaml", "distill.teacher=runs/teacher")
     p.set_defaults(func=cmd_distill)
 
-    p = sub.add_parser("eval-rtd", help="score discriminators against one fixed generator on fixed masked data "
-                       "(RTD accuracy, precision, recall, F1 as JSON)")
+    p = command(sub, "eval-rtd", "score discriminators against one fixed generator on fixed masked data (RTD "
+                "accuracy, precision, recall, F1 as JSON)", _examples(
+                    "megakd eval-rtd --generator runs/rtd-generator-tiny --discriminator runs/electra-tiny "
+                    "--shards data/shards",
+                    "megakd eval-rtd --generator runs/rtd-generator-tiny --discriminator runs/electra-tiny "
+                    "runs/dwt-electra-tiny --shards data/shards --batches 200 --out rtd.json",
+                    note="Every model trained on one tokenizer, e.g. with data.tokenizer=data/tok "
+                         "data.shards=data/shards (`megakd data --help`)."))
     p.add_argument("--generator", required=True, help="run, checkpoint, megakd model dir or HF ELECTRA generator")
     p.add_argument("--discriminator", required=True, nargs="+", help="one or more runs, checkpoints, megakd model "
                    "dirs or HF ElectraForPreTraining dirs")
     p.add_argument("--shards", required=True, help="shard directory from `megakd data shards`")
     p.add_argument("--tokenizer", help="tokenizer directory (default: the generator's own)")
-    p.add_argument("--batches", type=int, default=50)
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--batches", type=int, default=50, help="batches scored")
+    p.add_argument("--batch-size", type=int, default=32, help="samples per batch")
     p.add_argument("--seed", type=int, default=0, help="fixes the masks and the generator's samples")
-    p.add_argument("--mask-prob", type=float, default=0.15)
+    p.add_argument("--mask-prob", type=float, default=0.15, help="fraction of tokens masked and resampled")
     p.add_argument("--out", help="also write the JSON report to this file")
     p.set_defaults(func=cmd_eval_rtd)
 
-    p = sub.add_parser("repro", help="re-run one of the papers' findings at CPU scale and write its section of "
-                       "docs/REPRODUCTION.md (paper numbers, measured mean ± std over seeds, verdict)")
+    p = command(sub, "repro", "re-run one of the papers' findings at CPU scale and write its section of "
+                "docs/REPRODUCTION.md (paper numbers, measured mean ± std over seeds, verdict)", _examples(
+                    "megakd repro all --plan  # minutes per finding; runs nothing",
+                    "megakd repro dwt --quick --out /tmp/REPRODUCTION.md  # tiny settings, in minutes",
+                    "megakd repro lambda disc_lr --jobs 2"), ReproHelpFormatter)
     p.add_argument("name", nargs="+", choices=(*FINDINGS, "all"),
                    help="the findings to run together (jobs of different findings share the cores), or all")
     p.add_argument("--quick", action="store_true", help="small settings, for tests of the report's structure")
@@ -330,27 +548,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", action="store_true",
                    help="print the estimated minutes per finding and in total, and run nothing")
     p.add_argument("--unit-seconds", nargs="+", metavar="NAME=SECONDS",
-                   help="the plan's cost model: electra_mini_step, rt_epoch, job_start (defaults in the README)")
+                   help="the plan's cost model: seconds per unit of work")
     p.set_defaults(func=cmd_repro)
 
-    data = sub.add_parser("data", help="tokenizer training and WebDataset shard writing")
+    corpus = "megakd/data/corpus/austen.jsonl.gz megakd/data/corpus/kjv.jsonl.gz"
+    data_examples = (f"megakd data tokenizer --input {corpus} --vocab-size 8000 --out data/tok",
+                     f"megakd data shards --input {corpus} --tokenizer data/tok --seq-len 128 "
+                     "--out data/shards --valid-fraction 0.01",
+                     "megakd pretrain -c configs/electra-tiny.yaml data.tokenizer=data/tok "
+                     "data.shards=data/shards")
+    data = command(sub, "data", "tokenizer training and WebDataset shard writing", _examples(*data_examples))
     data_sub = data.add_subparsers(dest="data_command", required=True)
-    t = data_sub.add_parser("tokenizer", help="train a cased SentencePiece BPE tokenizer")
+    t = command(data_sub, "tokenizer", "train a cased SentencePiece BPE tokenizer",
+                _examples(*data_examples[::2]))
     t.add_argument("--input", nargs="+", required=True, help="text/.gz/.jsonl files or directories")
-    t.add_argument("--vocab-size", type=int, required=True)
-    t.add_argument("--out", required=True)
+    t.add_argument("--vocab-size", type=int, required=True, help="pieces in the vocabulary")
+    t.add_argument("--out", required=True, help="the tokenizer directory")
     t.add_argument("--input-sentence-size", type=int, default=2_000_000,
                    help="sentences sampled for training (bounds memory on large corpora)")
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--seed", type=int, default=0, help="the sentence sample's seed")
     t.set_defaults(func=cmd_data_tokenizer)
-    s = data_sub.add_parser("shards", help="tokenize and pack documents into WebDataset shards")
+    s = command(data_sub, "shards", "tokenize and pack documents into WebDataset shards",
+                _examples(*data_examples[1:]))
     s.add_argument("--input", nargs="+", required=True, help="text/.gz/.jsonl files, directories or HF datasets")
     s.add_argument("--tokenizer", required=True,
                    help="a megakd tokenizer dir, or an HF tokenizer/model dir (WordPiece vocab.txt or tokenizer.json)")
-    s.add_argument("--seq-len", type=int, required=True)
-    s.add_argument("--out", required=True)
-    s.add_argument("--samples-per-shard", type=int, default=10_000)
-    s.add_argument("--workers", type=int, default=1)
+    s.add_argument("--seq-len", type=int, required=True, help="tokens per sample")
+    s.add_argument("--out", required=True, help="the shard directory")
+    s.add_argument("--samples-per-shard", type=int, default=10_000, help="samples in each shard file")
+    s.add_argument("--workers", type=int, default=1, help="tokenizing processes")
     s.add_argument("--valid-fraction", type=float, default=0.0,
                    help="hold out this fraction of documents (by a hash of their text) as OUT/valid/, "
                         "which pretraining finds by itself for train.eval_every")
@@ -359,29 +585,40 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pack several short documents into one sample (per-document positions and attention)")
     s.set_defaults(func=cmd_data_shards)
 
-    conv = sub.add_parser("convert", help="HuggingFace export/import")
+    convert_examples = ("megakd convert to-hf runs/electra-tiny runs/electra-tiny-hf  # OUT/discriminator, "
+                        "OUT/generator",
+                        "megakd convert from-hf runs/electra-tiny-hf/discriminator models/electra-tiny-disc",
+                        "megakd finetune -c configs/finetune-rt.yaml model.path=models/electra-tiny-disc")
+    conv = command(sub, "convert", "HuggingFace export/import", _examples(*convert_examples))
     conv_sub = conv.add_subparsers(dest="convert_command", required=True)
-    for name, help_text, src_help in (
+    for name, help_text, src_help, examples in (
         ("to-hf", "run/checkpoint/model dir -> HF dirs (ELECTRA: OUT/discriminator, OUT/generator)",
-         "run directory (newest checkpoint), checkpoint directory or megakd model directory"),
-        ("from-hf", "local HF BERT/ELECTRA dir -> megakd model directory", "local HF model directory"),
+         "run directory (newest checkpoint), checkpoint directory or megakd model directory",
+         ("megakd convert to-hf runs/electra-tiny runs/electra-tiny-hf",
+          "megakd convert to-hf runs/electra-tiny/checkpoints/step_00000400 runs/step400-hf --force")),
+        ("from-hf", "local HF BERT/ELECTRA dir -> megakd model directory", "local HF model directory",
+         convert_examples[1:]),
     ):
-        c = conv_sub.add_parser(name, help=help_text)
+        c = command(conv_sub, name, help_text, _examples(*examples))
         c.add_argument("src", help=src_help)
         c.add_argument("out", help="output directory (written atomically)")
         c.add_argument("--force", action="store_true", help="replace a non-empty OUT")
         c.set_defaults(func=cmd_convert)
 
-    b = sub.add_parser("bench", help="cluster benchmark: collectives, matmul, data loader, training throughput; "
-                                     "'bench plot A.json B.json' draws results")
+    b = command(sub, "bench", "cluster benchmark: collectives, matmul, data loader, training throughput; "
+                "'bench plot A.json B.json' draws results", _examples(
+                    "megakd bench --parts matmul  # one process: the device's matmul peak",
+                    "launch/torchrun.sh 2 bench -c configs/electra-tiny.yaml train.micro_batch_size=16",
+                    "megakd bench plot bench/bench_w1.json bench/bench_w2.json --out bench/plots"))
     b.add_argument("-c", "--config", help="pretraining recipe for the loader and train parts")
-    b.add_argument("--parts", default="collectives,matmul,loader,train", help="comma list of what to measure")
-    b.add_argument("--min-bytes", type=_bytes_arg, default=_bytes_arg("4K"))
-    b.add_argument("--max-bytes", type=_bytes_arg, default=_bytes_arg("64M"))
+    b.add_argument("--parts", default=",".join(BENCH_PARTS), metavar="PART[,PART...]",
+                   help=f"what to measure, a comma list of {', '.join(BENCH_PARTS)}")
+    b.add_argument("--min-bytes", type=_bytes_arg, default=_bytes_arg("4K"), help="smallest message")
+    b.add_argument("--max-bytes", type=_bytes_arg, default=_bytes_arg("64M"), help="largest message")
     b.add_argument("--factor", type=int, default=4, help="message size step")
     b.add_argument("--iters", type=int, default=5, help="timed iterations per collective and matmul")
-    b.add_argument("--matmul-n", type=int, default=2048)
-    b.add_argument("--loader-batches", type=int, default=20)
+    b.add_argument("--matmul-n", type=int, default=2048, help="matmul size (n x n by n x n)")
+    b.add_argument("--loader-batches", type=int, default=20, help="batches the loader measurement reads")
     b.add_argument("--steps", type=int, default=5, help="timed training steps")
     b.add_argument("--warmup", type=int, default=2, help="untimed training steps first")
     b.add_argument("--peak-tflops", type=float, help="per-device peak for MFU (default: the measured matmul)")
@@ -389,9 +626,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("rest", nargs="*", help="key=value config overrides, or: plot FILE.json [FILE.json ...]")
     b.set_defaults(func=cmd_bench)
 
-    pl = sub.add_parser("plan", help="memory/throughput planner: layouts that fit, best first")
+    pl = command(sub, "plan", "memory/throughput planner: layouts that fit, best first", _examples(
+        "megakd plan configs/electra-base.yaml --gpus 8 --gpu-mem 80 --gpu h100",
+        "megakd plan configs/electra-large.yaml --gpus 32 --gpu-mem 40 --zero 2 train.precision=bf16",
+        "megakd plan configs/electra-base.yaml --gpus 8 --gpu-mem 80 --bench bench/bench_w8.json"))
     pl.add_argument("config", help="pretraining recipe, e.g. configs/electra-base.yaml")
-    pl.add_argument("--gpus", type=int, required=True)
+    pl.add_argument("--gpus", type=int, required=True, help="GPUs in all")
     pl.add_argument("--gpu-mem", type=float, required=True, help="memory per GPU in GB (GiB), e.g. 40 or 80")
     pl.add_argument("--gpu", choices=["v100", "a100", "h100"], default="a100", help="peak and bandwidth preset")
     pl.add_argument("--bench", help="JSON from `megakd bench`: measured peak and bandwidth instead of the preset")
@@ -401,13 +641,49 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--efficiency", type=float, default=0.45, help="fraction of peak the model FLOPs reach")
     pl.add_argument("--overlap", type=float, default=0.0, help="fraction of communication hidden by compute")
     pl.add_argument("--reserve-gb", type=float, default=2.0, help="memory kept free (CUDA context, fragmentation)")
-    pl.add_argument("--top", type=int, default=10)
+    pl.add_argument("--top", type=int, default=10, help="layouts printed")
     pl.add_argument("--json", help="also write every evaluated layout here")
     pl.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. train.precision=fp16")
     pl.add_argument("--set", dest="set_overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="the same as a positional key=value (kept for older scripts)")
     pl.set_defaults(func=cmd_plan)
+
+    cf = command(sub, "config", "the config keys (types, defaults, meanings) and the recipes in configs/",
+                 _examples("megakd config keys 'optim.*.lr'  # a glob on the whole key; or a word of the key",
+                           "megakd config keys --finetune lr",
+                           "megakd config recipes"))
+    cf_sub = cf.add_subparsers(dest="config_command", required=True)
+    k = command(cf_sub, "keys", "every config key with its type, default and meaning, read from the config "
+                "dataclasses", _examples(
+                    "megakd config keys backend",
+                    "megakd config keys --pretrain 'model.discriminator.*'",
+                    "megakd config keys --markdown > docs/configuration.md  # regenerate the reference"))
+    k.add_argument("pattern", nargs="?",
+                   help="a glob on the whole key (optim.*.lr), or a word the key has (lr, teacher)")
+    tree = k.add_mutually_exclusive_group()
+    tree.add_argument("--pretrain", action="store_true", help="only the keys of pretrain and distill")
+    tree.add_argument("--finetune", action="store_true", help="only the keys of finetune")
+    k.add_argument("--markdown", action="store_true", help="print the reference, docs/configuration.md")
+    k.set_defaults(func=cmd_config_keys)
+    r = command(cf_sub, "recipes", "the recipes in configs/: path, command and what each is for", _examples(
+        "megakd config recipes",
+        "megakd config recipes | grep finetune",
+        "megakd pretrain -c configs/electra-mini.yaml --print-config  # a recipe's every value"))
+    r.add_argument("dir", nargs="?", default=str(RECIPES), help="a directory of recipes (default: configs/)")
+    r.set_defaults(func=cmd_config_recipes)
     return parser
+
+
+def _training_arguments(p: argparse.ArgumentParser, recipe: str, override: str) -> None:
+    """The arguments pretrain and distill share."""
+    p.add_argument("-c", "--config", required=True, help=f"YAML recipe, e.g. {recipe}")
+    p.add_argument("--resume", metavar="{auto,PATH}",
+                   help="'auto' (newest intact checkpoint in run.dir, if any) or a checkpoint directory")
+    p.add_argument("--allow-change", action="append", default=[], metavar="KEY",
+                   help="at resume, let this state-bearing config key differ from the checkpoint's and take "
+                        "effect (repeatable), e.g. --allow-change optim.discriminator.lr")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    p.add_argument("overrides", nargs="*", help=f"key=value overrides, e.g. {override}")
 
 
 EXIT_USER_ERROR = 2
@@ -422,6 +698,8 @@ def _one_line(err: BaseException) -> str:
     if isinstance(err, OSError) and err.filename is not None:
         return f"{err.filename}: {err.strerror.lower() if err.strerror else err}"
     return " ".join(str(err).split())
+
+
 def _version() -> str:
     try:
         return version("megakd")
@@ -462,7 +740,8 @@ def main(argv: list[str] | None = None) -> int:
         # keeps its traceback; --log-level DEBUG keeps it here too.
         if args.log_level == "DEBUG":
             raise
-        print(f"megakd: error: {_one_line(err)}", file=sys.stderr)
+        if not isinstance(err, LaunchError) or _rank() == 0:  # the same on every rank: said once
+            print(f"megakd: error: {_one_line(err)}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         # A second Ctrl-C during training (the first one asks for a checkpoint), or one before

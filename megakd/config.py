@@ -7,11 +7,15 @@ Every key is checked: an unknown or mistyped key, or a value of the wrong type, 
 
 from __future__ import annotations
 
+import ast
 import copy
 import dataclasses
 import difflib
+import functools
+import inspect
 import keyword
 import math
+import tokenize
 import types
 import typing
 from dataclasses import dataclass, field
@@ -35,15 +39,15 @@ class ConfigError(UserError):
 
 @dataclass
 class RunConfig:
-    dir: str = "runs/electra-tiny"
+    dir: str = "runs/electra-tiny"  # the run directory: config, metrics, checkpoints, plots, HF export
     keep_last: int = 3  # checkpoints kept in run.dir/checkpoints (older ones are deleted)
-    tensorboard: bool = True
-    wandb: bool = False
-    wandb_project: str = "megakd"
-    wandb_mode: Literal["offline", "online"] = "offline"
-    plots: bool = True
+    tensorboard: bool = True  # write TensorBoard events to run.dir/tb
+    wandb: bool = False  # log to Weights & Biases too (one wandb run per run directory, resumed on requeue)
+    wandb_project: str = "megakd"  # the wandb project
+    wandb_mode: Literal["offline", "online"] = "offline"  # offline keeps the run on disk; WANDB_MODE wins
+    plots: bool = True  # draw loss and RTD plots into run.dir/plots at the end of training
     export_hf: bool = True  # write run.dir/hf (HuggingFace format) at the end of training
-    progress_bar: bool = True
+    progress_bar: bool = True  # a tqdm bar on rank 0
     overwrite: bool = False  # a new run into a used run.dir moves its contents to <run.dir>.old-<time>/
 
 
@@ -57,13 +61,13 @@ class DataConfig:
     vocab_size: int | str = "auto"
     seq_len: int = 128  # only used when building the bundled-corpus default (shards carry their own)
     cache_dir: str = ""  # where the bundled-corpus default is built once; "" = $MEGAKD_CACHE or ~/.cache/megakd
-    mask_prob: float = 0.15
-    num_workers: int = 0
+    mask_prob: float = 0.15  # fraction of tokens masked for the MLM (and replaced for RTD)
+    num_workers: int = 0  # DataLoader worker processes per rank (0 = load in the training process)
     # Shards whose samples are interleaved in one seeded permutation (held in memory together, per
     # rank and per worker): shards are written in input order, so with 1 a batch is a few pages of
     # one book, and a masked LM on the bundled corpus left its unigram plateau ~200 steps later.
     shuffle_shards: int = 16
-    skip_bad_shards: bool = False
+    skip_bad_shards: bool = False  # log, count and skip a missing or corrupt shard instead of stopping
     # Held-out shards for train.eval_every; "auto" = <data.shards>/valid when it exists
     # (`megakd data shards --valid-fraction`), "" = none.
     valid_shards: str = "auto"
@@ -79,9 +83,10 @@ def _auto_vocab_encoder() -> EncoderConfig:
 @dataclass
 class ModelConfig:
     objective: Literal["electra", "mlm"] = "electra"  # electra (generator + discriminator); mlm (BERT-MLM: the generator alone)
-    # vocab_size "auto" (the default) = the tokenizer's size, filled in by `resolve_vocab_sizes`.
+    # The generator (ELECTRA), the masked LM (BERT-MLM) or the DWT student. vocab_size "auto" (the
+    # default) = the tokenizer's size, filled in by `resolve_vocab_sizes`.
     generator: EncoderConfig = field(default_factory=_auto_vocab_encoder)
-    discriminator: EncoderConfig = field(default_factory=_auto_vocab_encoder)
+    discriminator: EncoderConfig = field(default_factory=_auto_vocab_encoder)  # the ELECTRA discriminator
 
     def built_models(self) -> tuple[str, ...]:
         return ("generator",) if self.objective == "mlm" else ("generator", "discriminator")
@@ -91,11 +96,11 @@ class ModelConfig:
 class ElectraConfig:
     decoupled: bool = True  # DecoupledOptim: separate embeddings, two optimizers
     loss_weight: float = 50.0  # λ in L_MLM + λ·L_RTD
-    sampling_temperature: float = 1.0
+    sampling_temperature: float = 1.0  # temperature of the generator's samples that replace masked tokens
     # Anneal linearly from sampling_temperature to this over the first sampling_anneal_steps
     # optimizer steps (0 = train.max_steps), then hold it; null = constant.
     sampling_temperature_end: float | None = None
-    sampling_anneal_steps: int = 0
+    sampling_anneal_steps: int = 0  # length of the anneal to sampling_temperature_end (0 = train.max_steps)
 
     def temperature_schedule(self, max_steps: int) -> SamplingTemperature:
         return SamplingTemperature(self.sampling_temperature, self.sampling_temperature_end,
@@ -104,24 +109,27 @@ class ElectraConfig:
 
 @dataclass
 class OptimizerConfig:
-    lr: float = 5e-4
-    betas: tuple[float, float] = (0.9, 0.98)
-    eps: float = 1e-6
-    weight_decay: float = 0.01
-    clip_norm: float = 2.0  # 0 = no clipping
+    lr: float = 5e-4  # peak learning rate (Adam), reached after optim.schedule.warmup_steps
+    betas: tuple[float, float] = (0.9, 0.98)  # Adam β1, β2
+    eps: float = 1e-6  # Adam ε
+    weight_decay: float = 0.01  # decoupled (AdamW) weight decay
+    clip_norm: float = 2.0  # gradient-norm clipping bound of this model's parameters; 0 = no clipping
 
 
 @dataclass
 class ScheduleConfig:
-    warmup_steps: int = 0  # shared by both optimizers
-    decay: Literal["linear", "cosine", "constant"] = "linear"  # linear: to 0 at max_steps
+    warmup_steps: int = 0  # linear warm-up from 0 to the peak LR, shared by both optimizers
+    # After warm-up; linear and cosine: to 0 at max_steps
+    decay: Literal["linear", "cosine", "constant"] = "linear"
 
 
 @dataclass
 class OptimConfig:
+    # The generator's (or masked LM's) optimizer
     generator: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=2e-4))
+    # The discriminator's optimizer
     discriminator: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1.5e-3))
-    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)  # the LR schedule of both
     # Original ELECTRA (electra.decoupled=false) only: what optim.discriminator.clip_norm bounds.
     # weighted = ∇(L_MLM + λ·L_RTD), as original ELECTRA clips; unweighted = ∇(L_MLM/λ + L_RTD), the
     # scale DecoupledOptim clips the discriminator at (README: "λ, clipping and DecoupledOptim").
@@ -136,17 +144,19 @@ TASK_METRICS = ("accuracy", "f1", "mcc", "spearman")
 class TaskConfig:
     """A built-in task (`name`) or your own GLUE-style TSV / JSONL files (`name: files`)."""
 
+    # rt (Rotten Tomatoes sentiment), rt_score (the same sentences, regressing the crowd score),
+    # corpus_pairs (does sentence b follow a in the bundled corpus), files (your own: train and dev)
     name: Literal[(*BUILTIN_TASKS, "files")] = "rt"
-    train: str = ""  # files: .tsv/.tsv.gz (header row) or .jsonl/.jsonl.gz
-    dev: str = ""
-    text_a: str = "sentence"  # column / field names (files only)
-    text_b: str = ""  # "" = single-sentence task
-    label: str = "label"
+    train: str = ""  # files: the training split, .tsv/.tsv.gz (header row) or .jsonl/.jsonl.gz
+    dev: str = ""  # files: the dev split, in the same format
+    text_a: str = "sentence"  # files: column / field of the first sentence
+    text_b: str = ""  # files: column / field of the second sentence; "" = single-sentence task
+    label: str = "label"  # files: column / field of the label
     labels: list[str] = field(default_factory=list)  # class names in id order; [] = integer labels 0..K-1
     num_labels: int = 2  # 1 = regression (MSE, Spearman)
     metric: str = ""  # the headline metric; "" = spearman for regression, accuracy otherwise
     max_train_examples: int = 0  # 0 = all; otherwise a fixed subset spread evenly over the split
-    max_dev_examples: int = 0
+    max_dev_examples: int = 0  # 0 = all; otherwise a fixed subset of the dev split, as max_train_examples
 
     def validate(self, key: str) -> TaskConfig:
         """Check the task section found under config key `key` (`task`, `train.probe.task`)."""
@@ -168,20 +178,21 @@ class TaskConfig:
 
 @dataclass
 class TrainConfig:
-    max_steps: int = 1000
-    seed: int = 0
-    global_batch_size: int = 32
-    micro_batch_size: int = 32
-    log_every: int = 10
-    save_every: int = 0  # 0 = only the final checkpoint
+    max_steps: int = 1000  # optimizer steps of the whole run (the LR schedule ends here)
+    seed: int = 0  # model init, data order, masks and dropout
+    global_batch_size: int = 32  # samples per optimizer step, over all ranks and accumulation steps
+    micro_batch_size: int = 32  # samples per rank per forward pass; accumulation fills the global batch
+    log_every: int = 10  # write metrics every N steps
+    save_every: int = 0  # also checkpoint every N steps; 0 = only the final checkpoint
+    # bf16 / fp16: mixed precision (autocast; fp16 with loss scaling)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     max_bad_steps: int = 10  # stop after this many non-finite losses in a row
     # Downstream probe (megakd/engine/probe.py): logistic regression on frozen encoder features of
     # a fixed slice of a task's training split, logged as probe_acc every probe_every steps.
     probe_every: int = 500  # 0 = off; README: cost measured at this interval
     probe_task: TaskConfig = field(default_factory=TaskConfig)  # a classification task; rt by default
-    probe_fit_examples: int = 2000
-    probe_eval_examples: int = 500
+    probe_fit_examples: int = 2000  # examples the probe's logistic regression is fitted on
+    probe_eval_examples: int = 500  # other examples of the same split it is scored on (probe_acc)
     probe_max_seq_len: int = 128  # capped by the model's max_position_embeddings
     eval_every: int = 0  # score the validation shards every N steps (0 = never)
     eval_samples: int = 512  # how many validation samples (whole micro-batches) each evaluation scores
@@ -190,15 +201,19 @@ class TrainConfig:
 
 @dataclass
 class BackendConfig:
-    name: Literal["single", "ddp", "deepspeed"] = "single"
-    zero_stage: int = 0
-    pipeline_stages: int = 1
+    # auto: single in one process, ddp when a launcher started several ranks (WORLD_SIZE, or
+    # SLURM_NTASKS under srun); resolved at start-up, so --print-config and the run's config.yaml
+    # show the backend it chose
+    name: Literal["auto", "single", "ddp", "deepspeed"] = "auto"
+    zero_stage: int = 0  # DeepSpeed ZeRO stage 0-3 (backend.name=deepspeed)
+    pipeline_stages: int = 1  # DeepSpeed pipeline stages (> 1 needs backend.name=deepspeed)
     dist_backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on CUDA, gloo otherwise
     deepspeed_config: str = ""  # JSON merged into megakd's DeepSpeed config ("auto" = megakd's value)
 
 
 @dataclass
 class KernelsConfig:
+    # The fused loss kernels: auto (Triton on CUDA if installed, else torch) | triton | torch
     backend: Literal[BACKENDS] = "auto"
 
 
@@ -209,9 +224,9 @@ class DistillConfig:
     teacher: str = ""  # run dir, checkpoint, megakd model dir or HF BERT/ELECTRA-MLM dir; "" = no teacher
     temperature: float = 1.0  # τ of both softmaxes; the soft loss is scaled by τ²
     alpha_hard: float = 1.0  # α_h on the MLM cross-entropy
-    alpha_soft_start: float = 4.0  # α_s at the first step ...
+    alpha_soft_start: float = 4.0  # α_s, the weight of the soft (KD) loss, at the first step ...
     alpha_soft_end: float = 1.0  # ... and at the last
-    alpha_schedule: Literal[ALPHA_SCHEDULES] = "linear"  # constant = start
+    alpha_schedule: Literal[ALPHA_SCHEDULES] = "linear"  # α_s from start to end; constant = start throughout
     alpha_step_at: float = 0.5  # step schedule: fraction of the run after which α_s = end
     init: Literal["random", "remap"] = "random"  # remap: student initialised from the teacher (docs/methods.md § DWT)
     remap_width: Literal["net2wider", "zero"] = "net2wider"  # how remap widens a narrower teacher
@@ -531,7 +546,7 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
-def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
+def read_recipe(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     """Read a YAML recipe, resolving `inherit: other.yaml` (relative to the file) recursively."""
     path = path.resolve()
     if path in seen:
@@ -546,7 +561,7 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
         parents = [parents]
     merged: dict = {}
     for parent in parents:
-        merged = _merge(merged, _read_yaml(path.parent / parent, (*seen, path)))
+        merged = _merge(merged, read_recipe(path.parent / parent, (*seen, path)))
     return _merge(merged, data)
 
 
@@ -597,7 +612,7 @@ def load_config(
     path: str | Path | None = None, overrides: list[str] = (), cls: type = Config
 ) -> Any:
     """Load a recipe (or the defaults), apply overrides, build and validate the dataclass tree."""
-    data = _read_yaml(Path(path)) if path else {}
+    data = read_recipe(Path(path)) if path else {}
     if path:  # the file alone first, so an error names where the bad value came from
         try:
             _build(cls, data)
@@ -610,6 +625,112 @@ def load_config(
     except ConfigError as err:
         raise ConfigError(f"{err} (on the command line)" if overrides else str(err)) from None
     return cfg.validate()
+
+
+# ---------------------------------------------------------------------------------------------
+# What each key means, read from the comments above and beside the fields (`megakd config keys`,
+# docs/configuration.md), so the reference cannot drift from the code.
+
+
+@dataclass(frozen=True)
+class KeyDoc:
+    """A leaf key of a config tree: its type, its default in that tree, the comment that documents it."""
+
+    key: str
+    type: str
+    default: Any
+    meaning: str
+
+
+def config_keys(cls: type) -> list[KeyDoc]:
+    """Every leaf key of the dataclass tree `cls`, in source order; defaults are those of `cls()`."""
+    return [item for item in _walk(cls, cls(), "") if isinstance(item, KeyDoc)]
+
+
+def config_sections(cls: type) -> dict[str, str]:
+    """{section key: what it is} for every dataclass in the tree below `cls`, parents first.
+
+    The text is the comment on the field that holds the section followed by its class docstring."""
+    return dict(item for item in _walk(cls, cls(), "") if isinstance(item, tuple))
+
+
+def _walk(cls: type, obj: Any, prefix: str):
+    """(section key, text) for each section and a KeyDoc for each leaf below `obj`, in source order."""
+    hints, meanings = typing.get_type_hints(cls), field_meanings(cls)
+    for f in dataclasses.fields(cls):
+        key, tp, value = prefix + config_key(f.name), hints[f.name], getattr(obj, f.name)
+        if dataclasses.is_dataclass(tp):
+            yield key, " ".join(filter(None, (meanings[f.name], _class_docstring(tp))))
+            yield from _walk(tp, value, key + ".")
+        else:
+            yield KeyDoc(key, type_text(tp), value, meanings[f.name])
+
+
+def field_meanings(cls: type) -> dict[str, str]:
+    """{field: its comment} for dataclass `cls`: the comment lines right above the field, then the comment
+    at the end of its line(s), as one line ("" where there is none)."""
+    node, comments = _class_source(cls)
+    out = {}
+    for stmt in node.body:
+        if not (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)):
+            continue
+        above, line = [], stmt.lineno - 1
+        while comments.get(line, (False, ""))[0]:
+            above.insert(0, comments[line][1])
+            line -= 1
+        after = [comments[n][1] for n in range(stmt.lineno, stmt.end_lineno + 1)
+                 if n in comments and not comments[n][0]]
+        out[stmt.target.id] = " ".join(" ".join([*above, *after]).split())
+    return out
+
+
+def _class_docstring(cls: type) -> str:
+    """The class's own docstring, one line (without one, a dataclass's `__doc__` is its signature)."""
+    return " ".join((ast.get_docstring(_class_source(cls)[0]) or "").split())
+
+
+def _class_source(cls: type) -> tuple[ast.ClassDef, dict[int, tuple[bool, str]]]:
+    tree, comments = _parsed_module(inspect.getsourcefile(cls))
+    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
+    return node, comments
+
+
+@functools.cache
+def _parsed_module(path: str) -> tuple[ast.Module, dict[int, tuple[bool, str]]]:
+    """The module's syntax tree and {line: (whole line is a comment, comment text)}."""
+    source = Path(path).read_text(encoding="utf-8")
+    lines = source.splitlines()
+    comments = {}
+    for tok in tokenize.generate_tokens(iter(source.splitlines(keepends=True)).__next__):
+        if tok.type == tokenize.COMMENT:
+            row, col = tok.start
+            comments[row] = (not lines[row - 1][:col].strip(), tok.string.lstrip("#").strip())
+    return ast.parse(source), comments
+
+
+def type_text(tp: Any) -> str:
+    """A field's type as a recipe writes it: `electra|mlm` for a Literal, `[float, float]` for a pair."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Literal:
+        return "|".join(map(str, args))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(type_text(a) for a in args)
+    if origin is tuple:
+        return f"[{', '.join(type_text(a) for a in args)}]"
+    if origin is list:
+        return f"list[{type_text(args[0])}]"
+    return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
+
+
+def value_text(value: Any) -> str:
+    """A value as YAML flow style writes it (`null`, `true`, `[0.9, 0.98]`, `""`), on one line."""
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    if isinstance(value, (list, tuple)):
+        return f"[{', '.join(value_text(v) for v in value)}]"
+    if value == "":
+        return '""'
+    return str(value)
 
 
 def save_config(cfg: Any, path: str | Path) -> None:

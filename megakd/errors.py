@@ -12,3 +12,9 @@ from __future__ import annotations
 
 class UserError(ValueError):
     """Bad input the user can fix; the message names the file or key and what was expected."""
+
+
+class LaunchError(UserError):
+    """The config does not fit how the processes were started (e.g. backend.name=single under torchrun).
+
+    Every rank of the launch raises the same one, so `megakd.cli.main` prints it on rank 0 only."""

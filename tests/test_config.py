@@ -93,7 +93,7 @@ def test_override_parsing():
         ("model.generator.hidden_size=abc", "model.generator.hidden_size: expected an integer"),
         ("model.generator.num_heads=3", "model.generator.hidden_size: expected a multiple of num_heads=3"),
         ("electra.decoupled=maybe", "electra.decoupled: expected true or false"),
-        ("backend.name=horovod", "backend.name: expected one of single, ddp, deepspeed"),
+        ("backend.name=horovod", "backend.name: expected one of auto, single, ddp, deepspeed"),
         ("backend.zero_stage=4", "backend.zero_stage"),
         ("optim.discriminator.betas=[0.9]", "optim.discriminator.betas: expected a list of 2 values"),
         ("trainn.seed=1", "unknown config key 'trainn'"),

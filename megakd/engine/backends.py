@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megakd.engine.profiling import phase
-from megakd.errors import UserError
+from megakd.errors import LaunchError, UserError
 from megakd.store.checkpoint_models import OPTIM_SUFFIX, WEIGHTS_SUFFIX, load_state_checked
 from megakd.store.files import load_state, load_weights, save_state, save_weights
 
@@ -82,6 +82,23 @@ def init_distributed(dist_backend: str = "auto") -> tuple[int, int, int]:
             torch.cuda.set_device(local_rank)
         create_process_group(dist_backend)
     return rank, world, local_rank
+
+
+def launched_world_size() -> int:
+    """The ranks the launcher started, as `init_distributed` reads them: WORLD_SIZE (torchrun, deepspeed),
+    else SLURM_NTASKS when SLURM_PROCID is set too (srun), else 1."""
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    if {"SLURM_PROCID", "SLURM_NTASKS"} <= os.environ.keys():
+        return int(os.environ["SLURM_NTASKS"])
+    return 1
+
+
+def resolve_backend_name(name: str) -> str:
+    """`backend.name` with `auto` made concrete: ddp when a launcher started several ranks, else single."""
+    if name != "auto":
+        return name
+    return "ddp" if launched_world_size() > 1 else "single"
 
 
 def require_launcher(name: str) -> None:
@@ -425,10 +442,11 @@ def single_process_backend(precision: str) -> Backend:
     Each of those ranks would otherwise train the whole run on its own, and all but one would be
     turned away by the run directory's lock with a message that hides the cause.
     """
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = launched_world_size()
     if world > 1:
-        raise UserError(f"backend.name=single, but the launcher started {world} ranks (WORLD_SIZE={world}): "
-                        "set backend.name=ddp (or deepspeed) to train them as one run, or start one process")
+        raise LaunchError(f"backend.name=single, but the launcher started {world} ranks: set "
+                          "backend.name=ddp (or auto, or deepspeed) to train them as one run, or start one "
+                          "process")
     return Backend(precision, default_device(int(os.environ.get("LOCAL_RANK", "0"))))
 
 

@@ -12,7 +12,14 @@ from megakd.config import Config, ConfigError, bundled_vocab_size, resolve_vocab
 from megakd.data.shards import read_manifest
 from megakd.data.stream import PretrainingLoader
 from megakd.data.tokenizer import Tokenizer
-from megakd.engine.backends import DDPBackend, TrainingBackend, Unit, require_launcher, single_process_backend
+from megakd.engine.backends import (
+    DDPBackend,
+    TrainingBackend,
+    Unit,
+    require_launcher,
+    resolve_backend_name,
+    single_process_backend,
+)
 from megakd.engine.layouts import Layout, build_layout
 from megakd.engine.tasks import TeacherKD
 from megakd.engine.trainer import Trainer, TrainResult
@@ -27,7 +34,8 @@ log = logging.getLogger(__name__)
 
 
 def build_backend(cfg: Config) -> TrainingBackend:
-    name = cfg.backend.name
+    """The backend `backend.name` names; `auto` is replaced in `cfg` first, so the run records its choice."""
+    name = cfg.backend.name = resolve_backend_name(cfg.backend.name)
     if name == "single":
         return single_process_backend(cfg.train.precision)
     require_launcher(name)
@@ -64,8 +72,10 @@ def expected_vocab_size(cfg: Config) -> tuple[int, str, int]:
 
 
 def resolve_config(cfg: Config) -> Config:
-    """The config as the run will use it: every `vocab_size: auto` replaced by the tokenizer's size."""
+    """The config as the run will use it: every `vocab_size: auto` replaced by the tokenizer's size and
+    `backend.name: auto` by the backend this process's launch gets."""
     resolve_vocab_sizes(cfg, *expected_vocab_size(cfg))
+    cfg.backend.name = resolve_backend_name(cfg.backend.name)
     return cfg
 
 

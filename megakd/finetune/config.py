@@ -18,13 +18,13 @@ from megakd.objectives.soteacher import CR_SCHEDULES
 
 @dataclass
 class FinetuneRunConfig:
-    dir: str = "runs/finetune"
-    progress_bar: bool = True
+    dir: str = "runs/finetune"  # the run directory: one seed_<s>/ per seed, summary.json
+    progress_bar: bool = True  # a tqdm bar on rank 0
     overwrite: bool = False  # a new run into a used run.dir moves its contents to <run.dir>.old-<time>/
     tensorboard: bool = True  # <seed dir>/tb/
     wandb: bool = False  # one wandb run per seed directory (its id kept there, resumed on requeue)
-    wandb_project: str = "megakd"
-    wandb_mode: Literal["offline", "online"] = "offline"
+    wandb_project: str = "megakd"  # the wandb project
+    wandb_mode: Literal["offline", "online"] = "offline"  # offline keeps the run on disk; WANDB_MODE wins
     save_every: int = 0  # also checkpoint every N optimizer steps (0 = at the end of every epoch only)
     keep_last: int = 2  # checkpoints kept per seed while it trains (removed once the seed is finished)
 
@@ -41,9 +41,10 @@ class ModelInitConfig:
     and `encoder.*`.
     """
 
-    path: str = ""
-    init: Literal["pretrained", "random"] = "pretrained"
+    path: str = ""  # HF dir, megakd model dir, pretraining run or checkpoint, or fine-tuned classifier dir
+    init: Literal["pretrained", "random"] = "pretrained"  # random: path's architecture, fresh weights
     tokenizer: str = ""  # a megakd tokenizer dir; "" = the one that comes with `path`
+    # The architecture with init=random and no path
     encoder: EncoderConfig = field(default_factory=lambda: EncoderConfig(num_layers=2, hidden_size=64, num_heads=2,
                                                                           intermediate_size=256))
 
@@ -72,26 +73,30 @@ class OptimConfig:
     held-out `lr_select_frac` slice of the training split (megakd/finetune/trainer.py).
     """
 
+    # peak AdaMax rate; auto = from the encoder's width (`auto_lr`); a list = the one that scores best on the
+    # lr_select_frac slice
     lr: float | list[float] | str = "auto"
-    lr_select_frac: float = 0.1
-    epochs: int = 3
-    batch_size: int = 32
-    eval_batch_size: int = 64
-    warmup_frac: float = 0.1
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.98)
-    eps: float = 1e-6
+    lr_select_frac: float = 0.1  # with a list of rates: the held-out slice of train that picks one
+    epochs: int = 3  # passes over the training split per seed
+    batch_size: int = 32  # the global batch (split over the ranks)
+    eval_batch_size: int = 64  # batch of the dev-set predictions
+    warmup_frac: float = 0.1  # fraction of the optimizer steps of linear warm-up (then linear decay to 0)
+    weight_decay: float = 0.0  # decoupled weight decay
+    betas: tuple[float, float] = (0.9, 0.98)  # AdaMax β1, β2
+    eps: float = 1e-6  # AdaMax ε
     clip_norm: float = 1.0  # 0 = off
     dropout: float = 0.1  # encoder hidden dropout and classifier dropout
-    max_seq_len: int = 256
-    seeds: list[int] = field(default_factory=lambda: [0])
-    log_every: int = 50
+    max_seq_len: int = 256  # tokens per example, [CLS] and [SEP] included; longer ones are truncated
+    seeds: list[int] = field(default_factory=lambda: [0])  # one run per seed; summary.json pools them
+    log_every: int = 50  # write metrics every N optimizer steps
     precision: Literal["fp32", "bf16"] = "fp32"  # bf16 = torch.autocast on the device (CPU or CUDA)
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: the rank's GPU if there is one
 
 
 @dataclass
 class LabelRegConfig:
+    # the training target: onehot (plain CE) | ls (label smoothing) | tfreg (teacher-free) | kd | selfkd |
+    # akd (annealing KD); megakd/objectives/label_reg.py
     target: Literal[TARGETS] = "onehot"
     alpha: float = 0.0  # weight of the smoothing distribution / of the KD term
     a: float = 0.95  # TF-reg: probability of the true class in the teacher-free distribution
@@ -105,28 +110,30 @@ class LabelRegConfig:
 class SoTeacherConfig:
     """Student-oriented teacher training (docs/methods.md § SoTeacher). `enabled` trains a teacher, then a student by KD."""
 
-    enabled: bool = False
+    enabled: bool = False  # train a SoTeacher teacher (then its student) instead of plain fine-tuning
     lambda_lr: float = 1e-5  # Lipschitz penalty weight
     lambda_cr: float = 1.0  # consistency weight at the last epoch (λ_CR^max)
-    cr_schedule: Literal[CR_SCHEDULES] = "linear"
-    student: ModelInitConfig = field(default_factory=ModelInitConfig)
+    cr_schedule: Literal[CR_SCHEDULES] = "linear"  # how λ_CR rises from 0 to lambda_cr over the epochs
+    student: ModelInitConfig = field(default_factory=ModelInitConfig)  # the KD student of the teacher
     student_alpha: float = 0.5  # RepDistiller: α·CE + (1−α)·τ²·KL, α = 0.5, τ = 4
-    student_temperature: float = 4.0
-    distill_student: bool = True
+    student_temperature: float = 4.0  # τ of the student's KD term
+    distill_student: bool = True  # false: train the teacher only
 
 
 @dataclass
 class TGTConfig:
     """Teacher Guided Training (docs/methods.md § TGT): a frozen MLM generator + a frozen fine-tuned labeler."""
 
-    enabled: bool = False
+    enabled: bool = False  # train on the labeler's soft labels of real and MLM-generated examples
     generator: str = ""  # an MLM: pretraining run/checkpoint (its generator), megakd model dir, HF MLM dir
     labeler: str = ""  # a fine-tuned classifier directory
+    # random: resample masked tokens from the MLM; gradient: ascent steps on its input embeddings first
     mode: Literal["random", "gradient"] = "random"
     mask_prob: float = 0.15  # fraction p of tokens resampled
     noise_std: float = 0.0  # σ of Gaussian noise on the generator's input embeddings
-    ascent: Literal["paper", "normalized"] = "paper"  # gradient mode: paper (η·∇ of Σ H(h, f), discrete forward, straight-through
-    # backward) | normalized (η·∇/‖∇‖ of KL(h ‖ f) on the soft mixture π·W_emb)
+    # gradient mode: paper (η·∇ of Σ H(h, f), discrete forward, straight-through backward) | normalized
+    # (η·∇/‖∇‖ of KL(h ‖ f) on the soft mixture π·W_emb)
+    ascent: Literal["paper", "normalized"] = "paper"
     step_size: float = 1.0  # gradient mode: η of each ascent step
     steps: int = 1  # gradient mode: ascent steps
     sampling_temperature: float = 1.0  # random mode
@@ -141,7 +148,7 @@ class FinetuneConfig:
     labelreg: LabelRegConfig = field(default_factory=LabelRegConfig)
     soteacher: SoTeacherConfig = field(default_factory=SoTeacherConfig)
     tgt: TGTConfig = field(default_factory=TGTConfig)
-    backend: BackendConfig = field(default_factory=BackendConfig)  # single | ddp | deepspeed (ZeRO 0-2)
+    backend: BackendConfig = field(default_factory=BackendConfig)  # single, ddp, deepspeed (ZeRO 0-2) or auto
     kernels: KernelsConfig = field(default_factory=KernelsConfig)  # backend of the Lipschitz / sampling kernels
 
     @property

@@ -24,7 +24,13 @@ from torch import Tensor
 
 from megakd.config import Config, TrainConfig, config_to_dict, read_yaml_file, save_config
 from megakd.data.stream import STOP_SIGNALS
-from megakd.engine.backends import Backend, DDPBackend, require_launcher, single_process_backend
+from megakd.engine.backends import (
+    Backend,
+    DDPBackend,
+    require_launcher,
+    resolve_backend_name,
+    single_process_backend,
+)
 from megakd.finetune.config import FinetuneConfig
 from megakd.store import rundir
 from megakd.store.files import StoreError
@@ -46,8 +52,10 @@ class Stopped(Exception):
 
 
 def build_backend(cfg: FinetuneConfig) -> Backend:
-    """The pretraining backend named by `backend.name`, on the device `finetune.device` asks for."""
+    """The pretraining backend named by `backend.name` (`auto` replaced in `cfg` first, so the run records
+    its choice), on the device `finetune.device` asks for."""
     b, f = cfg.backend, cfg.finetune
+    b.name = resolve_backend_name(b.name)
     if b.name == "single":
         backend = single_process_backend(f.precision)
     else:

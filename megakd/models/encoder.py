@@ -32,27 +32,28 @@ COMPUTE_FIELDS = ("activation_checkpointing", "fused_qkv")
 @dataclass
 class EncoderConfig:
     vocab_size: int | str = 30522  # pretraining configs also take "auto": the tokenizer's size, set before building
-    hidden_size: int = 256
-    num_layers: int = 12
-    num_heads: int = 4
+    hidden_size: int = 256  # width of every layer
+    num_layers: int = 12  # Transformer layers
+    num_heads: int = 4  # attention heads per layer (hidden_size must be a multiple)
     intermediate_size: int = 1024  # FFN width (4×hidden by convention; explicit here)
-    embedding_size: int | None = None  # None = hidden_size; smaller → ELECTRA-style embeddings_project
-    max_position_embeddings: int = 512
-    type_vocab_size: int = 2
-    position_encoding: str = "absolute"  # "absolute" | "t5_relative"
-    relative_buckets: int = 32
-    relative_max_distance: int = 128
+    embedding_size: int | None = None  # null = hidden_size; smaller → ELECTRA-style embeddings_project
+    max_position_embeddings: int = 512  # longest sequence (and size of the absolute position table)
+    type_vocab_size: int = 2  # token types (segments A and B of a sentence pair)
+    position_encoding: str = "absolute"  # "absolute" (learned table) | "t5_relative" (bucketed bias per head)
+    relative_buckets: int = 32  # t5_relative: distance buckets (even, >= 4), half per direction
+    relative_max_distance: int = 128  # t5_relative: distances from here on share the last bucket
     relative_init: str = "normal"  # "normal" (N(0, initializer_range)) | "local" (each head starts biased to nearby tokens)
     dropout: float = 0.1  # hidden dropout
-    attention_dropout: float = 0.1
-    layer_norm_eps: float = 1e-12
-    initializer_range: float = 0.02
+    attention_dropout: float = 0.1  # dropout on the attention probabilities
+    layer_norm_eps: float = 1e-12  # ε of every LayerNorm
+    initializer_range: float = 0.02  # std of the normal init of weights and embeddings
     init: str = "normal"  # "normal" (BERT/HF init) | "admin"
-    admin_profile: str = "reference"  # init=admin: "reference" (Xavier layers, profiled in train mode, as the
-    # Admin authors' code) | "bert" (BERT's N(0, 0.02) layers, profiled in eval mode on real tokens); models/admin.py
-    activation_checkpointing: bool = False
+    # init=admin: "reference" (Xavier layers, profiled in train mode, as the Admin authors' code) | "bert"
+    # (BERT's N(0, 0.02) layers, profiled in eval mode on real tokens); models/admin.py
+    admin_profile: str = "reference"
+    activation_checkpointing: bool = False  # recompute each layer in backward: less memory, more compute
     fused_qkv: bool = True  # one [H → 3H] matmul for query, key and value (same parameters; SelfAttention)
-    pad_token_id: int = 0
+    pad_token_id: int = 0  # the padding id, whose embedding row never trains (pretraining: the tokenizer's)
 
     @property
     def embed_dim(self) -> int:

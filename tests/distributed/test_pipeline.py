@@ -128,7 +128,7 @@ def test_pipeline_checkpoint_exports_to_hf(runs, tmp_path):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["backend.pipeline_stages=2"], "backend.pipeline_stages=2 needs backend.name=deepspeed, got 'single'"),
+    (["backend.pipeline_stages=2"], "backend.pipeline_stages=2 needs backend.name=deepspeed, got 'auto'"),
     (["backend.name=deepspeed", "backend.pipeline_stages=2", "backend.zero_stage=2"],
      "backend.pipeline_stages=2 needs backend.zero_stage=0"),
     (["backend.name=deepspeed", "backend.pipeline_stages=2", "train.precision=bf16"], "needs train.precision=fp32"),

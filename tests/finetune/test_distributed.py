@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from megakd.store.model_dir import load_classifier
 from tests.distributed.harness import child_env
@@ -113,7 +114,7 @@ TRAININGS = ["lr_select/lr_0.001", "lr_select/lr_0.003", "seed_0"]
 @pytest.fixture(scope="module")
 def runs(tiny_data, tmp_path_factory):
     """2-process DDP and SoTeacher runs (two torchrun launches at once: each rendezvous picks its own
-    free port) and their one-process twins, all started together."""
+    free port; backend.name left at auto) and their one-process twins, all started together."""
     root = tmp_path_factory.mktemp("ft_dist")
     tok = tiny_data[0]
     sot = ["soteacher.enabled=true", "soteacher.lambda_lr=1e-2", "soteacher.student.init=random",
@@ -122,8 +123,8 @@ def runs(tiny_data, tmp_path_factory):
            "soteacher.student.encoder.intermediate_size=16", "soteacher.student.encoder.max_position_embeddings=32",
            "soteacher.student.encoder.attention_dropout=0.0",
            "finetune.lr=3e-3"]
-    launches = {name: start([str(LAUNCH / "torchrun.sh"), "2", *tiny_finetune(tok, root / name, "backend.name=ddp",
-                                                                                  *extra)], root / f"{name}.log")
+    launches = {name: start([str(LAUNCH / "torchrun.sh"), "2", *tiny_finetune(tok, root / name, *extra)],
+                            root / f"{name}.log")
                 for name, extra in (("ddp", []), ("sot_ddp", sot))}
     launches.update({name: start([sys.executable, "-m", "megakd.cli", *tiny_finetune(tok, root / name, *extra)],
                                  root / f"{name}.log") for name, extra in (("single", []), ("sot_single", sot))})
@@ -133,6 +134,8 @@ def runs(tiny_data, tmp_path_factory):
 
 
 def test_two_processes_match_one_on_the_same_global_batch(runs):
+    for name, backend in (("ddp", "ddp"), ("single", "single")):  # what backend.name auto became
+        assert yaml.safe_load((runs / name / "config.yaml").read_text())["backend"]["name"] == backend
     assert_close_runs(runs / "ddp", runs / "single", TRAININGS)
     assert not list(runs.glob("*/*/checkpoints")) and not list(runs.glob("*/*/*/checkpoints"))  # dropped when done
 

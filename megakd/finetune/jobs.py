@@ -10,11 +10,31 @@ from megakd.finetune.runtime import Runtime
 from megakd.finetune.soteacher import run_soteacher
 from megakd.finetune.tgt import run_tgt
 from megakd.finetune.trainer import run_finetune
+from megakd.objectives.label_reg import TEACHER_TARGETS
+from megakd.store import check_source
 
 Job = Callable[[FinetuneConfig, Runtime], dict]
 
 
+def model_sources(cfg: FinetuneConfig) -> list[tuple[str, str]]:
+    """(config key, path) of every stored model the job reads, in the order it reads them."""
+    s, g = cfg.soteacher, cfg.tgt
+    sources = [("model.path", cfg.model.path)]
+    if s.enabled:
+        sources += [("soteacher.student.path", s.student.path)] if s.distill_student else []
+    elif g.enabled:
+        sources += [("tgt.generator", g.generator), ("tgt.labeler", g.labeler)]
+    elif cfg.labelreg.target in TEACHER_TARGETS:
+        sources += [("labelreg.teacher", cfg.labelreg.teacher)]
+    return [(key, path) for key, path in sources if path]
+
+
 def job_for(cfg: FinetuneConfig) -> Job:
+    """The job `cfg` asks for, once every model it reads is known to exist: a SoTeacher student's encoder
+    is read after the teachers have trained, so a missing one would otherwise fail minutes in, after
+    the run directory was made."""
+    for key, path in model_sources(cfg):
+        check_source(path, key)
     if cfg.soteacher.enabled:
         return run_soteacher
     if cfg.tgt.enabled:

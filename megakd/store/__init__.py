@@ -9,6 +9,6 @@
 """
 
 from megakd.store.files import StoreError
-from megakd.store.load import StoredModels, check_same_tokenizer, freeze, load_model
+from megakd.store.load import StoredModels, check_same_tokenizer, check_source, freeze, load_model
 
-__all__ = ["StoreError", "StoredModels", "check_same_tokenizer", "freeze", "load_model"]
+__all__ = ["StoreError", "StoredModels", "check_same_tokenizer", "check_source", "freeze", "load_model"]

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from torch import nn
 
+from megakd.config import Config, ConfigError, load_config
 from megakd.data.tokenizer import Tokenizer
 from megakd.store.checkpoint_models import load_checkpoint, resolve_checkpoint
 from megakd.store.files import StoreError
@@ -26,6 +27,7 @@ from megakd.store.model_dir import (
     read_model_dir_info,
 )
 
+RECIPES = Path(__file__).resolve().parents[2] / "configs"  # the source tree's recipes (none in a wheel install)
 KIND_NAMES = {"masked_lm": "a masked LM (BERT-MLM or ELECTRA generator)", "discriminator": "an ELECTRA discriminator",
               "encoder": "an encoder", "classifier": "a fine-tuned classifier"}
 
@@ -66,13 +68,41 @@ class StoredModels:
         return f"{self.role}={self.source}" if self.role else str(self.source)
 
 
+def writer_of(path: Path) -> str:
+    """The command that writes `path`: a recipe in configs/ whose run.dir holds it, or `megakd finetune` for
+    a `<run.dir>/seed_<s>/model`; "" if neither. A missing encoder is usually a run not made yet, so the
+    error names how to make it."""
+    target, found = path.resolve(), []
+    for recipe in sorted(RECIPES.glob("*.yaml")):
+        try:
+            cfg = load_config(recipe, cls=Config)
+        except ConfigError:  # a fine-tuning recipe
+            continue
+        run_dir = Path(cfg.run.dir).resolve()
+        if run_dir == target or run_dir in target.parents:
+            shown = recipe.relative_to(Path.cwd()) if recipe.is_relative_to(Path.cwd()) else recipe
+            found.append((len(run_dir.parts), f"megakd {'distill' if cfg.distill.teacher else 'pretrain'} -c {shown}"))
+    if found:
+        return max(found)[1]
+    if path.name == "model" and path.parent.name.startswith("seed_"):
+        return f"megakd finetune -c CONFIG run.dir={path.parent.parent}"
+    return ""
+
+
+def check_source(src: str | Path, role: str = "") -> Path:
+    """`src` as a Path if it is a directory; otherwise a one-line error naming `role`, `src` and what writes it."""
+    src = Path(src)
+    if not src.is_dir():
+        command = writer_of(src)
+        raise StoreError(f"{role + '=' if role else ''}{src}: no such directory (expected a megakd run, checkpoint, "
+                         "model directory, fine-tuned classifier or HF BERT/ELECTRA directory)"
+                         + (f"; `{command}` writes it" if command else ""))
+    return src
+
+
 def load_model(src: str | Path, role: str = "") -> StoredModels:
     """Every model stored at `src` (see the module docstring); `role` prefixes errors (e.g. "distill.teacher")."""
-    src = Path(src)
-    prefix = f"{role}={src}" if role else str(src)
-    if not src.is_dir():
-        raise StoreError(f"{prefix}: no such directory (expected a megakd run, checkpoint, model directory, "
-                         "fine-tuned classifier or HF BERT/ELECTRA directory)")
+    src = check_source(src, role)
     try:
         if (src / CLASSIFIER_FILE).is_file():
             model, tokenizer = load_classifier(src)

@@ -125,3 +125,36 @@ def test_inputs_longer_than_the_position_table_are_truncated_once(tiny_data, tmp
     assert warnings == ["finetune.max_seq_len=256 exceeds the model's max_position_embeddings=16: inputs are "
                         "truncated to 16 tokens"]
     assert json.loads((run / "summary.json").read_text())["metrics"]["accuracy"]["values"]
+
+
+@pytest.mark.parametrize("recipe", ["soteacher-rt.yaml", "tgt-rt.yaml"])
+def test_recipe_without_its_encoder_names_the_command_that_makes_it(recipe, tmp_path, monkeypatch, capsys):
+    """SoTeacher and TGT start from bert-mini-long (the smoke demo's encoder fine-tunes below random init);
+    before it exists they stop at once, in one line naming the directory and the command that writes it,
+    and make no run directory."""
+    long = load_config(ROOT / "configs" / "bert-mini-long.yaml")
+    assert load_config(ROOT / "configs" / recipe, cls=FinetuneConfig).model.path == long.run.dir
+    monkeypatch.chdir(tmp_path)  # the recipes' relative runs/ paths then never meet a run made in the checkout
+    run = tmp_path / "run"
+    assert main(["finetune", "-c", str(ROOT / "configs" / recipe), f"run.dir={run}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith(f"megakd: error: model.path={long.run.dir}: no such directory")
+    assert err.endswith(f"; `megakd pretrain -c {ROOT / 'configs' / 'bert-mini-long.yaml'}` writes it")
+    assert not run.exists()
+
+
+@pytest.mark.parametrize("recipe, present, missing, writer", [
+    ("soteacher-rt.yaml", ["model.path"], "soteacher.student.path=runs/bert-mini-long", "megakd pretrain -c"),
+    ("tgt-rt.yaml", ["model.path", "tgt.generator"], "tgt.labeler=runs/rt-labeler/seed_0/model",
+     "megakd finetune -c CONFIG run.dir=runs/rt-labeler"),
+])
+def test_every_model_a_job_reads_is_checked_before_it_starts(recipe, present, missing, writer, tmp_path, monkeypatch,
+                                                             capsys):
+    """The SoTeacher student's encoder is read only after the teachers trained; it is checked first all the same."""
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "run"
+    assert main(["finetune", "-c", str(ROOT / "configs" / recipe), f"run.dir={run}",
+                 *(f"{key}={tmp_path}" for key in present)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"megakd: error: {missing}: no such directory") and f"`{writer}" in err
+    assert not run.exists()

@@ -1,4 +1,4 @@
-"""TGT: random-mode generation, gradient-mode ascent, the §6.2 objective, and a tiny CLI run."""
+"""TGT: random-mode generation, gradient-mode ascent, the objective of docs/methods.md § TGT, and a tiny CLI run."""
 
 from __future__ import annotations
 

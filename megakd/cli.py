@@ -337,8 +337,15 @@ def _relative(path: Path) -> Path:
 
 
 def emit(text: str) -> None:
-    """The CLI's table output (bench, plan): plain stdout, so it can be piped or saved."""
-    print(text, flush=True)
+    """The CLI's table output (bench, plan, config): plain stdout, so it can be piped or saved.
+
+    A reader that stops early (`| head`) closes the pipe: that ends the output, not with a traceback.
+    """
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        # Point stdout at devnull so the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def _bytes_arg(text: str) -> int:

@@ -128,3 +128,17 @@ def test_recipes_lists_every_config_with_its_command_and_a_description(capsys):
     for path, (command, description) in rows.items():
         assert len(description) > 10, path
         load_config(REPO / path, cls=FinetuneConfig if command == "finetune" else Config)  # each validates
+
+
+def test_a_reader_that_stops_early_ends_the_output_without_a_traceback():
+    """`megakd config keys | head -1`: the closed pipe ends the listing quietly, exit 0."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "megakd.cli", "config", "keys"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=REPO)
+    first = proc.stdout.readline()
+    proc.stdout.close()  # the reader goes away after one line, as `head -1` does
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 0 and first, stderr
+    assert "Traceback" not in stderr and "BrokenPipe" not in stderr, stderr

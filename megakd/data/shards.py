@@ -48,6 +48,11 @@ MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "megakd-shards"
 MANIFEST_VERSION = 1
 _TASK_CHARS = 1 << 20  # documents are sent to workers in batches of about this many characters
+# The writer's smallest possible shard: each sample is a tar header block plus at least one data
+# block (the .npy header alone is 10+ bytes), and the archive ends with two zero blocks. Counts
+# above what the bytes can hold are refused, so no reader sizes anything by an impossible count.
+_MIN_SAMPLE_BYTES = 2 * tarfile.BLOCKSIZE
+_END_OF_ARCHIVE = 2 * tarfile.BLOCKSIZE
 
 
 def shard_name(i: int) -> str:
@@ -338,9 +343,11 @@ def write_shards(
 
 
 def read_manifest(shards_dir: str | Path) -> dict:
-    """Read and validate ``manifest.json``; errors name the file, the entry and the problem.
+    """Read and validate ``manifest.json``; errors name the file, the entry and the problem (values cut
+    to 100 characters).
 
-    Besides the layout (format, keys, sample counts), every shard entry must name a file inside
+    Besides the layout (format, keys and their types, a non-empty shard list, integer sample counts
+    that the shard sizes can hold), every shard entry must name a file inside
     ``shards_dir`` (no absolute path, no ``..``, no symlink leading out) and carry a real sha256:
     the loader checks each shard against it, so an all-zero or malformed digest is refused here.
     """
@@ -361,16 +368,25 @@ def read_manifest(shards_dir: str | Path) -> dict:
         if key not in m:
             raise UserError(f"{path}: missing key {key!r}")
     if not _is_int(m["seq_len"]) or m["seq_len"] < 3:
-        raise UserError(f"{path}: seq_len={m['seq_len']!r}, expected an integer >= 3")
+        raise UserError(f"{path}: seq_len={m['seq_len']!r:.100}, expected an integer >= 3")
     if m["dtype"] not in ("uint16", "uint32"):
-        raise UserError(f"{path}: dtype={m['dtype']!r}, expected 'uint16' or 'uint32'")
-    if not isinstance(m["shards"], list):
-        raise UserError(f"{path}: shards must be a list of entries")
+        raise UserError(f"{path}: dtype={m['dtype']!r:.100}, expected 'uint16' or 'uint32'")
+    if not isinstance(m["tokenizer"], dict) or not isinstance(m["tokenizer"].get("vocab_hash"), str):
+        raise UserError(f"{path}: tokenizer={m['tokenizer']!r:.100}, expected a mapping with a 'vocab_hash' string")
+    if not _is_int(m["num_samples"]) or m["num_samples"] < 1:
+        raise UserError(f"{path}: num_samples={m['num_samples']!r:.100}, expected an integer >= 1")
+    if not isinstance(m["shards"], list) or not m["shards"]:
+        raise UserError(f"{path}: shards={m['shards']!r:.100}, expected a non-empty list of entries")
     first = 0
     for s in m["shards"]:
         _check_shard_entry(path, s)
-        if s.get("first_index") != first or not _is_int(s.get("samples")) or s["samples"] < 1:
+        if not _is_int(s.get("first_index")) or s["first_index"] != first or not _is_int(s.get("samples")) \
+                or s["samples"] < 1:
             raise UserError(f"{path}: shard entry {s.get('file')!r} has inconsistent first_index/samples")
+        if s["samples"] > (s["bytes"] - _END_OF_ARCHIVE) // _MIN_SAMPLE_BYTES:
+            raise UserError(f"{path}: shard {s['file']!r} has samples={s['samples']}, more than its "
+                            f"bytes={s['bytes']} can hold (at most (bytes - {_END_OF_ARCHIVE}) // "
+                            f"{_MIN_SAMPLE_BYTES})")
         first += s["samples"]
     if first != m["num_samples"]:
         raise UserError(f"{path}: shard sample counts sum to {first}, num_samples says {m['num_samples']}")

@@ -39,6 +39,7 @@ import json
 import logging
 import multiprocessing
 import signal
+import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +48,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
-from webdataset.tariterators import base_plus_ext, tar_file_iterator
+from webdataset.tariterators import base_plus_ext
 
 from megakd.data.masking import collate
 from megakd.data.shards import MANIFEST, read_manifest, sample_key
@@ -133,46 +134,72 @@ class _HashingReader:
             pass
 
 
+def _plain_members(path: Path, stream: tarfile.TarFile, limit: int) -> Iterator[tuple[str, bytes]]:
+    """(name, data) of each member, refusing before its data is read anything the shard writer never
+    writes: a sparse, linked or special member, or one declaring more than ``limit`` bytes (a member
+    cannot be larger than the shard holding it, so a bigger declared size is never allocated)."""
+    for info in stream:
+        if info.type not in (tarfile.REGTYPE, tarfile.AREGTYPE) or info.issparse():
+            kind = "sparse" if info.issparse() else f"type {info.type!r}"
+            raise ShardError(f"shard {path}: member {info.name!r} is {kind}, expected a plain regular file")
+        if info.size > limit:
+            raise ShardError(f"shard {path}: member {info.name!r} declares {info.size} bytes, more than the "
+                             f"shard's {limit} bytes")
+        data = stream.extractfile(info).read()
+        stream.members = []  # stream mode: keep no list of all members
+        yield info.name, data
+
+
 def read_shard(path: Path, entry: dict, dtype: str, *, vocab_size: int | None = None,
                seq_len: int | None = None, verify: bool = True) -> list[np.ndarray]:
     """All samples of one shard in stored order, checked against its manifest entry.
 
     The file is hashed while it is parsed and its sha256 compared with the manifest's at the end
     (``ShardError``); the whole shard is read before any of its samples is returned, so a shard
-    that fails the check never contributes a sample. Then every sample must have at most
-    ``seq_len`` tokens and ids in ``[0, vocab_size)`` (``BadSampleError``). ``verify=False`` skips
-    the sha256 and range checks; it exists only to measure their cost (``tools/bench_data.py``).
+    that fails the check never contributes a sample. Only an uncompressed tar of plain regular
+    members is read (``r|``: a compressed or sparse member could expand far beyond the file), and no
+    member larger than the shard is allocated. A shard that fails to parse is still hashed to its
+    end: if its bytes differ from the manifest's, the sha256 mismatch is the error named first (what
+    parsing found follows it). Then every sample must have at most ``seq_len`` tokens and ids in
+    ``[0, vocab_size)`` (``BadSampleError``). ``verify=False`` skips the sha256 and range checks; it
+    exists only to measure their cost (``tools/bench_data.py``).
     """
     if problem := shard_problem(path, entry):
         raise ShardError(problem)
     out: list[np.ndarray] = []
     headers: dict[bytes, tuple[np.dtype, tuple[int, ...]]] = {}
     first = entry["first_index"]
-    try:
-        with open(path, "rb") as f:
-            reader = _HashingReader(f)
-            for member in tar_file_iterator(reader):
-                expected = sample_key(first + len(out))
-                key, field = base_plus_ext(member["fname"])
-                if key != expected or field != "ids.npy":
-                    raise ShardError(f"shard {path}: member {len(out)} is {member['fname']!r}, "
-                                     f"expected {expected}.ids.npy")
-                arr = _decode_npy(member["data"], headers)
-                if arr.dtype != dtype or arr.ndim != 1:
-                    raise ShardError(f"shard {path}: sample {expected} is {arr.dtype}{list(arr.shape)}, expected 1-D {dtype}")
-                out.append(arr)
-            if verify:
-                reader.drain()
-    except ShardError:
-        raise
-    except Exception as e:  # tarfile/numpy raise many types for corrupt bytes
-        raise ShardError(f"shard {path}: unreadable after {len(out)} samples ({type(e).__name__}: {e})") from e
+    failure: ShardError | None = None
+    with open(path, "rb") as f:
+        reader = _HashingReader(f)
+        try:
+            with tarfile.open(fileobj=reader, mode="r|") as stream:
+                for name, data in _plain_members(path, stream, entry["bytes"]):
+                    expected = sample_key(first + len(out))
+                    key, field = base_plus_ext(name)
+                    if key != expected or field != "ids.npy":
+                        raise ShardError(f"shard {path}: member {len(out)} is {name!r}, expected {expected}.ids.npy")
+                    arr = _decode_npy(data, headers)
+                    if arr.dtype != dtype or arr.ndim != 1:
+                        raise ShardError(f"shard {path}: sample {expected} is {arr.dtype}{list(arr.shape)}, "
+                                         f"expected 1-D {dtype}")
+                    out.append(arr)
+        except ShardError as e:
+            failure = e
+        except Exception as e:  # tarfile/numpy raise many types for corrupt bytes
+            failure = ShardError(f"shard {path}: unreadable after {len(out)} samples ({type(e).__name__}: {e}); "
+                                 f"expected an uncompressed tar")
+        if verify or failure is not None:
+            reader.drain()
+            if reader.size != entry["bytes"] or reader.digest.hexdigest() != entry["sha256"]:
+                found = "" if failure is None else "; reading it: " + str(failure).removeprefix(f"shard {path}: ")
+                raise ShardError(f"shard {path}: sha256 {reader.digest.hexdigest()} differs from {MANIFEST}'s "
+                                 f"{entry['sha256']} (corrupted or replaced){found}")
+    if failure is not None:
+        raise failure
     if len(out) != entry["samples"]:
         raise ShardError(f"shard {path}: holds {len(out)} samples, {MANIFEST} says {entry['samples']}")
     if verify:
-        if reader.size != entry["bytes"] or reader.digest.hexdigest() != entry["sha256"]:
-            raise ShardError(f"shard {path}: sha256 {reader.digest.hexdigest()} differs from {MANIFEST}'s "
-                             f"{entry['sha256']} (corrupted or replaced)")
         _check_samples(path, out, first, vocab_size, seq_len)
     return out
 

@@ -106,7 +106,7 @@ def write_manifest(directory: Path, step: int) -> None:
 
 
 def verify(directory: Path) -> None:
-    """Raise StoreError naming the first file that is missing, resized or changed since the save."""
+    """Raise StoreError naming the first file that is missing, resized, changed or added since the save."""
     file = directory / MANIFEST
     try:
         manifest = json.loads(file.read_text())
@@ -117,6 +117,13 @@ def verify(directory: Path) -> None:
         raise StoreError(f"{file}: missing (the checkpoint is incomplete or predates manifests)") from None
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
         raise StoreError(f"{file}: unreadable manifest ({err})") from None
+    # Readers find files by name or glob (weights, trainer_state_rank*.pt): a file the save did not
+    # write must not be read as part of the checkpoint.
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        rel = path.relative_to(directory).as_posix()
+        if rel != MANIFEST and rel not in files:
+            raise StoreError(f"{path}: not listed in {file} (added after the save; a checkpoint holds only the "
+                             f"files its manifest lists)")
     for rel, entry in files.items():
         path = directory / rel
         if not path.is_file():

@@ -14,16 +14,24 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from torch import Tensor, nn
 
 from megakd.config import Config, ConfigError, load_config
 from megakd.models.electra import Discriminator, ElectraPair, MaskedLM
 from megakd.store.checkpoint import DEEPSPEED_TAG, MANIFEST, list_checkpoints, newest_intact, verify
-from megakd.store.files import StoreError, deepspeed_safe_loading, first_line, load_state, load_weights
+from megakd.store.files import (
+    StoreError,
+    deepspeed_safe_loading,
+    first_line,
+    load_state,
+    load_weights,
+    weight_shapes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -169,6 +177,29 @@ def load_state_checked(model: nn.Module, sd: Mapping[str, Tensor], source: str, 
     model.load_state_dict(sd, strict=True)
 
 
+def check_weight_shapes(build: Callable[[], nn.Module], weights: Path, config_key: str) -> None:
+    """Refuse a weights file whose header disagrees with the model `build()` makes, before it is made.
+
+    The model is built on the meta device (no memory), so a config implying a huge model (a mistyped
+    vocab_size) is refused on its shapes instead of allocating gigabytes. Tied parameters (one
+    object under several keys) need only one of their keys in the file, as in `load_state_checked`.
+    """
+    with torch.device("meta"):
+        expected = build().state_dict(keep_vars=True)
+    stored = weight_shapes(weights)
+    tied: dict[int, list[str]] = {}
+    for key, tensor in expected.items():
+        tied.setdefault(id(tensor), []).append(key)
+    for keys in tied.values():
+        present = [k for k in keys if k in stored]
+        if not present:
+            raise StoreError(f"{weights}: no weights for {keys[0]!r} (expected by {config_key})")
+        for key in present:
+            if stored[key] != tuple(expected[key].shape):
+                raise StoreError(f"{weights}: {key!r} has shape {list(stored[key])} but {config_key} "
+                                 f"expects {list(expected[key].shape)}")
+
+
 def load_checkpoint(step_dir: str | Path) -> CheckpointModels:
     """Rebuild the models described by `config.yaml` and load the unit weights into them."""
     step_dir = Path(step_dir)
@@ -179,15 +210,24 @@ def load_checkpoint(step_dir: str | Path) -> CheckpointModels:
         cfg = load_config(config_file)
     except ConfigError as err:
         raise StoreError(str(err)) from None
-    models: dict[str, nn.Module] = {"generator": MaskedLM(cfg.model.generator)}
+    builders: dict[str, Callable[[], nn.Module]] = {"generator": lambda: MaskedLM(cfg.model.generator)}
     if "discriminator" in cfg.model.built_models():
-        models["discriminator"] = Discriminator(cfg.model.discriminator)
-    if len(models) == 2 and has_unit_state(step_dir, JOINT_UNIT):
+        builders["discriminator"] = lambda: Discriminator(cfg.model.discriminator)
+    if len(builders) == 2 and has_unit_state(step_dir, JOINT_UNIT):
+        units = {JOINT_UNIT: (lambda: ElectraPair(*(b() for b in builders.values()), share_embeddings=True),
+                              f"{config_file} (model.generator / model.discriminator)")}
+    else:
+        units = {name: (build, f"{config_file} (model.{name})") for name, build in builders.items()}
+    for unit, (build, config_key) in units.items():
+        if (weights := step_dir / f"{unit}{WEIGHTS_SUFFIX}").is_file():
+            check_weight_shapes(build, weights, config_key)
+    models = {name: build() for name, build in builders.items()}
+    if JOINT_UNIT in units:
         pair = ElectraPair(models["generator"], models["discriminator"], share_embeddings=True)
-        _load_unit(step_dir, JOINT_UNIT, pair, f"{config_file} (model.generator / model.discriminator)")
+        _load_unit(step_dir, JOINT_UNIT, pair, units[JOINT_UNIT][1])
     else:
         for name, model in models.items():
-            _load_unit(step_dir, name, model, f"{config_file} (model.{name})")
+            _load_unit(step_dir, name, model, units[name][1])
     generator, discriminator = models["generator"], models.get("discriminator")
     tokenizer_dir = step_dir / "tokenizer"
     for model in (generator, discriminator):

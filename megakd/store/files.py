@@ -73,6 +73,20 @@ def save_weights(state_dict: Mapping[str, Tensor], path: str | Path) -> None:
     save_file(out, str(path), metadata={"format": "pt", ALIASES: json.dumps(aliases)})
 
 
+def weight_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """Key → shape of a safetensors file (aliases of `save_weights` included), from its header only:
+    no tensor data is read, so shapes can be checked before anything the size of the model exists."""
+    path = Path(path)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            shapes = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+            aliases = json.loads((f.metadata() or {}).get(ALIASES, "{}"))
+    except Exception as err:
+        raise StoreError(f"{path}: cannot read as safetensors ({first_line(err)[:200]})") from None
+    shapes.update({alias: shapes[key] for alias, key in aliases.items() if key in shapes})
+    return shapes
+
+
 def load_weights(path: str | Path, device: str | torch.device = "cpu") -> dict[str, Tensor]:
     path = Path(path)
     if not path.is_file():

@@ -46,7 +46,7 @@ from megakd.data.tokenizer import Tokenizer, copy_tokenizer
 from megakd.fsutil import atomic_output_dir
 from megakd.models.electra import Discriminator, MaskedLM, SequenceClassifier
 from megakd.models.encoder import COMPUTE_FIELDS, Encoder, EncoderConfig
-from megakd.store.checkpoint_models import load_state_checked
+from megakd.store.checkpoint_models import check_weight_shapes, load_state_checked
 from megakd.store.files import StoreError, first_line
 
 log = logging.getLogger(__name__)
@@ -138,10 +138,11 @@ def load_model_dir(path: str | Path) -> tuple[str, nn.Module]:
     """(kind, model) from a megakd model directory; the model is in eval mode (call .train() to fine-tune)."""
     info = read_model_dir_info(path)
     kind = info["kind"]
-    model = MODEL_KINDS[kind](info["encoder_config"])
     weights = Path(path) / WEIGHTS_FILE
     if not weights.is_file():
         raise StoreError(f"{weights}: missing")
+    check_weight_shapes(lambda: MODEL_KINDS[kind](info["encoder_config"]), weights, str(Path(path) / MODEL_FILE))
+    model = MODEL_KINDS[kind](info["encoder_config"])
     try:
         load_model(model, str(weights), strict=True)
     except Exception as err:  # mismatched keys, or not a safetensors file at all
@@ -263,6 +264,7 @@ def _read_megakd_export(src: Path, architecture: str, raw: dict) -> HFModel:
         sd = load_file(str(weights))
     except Exception as err:  # not a safetensors file, truncated, or a corrupt header
         raise StoreError(f"{weights}: not a readable safetensors file ({first_line(err)[:200]})") from None
+    check_weight_shapes(lambda: MODEL_KINDS[kind](config), weights, str(config_file))
     model = MODEL_KINDS[kind](config)
     load_state_checked(model, sd, str(weights), str(config_file))
     source = {"path": str(src.resolve()), "architecture": architecture, "model_type": raw.get("model_type")}
@@ -296,8 +298,13 @@ def load_classifier(path: str | Path) -> tuple[SequenceClassifier, Tokenizer]:
         config = EncoderConfig(**info["encoder"]).validate()
     except (TypeError, ValueError, KeyError) as err:
         raise StoreError(f"{file}: encoder: {err}") from None
-    model = SequenceClassifier(config, int(info["num_labels"]))
     weights = path / WEIGHTS_FILE
+    try:
+        check_weight_shapes(lambda: SequenceClassifier(config, int(info["num_labels"])), weights, str(file))
+    except StoreError as err:
+        raise StoreError(f"{weights}: cannot load as this classifier's safetensors "
+                         f"({str(err).removeprefix(f'{weights}: ')})") from None
+    model = SequenceClassifier(config, int(info["num_labels"]))
     try:
         load_model(model, str(weights), strict=True)
     except Exception as err:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -50,3 +51,20 @@ def megakd(*args: str, env: dict[str, str] | None = None, timeout: float = 600,
     proc = subprocess.run([sys.executable, "-m", "megakd.cli", *args], cwd=cwd, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
     return Outcome(proc.returncode, proc.stdout, proc.stderr)
+
+
+# Runs the command as its own child and reports that child's peak resident memory (the child's
+# waited-for descendants included) on its last stdout line, so earlier children of pytest do not count.
+_PEAK_WRAPPER = ("import resource, subprocess, sys; code = subprocess.call(sys.argv[1:]); "
+                 "print('\\npeak_kib=%d' % resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, flush=True); "
+                 "sys.exit(code)")
+
+
+def megakd_peak(*args: str, env: dict[str, str] | None = None, timeout: float = 600) -> tuple[Outcome, int]:
+    """`megakd(*args)` and the command's peak resident memory in bytes."""
+    full_env = {**os.environ, **(env or {})}
+    proc = subprocess.run([sys.executable, "-c", _PEAK_WRAPPER, sys.executable, "-m", "megakd.cli", *args],
+                          cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    found = re.search(r"\npeak_kib=(\d+)\n$", proc.stdout)
+    assert found, proc.stdout[-500:]
+    return Outcome(proc.returncode, proc.stdout[: found.start()], proc.stderr), int(found.group(1)) * 1024

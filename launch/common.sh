@@ -5,6 +5,14 @@
 # "kill the workers", and SIGUSR1 would end them outright), so the scripts run the launcher in
 # the background, catch the signal, and pass SIGUSR1 to the training processes only.
 
+# `python -m megakd.cli` would put the current directory first on sys.path, so a yaml.py (or any
+# module name megakd imports) lying there would run in every rank. PYTHONSAFEPATH (Python >= 3.11,
+# the environment form of `python -P`) keeps it off; unlike `python -I` it still honours PYTHONPATH
+# and the user site, and being an environment variable it reaches the ranks that torchrun and the
+# deepspeed launcher start (DeepSpeed's multi-node runner exports PYTHON* variables to every node).
+# megakd itself is found through its install (`pip install -e .`), not through the directory.
+export PYTHONSAFEPATH=1
+
 # Print the pids DEPTH levels below PID (1 = children).
 descendants_at() {
     local depth=$1 pids=$2 next child
@@ -50,6 +58,21 @@ is_command_word() {
 # free_port: a TCP port the OS reports free on this machine right now.
 free_port() {
     python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+# require_shell_safe WHAT ARG...: exit 2 naming the first ARG with a character outside
+# [A-Za-z0-9_@%+=:,./-]. DeepSpeed's multi-node (pdsh) runner joins the command line into one shell
+# string run on every node, so such an argument would be split, or its $(...) run, there.
+require_shell_safe() {
+    local what=$1 arg
+    shift
+    for arg in "$@"; do
+        if [[ "$arg" =~ [^A-Za-z0-9_@%+=:,./-] ]]; then
+            echo "launch: error: $what ${arg@Q}: expected only letters, digits and _@%+=:,./- (DeepSpeed's" \
+                 "multi-node launcher runs the command line through a shell on every node)" >&2
+            exit 2
+        fi
+    done
 }
 
 # takes_backend COMMAND: whether COMMAND reads backend.name (commands that train).

@@ -2,9 +2,9 @@
 # One rank of a Slurm job (started by `srun` in slurm.sbatch): derives the rendezvous and runs
 # `megakd COMMAND "$@"` (COMMAND: pretrain when the arguments start with an option, as before).
 # megakd reads its rank, world size and local rank from SLURM_PROCID, SLURM_NTASKS and
-# SLURM_LOCALID; this script adds MASTER_ADDR (the job's first node), a MASTER_PORT derived from
-# the job id (so two jobs sharing a node do not collide) and one OpenMP thread per allocated CPU.
-# Values already in the environment win.
+# SLURM_LOCALID; this script adds MASTER_ADDR (the job's first node), a MASTER_PORT (slurm.sbatch
+# sets a free one; under a bare srun it is derived from the job id) and one OpenMP thread per
+# allocated CPU. Values already in the environment win.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 . "$here/common.sh"

@@ -15,6 +15,7 @@ import functools
 import inspect
 import keyword
 import math
+import reprlib
 import tokenize
 import types
 import typing
@@ -35,6 +36,41 @@ JOINT_CLIPS = ("weighted", "unweighted")
 
 class ConfigError(UserError):
     """A config file or override is invalid; the message names the key."""
+
+
+SHOWN_CHARS = 200
+_shown = reprlib.Repr()
+_shown.maxstring = _shown.maxother = _shown.maxlong = SHOWN_CHARS
+_shown.maxlist = _shown.maxtuple = _shown.maxdict = 8
+_shown.maxlevel = 3
+
+
+def shown(value: Any) -> str:
+    """`repr(value)` for an error message, at most ~SHOWN_CHARS characters: a 1 MB string or a deeply
+    shared YAML structure would otherwise make the one-line message megabytes (or gigabytes) long."""
+    text = _shown.repr(value)
+    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS - 3] + "..."
+
+
+# Seeds feed numpy's legacy seeding (np.random.seed takes [0, 2**32)), and the derived per-rank
+# seeds (seed * 1_000_003 + rank, megakd/engine/pretrain.py) must stay inside torch.manual_seed's
+# 64-bit range. Step counts, batch sizes and intervals beyond 2**31 are typos, and some end up in
+# 32-bit tensors.
+SEED_LIMIT = 2**32
+COUNT_LIMIT = 2**31
+
+
+def check_seed(key: str, value: int) -> None:
+    if not 0 <= value < SEED_LIMIT:
+        raise ConfigError(f"{key}: expected a seed in [0, 2**32), got {value}")
+
+
+def check_count(key: str, value: int) -> None:
+    """`value` in [1, 2**31); the message for a value below 1 is the one these keys always had."""
+    if value < 1:
+        raise ConfigError(f"{key}: expected a positive integer, got {value}")
+    if value >= COUNT_LIMIT:
+        raise ConfigError(f"{key}: expected an integer below 2**31, got {value}")
 
 
 @dataclass
@@ -269,7 +305,8 @@ class Config:
         self._validate_distill()
         self._validate_init()
         if self.data.vocab_size != "auto" and (isinstance(self.data.vocab_size, str) or self.data.vocab_size < 1):
-            raise ConfigError(f"data.vocab_size: expected a positive integer or auto, got {self.data.vocab_size!r}")
+            raise ConfigError(f"data.vocab_size: expected a positive integer or auto, "
+                              f"got {shown(self.data.vocab_size)}")
         if self.backend.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"backend.zero_stage: expected 0, 1, 2 or 3, got {self.backend.zero_stage}")
         for key, value in (
@@ -279,9 +316,22 @@ class Config:
             ("train.log_every", self.train.log_every),
             ("train.max_bad_steps", self.train.max_bad_steps),
             ("backend.pipeline_stages", self.backend.pipeline_stages),
+            ("data.shuffle_shards", self.data.shuffle_shards),
         ):
-            if value < 1:
-                raise ConfigError(f"{key}: expected a positive integer, got {value}")
+            check_count(key, value)
+        for key, value in (
+            ("train.save_every", self.train.save_every),
+            ("train.eval_every", self.train.eval_every),
+            ("train.eval_samples", self.train.eval_samples),
+            ("train.probe_every", self.train.probe_every),
+            ("data.num_workers", self.data.num_workers),
+            ("optim.schedule.warmup_steps", self.optim.schedule.warmup_steps),
+            ("electra.sampling_anneal_steps", self.electra.sampling_anneal_steps),
+            ("run.keep_last", self.run.keep_last),
+        ):
+            if value >= COUNT_LIMIT:
+                raise ConfigError(f"{key}: expected an integer below 2**31, got {value}")
+        check_seed("train.seed", self.train.seed)
         if self.train.probe_every < 0:
             raise ConfigError(f"train.probe_every: expected >= 0 (0 = off), got {self.train.probe_every}")
         if self.train.probe_every:
@@ -291,10 +341,9 @@ class Config:
             for key in ("probe_fit_examples", "probe_eval_examples", "probe_max_seq_len"):
                 if getattr(self.train, key) < (3 if key == "probe_max_seq_len" else 1):
                     raise ConfigError(f"train.{key}: expected a positive integer, got {getattr(self.train, key)}")
+                check_count(f"train.{key}", getattr(self.train, key))
         if not 0.0 < self.data.mask_prob < 1.0:
             raise ConfigError(f"data.mask_prob: expected a value in (0, 1), got {self.data.mask_prob}")
-        if self.data.shuffle_shards < 1:
-            raise ConfigError(f"data.shuffle_shards: expected a positive integer, got {self.data.shuffle_shards}")
         if self.electra.loss_weight <= 0:
             raise ConfigError(f"electra.loss_weight: expected > 0, got {self.electra.loss_weight}")
         for key in ("sampling_temperature", "sampling_temperature_end"):
@@ -424,7 +473,7 @@ def resolve_vocab_sizes(cfg: Config, tokenizer_size: int, tokenizer_name: str, p
 
 def check_choice(key: str, value: Any, choices: tuple) -> None:
     if value not in choices:
-        raise ConfigError(f"{key}: expected one of {', '.join(map(str, choices))}, got {value!r}")
+        raise ConfigError(f"{key}: expected one of {', '.join(map(str, choices))}, got {shown(value)}")
 
 
 def check_literals(obj: Any, prefix: str = "") -> None:
@@ -463,51 +512,61 @@ def _coerce(value: Any, tp: Any, key: str, default: Any = None) -> Any:
                 return _coerce(value, arg, key, default)
             except ConfigError as err:
                 errors.append(str(err))
-        raise ConfigError(errors[0] if errors else f"{key}: unexpected value {value!r}")
+        raise ConfigError(errors[0] if errors else f"{key}: unexpected value {shown(value)}")
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+            raise ConfigError(f"{key}: expected a mapping, got {shown(value)}")
         return _build(tp, value, key, default if isinstance(default, tp) else None)
     if origin is tuple:
         args = typing.get_args(tp)
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
-            raise ConfigError(f"{key}: expected a list of {len(args)} values, got {value!r}")
+            raise ConfigError(f"{key}: expected a list of {len(args)} values, got {shown(value)}")
         return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
     if origin is list:
         (arg,) = typing.get_args(tp)
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key}: expected a list, got {value!r}")
+            raise ConfigError(f"{key}: expected a list, got {shown(value)}")
         return [_coerce(v, arg, f"{key}[{i}]") for i, v in enumerate(value)]
     if tp is bool:
         if isinstance(value, bool):
             return value
-        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        raise ConfigError(f"{key}: expected true or false, got {shown(value)}")
     if tp is int:
+        number = None
         if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+            number = value
+        elif isinstance(value, float) and value.is_integer():
+            number = int(value)
+        if number is None:
+            raise ConfigError(f"{key}: expected an integer, got {shown(value)}")
+        # Every integer key is used as a 64-bit value somewhere (seeds, tensor sizes, counters); a
+        # larger one would only fail later as an OverflowError deep inside torch or numpy.
+        if not -2**63 <= number < 2**63:
+            raise ConfigError(f"{key}: expected a 64-bit integer, got {shown(value)}")
+        return number
     if tp is float:
         number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            number = float(value)
+            try:
+                number = float(value)
+            except OverflowError:  # an integer beyond the float range: as good as inf
+                number = math.inf
         elif isinstance(value, str):  # YAML 1.1 reads "1e-4" as a string
             try:
                 number = float(value)
             except ValueError:
                 pass
         if number is None:
-            raise ConfigError(f"{key}: expected a number, got {value!r}")
+            raise ConfigError(f"{key}: expected a number, got {shown(value)}")
         # No key means anything with inf or nan (clip_norm uses 0 for "off"): a non-finite loss
         # weight, LR or temperature would only surface as NaN gradients hours into a run.
         if not math.isfinite(number):
-            raise ConfigError(f"{key}: expected a finite number, got {value!r}")
+            raise ConfigError(f"{key}: expected a finite number, got {shown(value)}")
         return number
     if tp is str:
         if isinstance(value, str):
             return value
-        raise ConfigError(f"{key}: expected a string, got {value!r}")
+        raise ConfigError(f"{key}: expected a string, got {shown(value)}")
     if tp is Any:
         return value
     raise ConfigError(f"{key}: unsupported type {tp}")
@@ -565,12 +624,68 @@ def read_recipe(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     return _merge(merged, data)
 
 
+# Values a config may hold once YAML aliases are expanded. A recipe has a few hundred; anchors and
+# aliases stay allowed (configs/electra-base.yaml shares one model section as `*base`), but a
+# "billion laughs" document of a few hundred bytes would expand to billions.
+MAX_YAML_VALUES = 100_000
+
+
+class _Refused(Exception):
+    """A YAML document megakd will not construct: (line, reason), named by the caller."""
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` with a bound on alias expansion and on integer length, checked before any
+    value is built (the composed node graph shares aliased nodes, so checking it is cheap)."""
+
+    def compose_document(self):
+        node = super().compose_document()
+        _count_values(node, {}, set())
+        return node
+
+    def construct_yaml_int(self, node):
+        try:
+            return super().construct_yaml_int(node)
+        except ValueError:  # Python refuses int() of more than 4300 digits
+            reason = f"an integer of {len(node.value)} characters is too long (expected a config value)"
+            raise _Refused(node.start_mark.line + 1, reason) from None
+
+
+_ConfigLoader.add_constructor("tag:yaml.org,2002:int", _ConfigLoader.construct_yaml_int)
+
+
+def _count_values(node: yaml.Node, sizes: dict[int, int], open_nodes: set[int]) -> int:
+    """How many values `node` expands to, each shared (aliased) node counted at every use."""
+    if id(node) in sizes:
+        return sizes[id(node)]
+    if id(node) in open_nodes:
+        raise _Refused(node.start_mark.line + 1, "a YAML alias refers to a node that contains it")
+    open_nodes.add(id(node))
+    children = node.value if isinstance(node, yaml.SequenceNode) else (
+        [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else [])
+    total = 1 + sum(_count_values(child, sizes, open_nodes) for child in children)
+    if total > MAX_YAML_VALUES:
+        raise _Refused(node.start_mark.line + 1, f"YAML aliases expand this node to more than "
+                       f"{MAX_YAML_VALUES} values (expected a config; share settings with inherit:)")
+    open_nodes.discard(id(node))
+    sizes[id(node)] = total
+    return total
+
+
+def load_yaml(text: str) -> Any:
+    """Parse YAML as `yaml.safe_load` does, within `_ConfigLoader`'s bounds (raises `_Refused`)."""
+    return yaml.load(text, Loader=_ConfigLoader)
+
+
 def read_yaml_file(path: Path) -> Any:
-    """`yaml.safe_load` of a file, with anything unreadable as a one-line `ConfigError` naming it."""
+    """Parse a YAML file with `load_yaml`, with anything unreadable as a one-line `ConfigError` naming it."""
     try:
-        return yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        return load_yaml(path.read_text(encoding="utf-8")) or {}
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not a YAML text file (not UTF-8)") from None
+    except _Refused as err:
+        line, reason = err.args
+        raise ConfigError(f"{path}, line {line}: {reason}") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
 
@@ -578,12 +693,14 @@ def read_yaml_file(path: Path) -> Any:
 def parse_override(text: str) -> dict:
     """`a.b.c=value` → {'a': {'b': {'c': value}}}, the value parsed as YAML (so 1e-4, true, [1, 2] work)."""
     if "=" not in text:
-        raise ConfigError(f"override {text!r}: expected key=value")
+        raise ConfigError(f"override {shown(text)}: expected key=value")
     key, raw = text.split("=", 1)
     if not key or any(not part for part in key.split(".")):
-        raise ConfigError(f"override {text!r}: empty key")
+        raise ConfigError(f"override {shown(text)}: empty key")
     try:
-        value = yaml.safe_load(raw) if raw != "" else ""
+        value = load_yaml(raw) if raw != "" else ""
+    except _Refused as err:
+        raise ConfigError(f"override {key}: {err.args[1]}") from None
     except yaml.YAMLError:
         value = raw
     out: dict = {}

@@ -10,7 +10,17 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from megakd.config import BackendConfig, ConfigError, KernelsConfig, TaskConfig, check_literals
+from megakd.config import (
+    COUNT_LIMIT,
+    BackendConfig,
+    ConfigError,
+    KernelsConfig,
+    TaskConfig,
+    check_count,
+    check_literals,
+    check_seed,
+    shown,
+)
 from megakd.models.encoder import EncoderConfig
 from megakd.objectives.label_reg import TARGETS
 from megakd.objectives.soteacher import CR_SCHEDULES
@@ -156,14 +166,19 @@ class FinetuneConfig:
         return self.task.metric or ("spearman" if self.task.num_labels == 1 else "accuracy")
 
     def validate(self) -> FinetuneConfig:
-        t, f, lr = self.task, self.finetune, self.labelreg
+        t, f, lr, g = self.task, self.finetune, self.labelreg, self.tgt
         check_literals(self)
         t.validate("task")
         if self.model.init == "pretrained" and not self.model.path:
             raise ConfigError("model.path: required with model.init=pretrained (or set model.init=random)")
         for key in ("epochs", "batch_size", "eval_batch_size", "max_seq_len", "log_every"):
-            if getattr(f, key) < 1:
-                raise ConfigError(f"finetune.{key}: expected a positive integer, got {getattr(f, key)}")
+            check_count(f"finetune.{key}", getattr(f, key))
+        for key, value in (("run.save_every", self.run.save_every), ("run.keep_last", self.run.keep_last),
+                           ("labelreg.akd_phase1_epochs", lr.akd_phase1_epochs), ("tgt.steps", g.steps)):
+            if value >= COUNT_LIMIT:
+                raise ConfigError(f"{key}: expected an integer below 2**31, got {value}")
+        for i, seed in enumerate(f.seeds):
+            check_seed(f"finetune.seeds[{i}]", seed)
         if f.max_seq_len < 3:
             raise ConfigError(f"finetune.max_seq_len: expected >= 3 ([CLS] x [SEP]), got {f.max_seq_len}")
         if self.run.save_every < 0 or self.run.keep_last < 1:
@@ -177,7 +192,7 @@ class FinetuneConfig:
         if not 0.0 <= f.dropout < 1.0:
             raise ConfigError(f"finetune.dropout: expected a probability in [0, 1), got {f.dropout}")
         if isinstance(f.lr, str) and f.lr != "auto":
-            raise ConfigError(f"finetune.lr: expected a number, a list of numbers or auto, got {f.lr!r}")
+            raise ConfigError(f"finetune.lr: expected a number, a list of numbers or auto, got {shown(f.lr)}")
         rates = f.lr if isinstance(f.lr, list) else [] if isinstance(f.lr, str) else [f.lr]
         if isinstance(f.lr, list) and (not rates or len(set(rates)) != len(rates)):
             raise ConfigError(f"finetune.lr: expected a non-empty list of distinct rates, got {f.lr}")
@@ -207,7 +222,6 @@ class FinetuneConfig:
             raise ConfigError("soteacher.lambda_lr and soteacher.lambda_cr: expected >= 0")
         if s.enabled and s.distill_student and s.student.init == "pretrained" and not s.student.path:
             raise ConfigError("soteacher.student.path: required with soteacher.student.init=pretrained")
-        g = self.tgt
         if g.enabled and not (g.generator and g.labeler):
             raise ConfigError("tgt.generator and tgt.labeler: both are required with tgt.enabled=true")
         if not 0.0 < g.mask_prob < 1.0:

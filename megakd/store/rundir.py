@@ -15,10 +15,12 @@ At resume the checkpoint's config is compared with the current one key by key (s
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import shutil
 import socket
+import stat
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,7 @@ import yaml
 from megakd.store.files import StoreError
 
 LOCK_FILE = ".lock"
+LOCK_EXPECTED = "expected a regular file (the run directory's lock), remove it"
 HISTORY_DIR = "config_history"
 
 # Keys that only steer the run: how long, how often to log/save/evaluate, where outputs go, and
@@ -58,7 +61,7 @@ class RunDirLock:
     def acquire(self) -> None:
         """Take the lock or raise naming the holder. Nothing is written yet (see `announce`)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = self._open()
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -67,6 +70,26 @@ class RunDirLock:
             raise StoreError(f"{self.path.parent}: in use by another megakd job ({holder}); wait for it to end "
                              "or pick another run.dir") from None
         self._fd = fd
+
+    def _open(self) -> int:
+        """Open (or create) the lock as a regular file inside the run directory, never through a link.
+
+        `announce` truncates and rewrites the file, so a `.lock` that is a symbolic link would have
+        that done to its target outside the run (or create the target of a dangling link); a FIFO
+        or device would hang or misbehave. O_NONBLOCK keeps a FIFO from blocking the open.
+        """
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        try:
+            fd = os.open(self.path, flags, 0o644)
+        except OSError as err:
+            found = {errno.ELOOP: "is a symbolic link", errno.EISDIR: "is a directory"}.get(err.errno)
+            if found is None:
+                raise
+            raise StoreError(f"{self.path}: {found}; {LOCK_EXPECTED}") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise StoreError(f"{self.path}: not a regular file; {LOCK_EXPECTED}")
+        return fd
 
     def announce(self) -> None:
         """Record this process as the holder, once the run has been allowed to start.

@@ -78,7 +78,8 @@ def _remote_config(config: EncoderConfig, architecture: str) -> dict:
 def _save_remote(model: MaskedLM | Discriminator, out: Path) -> str:
     """Write the remote-code directory; returns its architecture."""
     architecture = "MegakdForMaskedLM" if isinstance(model, MaskedLM) else "MegakdForPreTraining"
-    sd = {k: v.detach().contiguous() for k, v in model.state_dict().items() if k != TIED_EMBEDDING}
+    # On the host first, as HF's save_pretrained does for the native classes: the model may live on a GPU.
+    sd = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items() if k != TIED_EMBEDDING}
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(_remote_config(model.config, architecture), indent=2) + "\n")
     for name in ("configuration_megakd.py", "modeling_megakd.py"):

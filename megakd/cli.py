@@ -7,12 +7,14 @@ user input (config keys, files) end the process with a one-line message and exit
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import fnmatch
 import inspect
 import logging
 import os
 import re
+import signal
 import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -83,9 +85,41 @@ def _train(args: argparse.Namespace, run) -> int:
     if cfg.run.export_hf and int(os.environ.get("RANK", "0")) == 0:
         from megakd.convert import export_run
 
-        log.info("exported HuggingFace model to %s", export_run(result.run_dir))
+        try:
+            with _stop_signals_raise():
+                log.info("exported HuggingFace model to %s", export_run(result.run_dir))
+        except _StoppedDuringExport as stop:
+            log.warning("stopped by %s during the HuggingFace export: nothing was exported (the partial export "
+                        "was removed; the checkpoint of step %d is intact); run the same command with --resume "
+                        "auto, or megakd convert to-hf %s %s/hf --force", signal.Signals(stop.signum).name,
+                        result.step, result.run_dir, result.run_dir)
+            return EXIT_INTERRUPTED if stop.signum == signal.SIGINT else 0
     log.info("finished %d steps; run directory %s", result.step, result.run_dir)
     return 0
+
+
+class _StoppedDuringExport(BaseException):
+    """A stop signal arrived during the end-of-run export (a BaseException, as KeyboardInterrupt is, so
+    that no `except Exception` on the way swallows it and the export's temporary directory is removed)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _stop_signals_raise():
+    """SIGTERM, SIGUSR1 and SIGINT stop the end-of-run export cleanly instead of killing the process
+    mid-write (which left a `.hf.partial-*` directory in the run dir for good)."""
+    def stop(signum, _frame):
+        raise _StoppedDuringExport(signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def cmd_finetune(args: argparse.Namespace) -> int:

@@ -71,12 +71,17 @@ def step_of(path: Path) -> int:
 
 
 def remove_stale_temp_dirs(run_dir: str | Path) -> list[Path]:
-    """Delete `.tmp-step_*` left by a job that died mid-save (never a published checkpoint)."""
+    """Delete `.tmp-step_*` left by a job that died mid-save (never a published checkpoint), and the
+    `.hf.partial-*` / `.hf.old-*` of an end-of-run export that was killed (`megakd.fsutil.atomic_output_dir`).
+
+    Called at a job's start under the run directory's lock, so no other job is writing them.
+    """
     root = checkpoints_root(run_dir)
     stale = [p for p in root.iterdir() if _TMP_DIR.match(p.name)] if root.is_dir() else []
+    stale += sorted(Path(run_dir).glob(".hf.partial-*")) + sorted(Path(run_dir).glob(".hf.old-*"))
     for path in stale:
         shutil.rmtree(path, ignore_errors=True)
-        log.warning("removed %s: left by a job that stopped while saving or pruning", path)
+        log.warning("removed %s: left by a job that stopped while saving, pruning or exporting", path)
     return stale
 
 

@@ -147,3 +147,43 @@ def test_signal_under_torchrun_with_workers(tiny_data, tmp_path, to_one_rank):
     if to_one_rank:
         assert got == 0, text[-4000:]
     assert not re.search(r'File "[^"]*/megakd/', text), text[-4000:]
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 0), (signal.SIGINT, 130)])
+def test_stop_signal_during_the_export_leaves_no_partial_export(tiny_data, tmp_path, monkeypatch, caplog, sig, code):
+    """A signal while rank 0 writes `hf/` stops the export cleanly (no `.hf.partial-*` left for good, the
+    preemption exit code), and `--resume auto` then exports without training further."""
+    from megakd.cli import main
+    from megakd.convert import export
+
+    run = tmp_path / "run"
+    real = export.save_hf_model
+
+    def signalled(*args, **kwargs):
+        os.kill(os.getpid(), sig)  # delivered to the main thread before the next bytecode
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(export, "save_hf_model", signalled)
+    args = ["pretrain", "-c", str(REPO / "configs/electra-tiny.yaml"),
+            *tiny_overrides(tiny_data, run, **{"train.max_steps": 2})]
+    assert main(args) == code
+    assert "during the HuggingFace export: nothing was exported" in caplog.text
+    assert not (run / "hf").exists() and not list(run.glob(".hf.*"))
+    monkeypatch.setattr(export, "save_hf_model", real)
+    assert main([*args, "--resume", "auto"]) == 0
+    assert (run / "hf" / "discriminator" / "model.safetensors").is_file()
+    assert step_of(latest_checkpoint(run)) == 2
+
+
+def test_a_killed_export_is_cleaned_at_the_next_start(tiny_data, tmp_path):
+    """kill -9 during the export leaves `.hf.partial-*` (no handler runs); the next job on the run removes it."""
+    run = tmp_path / "run"
+    args = ["pretrain", "-c", str(REPO / "configs/electra-tiny.yaml"),
+            *tiny_overrides(tiny_data, run, **{"train.max_steps": 2, "run.export_hf": "false"})]
+    assert megakd(*args).code == 0
+    partial = run / ".hf.partial-killed"
+    (partial / "discriminator").mkdir(parents=True)
+    (partial / "discriminator" / "model.safetensors").write_bytes(b"half")
+    out = megakd(*args, "--resume", "auto")
+    assert out.code == 0, out.stderr
+    assert not partial.exists() and ".hf.partial-killed" in out.stderr

@@ -36,7 +36,8 @@ from .dispatch import triton_interpret
 GPU_BLOCKS = (64, 128, 32)
 INTERPRETER_BLOCKS = (16, 32, 16)
 
-_TL = {torch.float64: tl.float64, torch.float32: tl.float32, torch.bfloat16: tl.bfloat16,
+# torch -> Triton element types, for the constexpr dtypes of this module and of lipschitz_triton.
+TL_DTYPES = {torch.float64: tl.float64, torch.float32: tl.float32, torch.bfloat16: tl.bfloat16,
        torch.float16: tl.float16}
 
 
@@ -48,7 +49,7 @@ def _dtypes(hidden: torch.Tensor) -> tuple[torch.dtype, tl.dtype, tl.dtype, str]
     """(accumulator torch dtype, ACC, DOT, input precision) for a head whose activations are ``hidden``."""
     acc_t, acc = (torch.float64, tl.float64) if hidden.dtype == torch.float64 else (torch.float32, tl.float32)
     if hidden.dtype in (torch.bfloat16, torch.float16) and not triton_interpret():
-        return acc_t, acc, _TL[hidden.dtype], "ieee"  # 16-bit dots: the precision flag is for fp32 only
+        return acc_t, acc, TL_DTYPES[hidden.dtype], "ieee"  # 16-bit dots: the precision flag is for fp32 only
     # Match torch: fp32 matmuls use TF32 only when torch itself is allowed to.
     tf32 = acc is tl.float32 and hidden.is_cuda and torch.backends.cuda.matmul.allow_tf32
     return acc_t, acc, acc, "tf32" if tf32 else "ieee"

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .linear_kl_triton import TL_DTYPES
+
 _BLOCK_R = 32
 _BLOCK_C = 32
 
@@ -70,9 +72,6 @@ def _tables(weights: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor
             _table([list(w.stride()) for w in weights], dev))
 
 
-_TL = {torch.float64: tl.float64, torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
-
-
 def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -98,7 +97,7 @@ def column_abs_sums_triton(weights: Sequence[torch.Tensor]) -> tuple[torch.Tenso
         out = torch.full((len(group), max_cols), -1.0, dtype=_acc(dtype), device=dev)
         grid = (len(group), triton.cdiv(max_cols, _BLOCK_C))
         _colsum_kernel[grid](ptrs, shapes, strides, out, out.stride(0),
-                             DTYPE=_TL[dtype], ACC=_TL[_acc(dtype)], BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C)
+                             DTYPE=TL_DTYPES[dtype], ACC=TL_DTYPES[_acc(dtype)], BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C)
         group_values, group_argmax = out.max(dim=1)
         where = _table(idx, dev)
         values[where] = group_values.to(acc_t)
@@ -117,5 +116,5 @@ def column_sign_grads_triton(weights: Sequence[torch.Tensor], argmax: torch.Tens
         acc_t = _acc(dtype)
         grid = (len(group), triton.cdiv(max(w.shape[0] for w in group), _BLOCK_R))
         _sign_grad_kernel[grid](ptrs, gptrs, shapes, strides, argmax[_table(idx, ptrs.device)].contiguous(),
-                                grad_out.reshape(1).to(acc_t), DTYPE=_TL[dtype], ACC=_TL[acc_t], BLOCK_R=_BLOCK_R)
+                                grad_out.reshape(1).to(acc_t), DTYPE=TL_DTYPES[dtype], ACC=TL_DTYPES[acc_t], BLOCK_R=_BLOCK_R)
     return grads

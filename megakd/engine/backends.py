@@ -67,7 +67,7 @@ def init_distributed(dist_backend: str = "auto") -> tuple[int, int, int]:
 
     Returns (rank, world_size, local_rank); a no-op returning (0, 1, 0) without a launcher.
     """
-    if "RANK" not in os.environ and "SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ:
+    if "RANK" not in os.environ and _srun_task():
         os.environ.setdefault("RANK", os.environ["SLURM_PROCID"])
         os.environ.setdefault("WORLD_SIZE", os.environ["SLURM_NTASKS"])
         os.environ.setdefault("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
@@ -84,12 +84,17 @@ def init_distributed(dist_backend: str = "auto") -> tuple[int, int, int]:
     return rank, world, local_rank
 
 
+def _srun_task() -> bool:
+    """A Slurm task of srun: SLURM_PROCID and SLURM_NTASKS both set (the batch shell has only the second)."""
+    return {"SLURM_PROCID", "SLURM_NTASKS"} <= os.environ.keys()
+
+
 def launched_world_size() -> int:
     """The ranks the launcher started, as `init_distributed` reads them: WORLD_SIZE (torchrun, deepspeed),
     else SLURM_NTASKS when SLURM_PROCID is set too (srun), else 1."""
     if "WORLD_SIZE" in os.environ:
         return int(os.environ["WORLD_SIZE"])
-    if {"SLURM_PROCID", "SLURM_NTASKS"} <= os.environ.keys():
+    if _srun_task():
         return int(os.environ["SLURM_NTASKS"])
     return 1
 
@@ -109,7 +114,7 @@ def require_launcher(name: str) -> None:
     run that looks distributed and is not. On CPU that lone process is the reference run the tests
     compare against, so it stays.
     """
-    if "RANK" in os.environ or {"SLURM_PROCID", "SLURM_NTASKS"} <= os.environ.keys() or not torch.cuda.is_available():
+    if "RANK" in os.environ or _srun_task() or not torch.cuda.is_available():
         return
     gpus = max(torch.cuda.device_count(), 1)
     raise UserError(f"backend.name={name} on a CUDA machine needs a launcher, not a bare process: "

@@ -34,11 +34,13 @@ from megakd.kernels import (
 )
 from scipy.stats import chi2
 
+from megakd.bench.kernel_parity import DTYPES, rel_norm
+
 from .helpers import BACKENDS, TRITON, value_and_grads
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
-# (activation dtype, weight dtype): what fp32, DeepSpeed bf16/fp16 and autocast bf16 runs feed a head.
-COMBOS = {"fp32": (F32, F32), "bf16": (BF16, BF16), "fp16": (F16, F16), "bf16-act-fp32-weight": (BF16, F32)}
+# DTYPES (megakd.bench.kernel_parity): name -> (activation, weight) dtypes, what fp32, DeepSpeed bf16/fp16 and
+# autocast bf16 runs feed a head; the GPU check runs the same ones at a GPU's tolerances, these are the interpreter's.
 EPS = {F32: 2.0**-24, BF16: 2.0**-8, F16: 2.0**-11}  # unit roundoff
 
 
@@ -54,11 +56,6 @@ def _rounded(g: torch.Generator, *shape, dtype: torch.dtype, scale: float = 1.0)
     return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype)
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp(min=1e-30))
-
-
 def _check(out, ref, inputs, backend, act, weight):
     loss_tol, grad_tol = _tolerances(backend, act, weight)
     assert out[0].dtype == (torch.float32), f"loss dtype {out[0].dtype}"
@@ -69,7 +66,7 @@ def _check(out, ref, inputs, backend, act, weight):
         if r is None:
             continue
         assert g.dtype == x.dtype, f"grad {i}: dtype {g.dtype}, input {x.dtype}"
-        e = _rel(g, r)
+        e = rel_norm(g, r)
         assert e < grad_tol, f"grad {i}: rel {e:.2e} > {grad_tol:.0e}"
 
 
@@ -88,12 +85,12 @@ HEAD_SHAPES = [(1, 5, 7), (130, 70, 300)]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("combo", COMBOS)
+@pytest.mark.parametrize("combo", DTYPES)
 @pytest.mark.parametrize("n,h,v", HEAD_SHAPES)
 def test_cross_entropy_every_dtype(backend, combo, n, h, v, blocks):
     if backend == "torch" and blocks == "gpu-blocks":
         pytest.skip("block sizes are the Triton kernel's")
-    act, wdt = COMBOS[combo]
+    act, wdt = DTYPES[combo]
     g = torch.Generator().manual_seed(n + h + v)
     hidden, weight, bias = _rounded(g, n, h, dtype=act), _rounded(g, v, h, dtype=wdt, scale=0.2), _rounded(
         g, v, dtype=wdt, scale=0.1)
@@ -107,13 +104,13 @@ def test_cross_entropy_every_dtype(backend, combo, n, h, v, blocks):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("combo", COMBOS)
+@pytest.mark.parametrize("combo", DTYPES)
 @pytest.mark.parametrize("n,h,v", HEAD_SHAPES)
 def test_kl_every_dtype(backend, combo, n, h, v, blocks):
     """The student in the run's dtypes; the frozen teacher in fp32 (its own autocast) or the same dtypes."""
     if backend == "torch" and blocks == "gpu-blocks":
         pytest.skip("block sizes are the Triton kernel's")
-    act, wdt = COMBOS[combo]
+    act, wdt = DTYPES[combo]
     g = torch.Generator().manual_seed(n * h + v)
     hs, ws, bs = _rounded(g, n, h, dtype=act), _rounded(g, v, h, dtype=wdt, scale=0.3), _rounded(g, v, dtype=wdt)
     th, tw = _rounded(g, n, h + 3, dtype=act), _rounded(g, v, h + 3, dtype=wdt, scale=0.3)
@@ -124,10 +121,10 @@ def test_kl_every_dtype(backend, combo, n, h, v, blocks):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("combo", COMBOS)
+@pytest.mark.parametrize("combo", DTYPES)
 @pytest.mark.parametrize("n,h", [(1, 3), (70, 40), (37, 768)])  # 768: electra-base's width, 8-row tiles
 def test_rtd_every_dtype(backend, combo, n, h):
-    act, wdt = COMBOS[combo]
+    act, wdt = DTYPES[combo]
     g = torch.Generator().manual_seed(n + h)
     hidden, weight, bias = _rounded(g, n, h, dtype=act, scale=0.5), _rounded(g, h, dtype=wdt, scale=0.1), _rounded(
         g, (), dtype=wdt)
@@ -164,10 +161,10 @@ def test_lipschitz_every_dtype(backend, dtype):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("combo", ["bf16", "fp16", "bf16-act-fp32-weight"])
+@pytest.mark.parametrize("combo", ["bf16", "fp16", "bf16-w32"])
 def test_sampling_distribution_every_dtype(backend, combo):
     """Chi-square of many draws from one row against softmax(z / tau) of the rounded inputs in float64."""
-    act, wdt = COMBOS[combo]
+    act, wdt = DTYPES[combo]
     g = torch.Generator().manual_seed(9)
     v, h, tau, rows = 37, 6, 0.7, 4000
     weight, bias = _rounded(g, v, h, dtype=wdt, scale=0.4), _rounded(g, v, dtype=wdt, scale=0.3)
@@ -192,7 +189,7 @@ def test_cross_entropy_at_128k_vocabulary(backend, combo, monkeypatch):
     from megakd.kernels import linear_kl_triton
 
     monkeypatch.setattr(linear_kl_triton, "_blocks", lambda: linear_kl_triton.GPU_BLOCKS)
-    act, wdt = COMBOS[combo]
+    act, wdt = DTYPES[combo]
     g = torch.Generator().manual_seed(0)
     n, h, v = 5, 8, 128_000
     hidden, weight = _rounded(g, n, h, dtype=act), _rounded(g, v, h, dtype=wdt, scale=0.3)

@@ -44,9 +44,16 @@ import torch.distributed as dist
 from megakd.config import Config, ConfigError
 from megakd.engine.backends import DDPBackend, Unit, create_process_group, init_distributed
 from megakd.engine.optim import build_scheduler
+from megakd.errors import UserError
 from megakd.store.checkpoint import DEEPSPEED_TAG
 from megakd.store.checkpoint_models import WEIGHTS_SUFFIX
-from megakd.store.files import deepspeed_safe_loading
+from megakd.store.files import StoreError, deepspeed_safe_loading
+from megakd.store.universal import (
+    convert_to_universal,
+    saved_param_groups,
+    universal_root,
+    universal_support,
+)
 
 log = logging.getLogger(__name__)
 
@@ -303,6 +310,80 @@ class DeepSpeedBackend(DDPBackend):
                                                          load_optimizer_states=True, load_lr_scheduler_states=True)
             if loaded is None:
                 raise RuntimeError(f"DeepSpeed could not load {path}")
+
+    def load_units_elastic(self, units: list[Unit], directory: Path, run_dir: Path) -> None:
+        """Load a checkpoint written by another number of processes (the trainer's elastic resume).
+
+        ZeRO 1-3 partition the optimizer state (and fp32 master weights) per saving rank: rank 0
+        converts the checkpoint to DeepSpeed's universal form in `run_dir`
+        (`megakd.store.universal`), every rank waits for it and loads its own new partition from
+        there. Without ZeRO (stage 0) every rank saved the whole state, which loads as it is.
+        """
+        if not any((directory / u.name / DEEPSPEED_TAG).glob("*_optim_states.pt") for u in units):
+            self.load_units(units, directory)
+            return
+        why = universal_support()
+        if why is not None:
+            raise UserError(f"checkpoint {directory} holds ZeRO state partitioned over another number of processes "
+                            f"and {why}: resume with the saved world size, or start a new run from its weights "
+                            f"(init.generator / init.discriminator = the checkpoint; optimizer and data start afresh)")
+        error: BaseException | None = None
+        if self.is_main:
+            try:
+                convert_to_universal(run_dir, directory, [u.name for u in units])
+            except (StoreError, OSError) as err:
+                error = err
+        if self.all_reduce_sum(torch.tensor(float(error is not None))).item() > 0:
+            raise error if error is not None else StoreError(
+                f"{directory}: the universal checkpoint conversion failed on rank 0 (see its message)")
+        converted = universal_root(run_dir) / directory.name
+        for unit in units:
+            path = converted / unit.name / DEEPSPEED_TAG
+            with universal_loading(unit.wrapped), deepspeed_safe_loading(path):
+                loaded, _ = unit.wrapped.load_checkpoint(str(converted / unit.name), tag=DEEPSPEED_TAG,
+                                                         load_optimizer_states=True, load_lr_scheduler_states=True)
+            if loaded is None:
+                raise RuntimeError(f"DeepSpeed could not load the universal checkpoint {path}")
+            _repair_universal_load(getattr(unit.wrapped.optimizer, "optimizer", unit.optimizer), path)
+
+
+def _repair_universal_load(optimizer: torch.optim.Optimizer, tag_dir: Path) -> None:
+    """Undo two ZeRO-3 universal-loading faults of DeepSpeed 0.19 in the base optimizer (harmless under ZeRO-1/2).
+
+    Its loader gives every parameter group the first group's hyperparameters (the no-decay group
+    would decay): each group gets its own back from the converted copy, as ZeRO-1/2 load them.
+    And it puts one `step` tensor into every group's state, which torch's Adam increments in
+    place once per group and step (the second group's bias correction would run ahead): each
+    state gets its own copy.
+    """
+    saved = saved_param_groups(tag_dir)
+    if len(saved) != len(optimizer.param_groups):
+        raise StoreError(f"{tag_dir}: {len(saved)} optimizer parameter groups, this run has "
+                         f"{len(optimizer.param_groups)}")
+    for group, values in zip(optimizer.param_groups, saved):
+        group.update(values)
+    for state in optimizer.state.values():
+        if isinstance(state.get("step"), torch.Tensor):
+            state["step"] = state["step"].clone()
+
+
+@contextlib.contextmanager
+def universal_loading(engine):
+    """Switch `checkpoint.load_universal` on in a built engine for one `load_checkpoint` call.
+
+    DeepSpeed 0.19 reads the flag only while loading (`DeepSpeedEngine.load_universal_checkpoint()`
+    in `load_checkpoint` / `_load_checkpoint` / `_load_zero_checkpoint`), never while building
+    the engine or its ZeRO optimizer, so the engine built for training loads the universal copy as
+    it is. Building a second engine instead would re-partition a module that ZeRO-3 already
+    partitioned, and would turn every later same-size load into a universal one.
+    """
+    config = engine._config
+    previous = config.load_universal_checkpoint
+    config.load_universal_checkpoint = True
+    try:
+        yield
+    finally:
+        config.load_universal_checkpoint = previous
 
 
 

@@ -8,11 +8,20 @@ nccl-tests bus bandwidth: ZeRO-0/1 reduce gradients once per step, ZeRO-2 reduce
 every micro-batch, ZeRO-3 also all-gathers the 16-bit weights for every forward and backward; ZeRO
 1-3 all-gather the updated weights after the step. `overlap` is the share hidden behind compute
 (0 by default: a conservative upper bound).
+
+Storage (`storage_io`): the loader reads WebDataset tars with ranged reads, each reader (DataLoader
+worker, at least one per rank) fetching only the tar members of its own samples, so the job reads
+global batch x member bytes x (1 + data.read_overfetch, the gap bytes a ranged read may read through)
+per optimizer step from shared storage, plus the member indexes (12 bytes per sample) of the shards
+each reader touches, which every reader reads once per epoch: readers x 12 bytes x global batch per
+step (docs/decisions.md § Reads proportional to the share). With an aggregate read bandwidth
+(`--storage-gbps`) the step cannot be shorter than step bytes / bandwidth.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -247,6 +256,111 @@ def plan(cfg: Config, hw: Hardware, gpus: int, gpu_mem_gib: float, *, zero: int 
     # independent of it, which favours small ones only on paper.
     return sorted(plans, key=lambda p: (not p.fits, float(f"{p.step_s:.4g}"), -p.layout.micro_batch,
                                         p.memory["total"]))
+
+
+TAR_BLOCK = 512  # a tar member: one 512-byte header block + its data rounded up to whole blocks
+NPY_HEADER = 128  # np.save's header of a 1-D uint16/uint32 array (format 1.0, padded to 64 bytes)
+INDEX_BYTES_PER_SAMPLE = 12  # a member index record (size and digest), read by every reader each epoch
+
+
+def sample_member_bytes(seq_len: int, vocab_size: int) -> int:
+    """Bytes of one sample's tar member in a shard: 512-byte header + the .npy (128-byte header +
+    seq_len token ids, uint16 for vocab <= 65536 else uint32) rounded up to a multiple of 512.
+
+    A full-length sample; a shorter one (a document's tail, unpacked) is at most this.
+    """
+    itemsize = 2 if vocab_size <= 1 << 16 else 4
+    payload = NPY_HEADER + seq_len * itemsize
+    return TAR_BLOCK + -(-payload // TAR_BLOCK) * TAR_BLOCK
+
+
+def parse_storage_gbps(value: str | float | None) -> float | None:
+    """--storage-gbps as a positive, finite number of GB/s (1 GB = 1e9 bytes); None when not given."""
+    if value is None:
+        return None
+    try:
+        gbps = float(value)
+    except (TypeError, ValueError):
+        gbps = math.nan
+    if not (math.isfinite(gbps) and gbps > 0):
+        raise ConfigError(f"--storage-gbps: expected a positive number of GB/s (aggregate shared-storage "
+                          f"read bandwidth, e.g. 10), got {value!r}")
+    return gbps
+
+
+@dataclass
+class StorageIO:
+    """What the job reads from shared storage (see the module docstring), independent of the layout."""
+
+    member_bytes: int  # one sample's tar member
+    data_step_bytes: int  # global batch x member bytes x (1 + overfetch): members read per step, job-wide
+    index_step_bytes: int  # readers x 12 bytes x global batch: index records read per step, job-wide
+    nodes: int
+    corpus_samples: int
+    corpus_source: str  # where corpus_samples comes from
+    readers: int  # workers per rank (at least 1) x ranks (the old loader read the whole corpus this often)
+    storage_gbps: float | None = None  # aggregate read bandwidth, GB/s; None = unbounded
+
+    @property
+    def step_bytes(self) -> int:
+        """Bytes read from storage per optimizer step, job-wide."""
+        return self.data_step_bytes + self.index_step_bytes
+
+    @property
+    def corpus_bytes(self) -> int:
+        return self.corpus_samples * self.member_bytes
+
+    def need_gbps(self, step_s: float) -> float:
+        """Job-wide read bandwidth (GB/s) a step of `step_s` seconds needs."""
+        return self.step_bytes / step_s / 1e9
+
+    @property
+    def storage_s(self) -> float:
+        """Seconds the storage needs for one step's reads (0 without a bandwidth)."""
+        return self.step_bytes / (self.storage_gbps * 1e9) if self.storage_gbps else 0.0
+
+    def bound_step_s(self, step_s: float) -> float:
+        """The step time the run gets: the compute-bound step or the storage-bound one, the larger."""
+        return self.storage_s if self.storage_bound(step_s) else step_s
+
+    def storage_bound(self, step_s: float) -> bool:
+        """Whether reading a step takes longer than computing it (a bandwidth equal to the need, to
+        rounding, is not a bound)."""
+        return self.storage_s > step_s * (1 + 1e-9)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "step_bytes": self.step_bytes, "corpus_bytes": self.corpus_bytes,
+                "storage_s": self.storage_s}
+
+
+def corpus_samples_of(cfg: Config) -> tuple[int, str]:
+    """Samples in the corpus: `num_samples` of <data.shards>/manifest.json when it is there, else one
+    pass of the run (train.max_steps x train.global_batch_size)."""
+    if cfg.data.shards:
+        manifest = Path(cfg.data.shards) / "manifest.json"
+        try:
+            return int(json.loads(manifest.read_text())["num_samples"]), str(manifest)
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    return cfg.train.max_steps * cfg.train.global_batch_size, "assumed: one pass, max_steps x global batch"
+
+
+def storage_io(cfg: Config, hw: Hardware, gpus: int, *, storage_gbps: str | float | None = None,
+               corpus_samples: int | None = None) -> StorageIO:
+    """Shared-storage reads of the job on `gpus` GPUs (nodes of hw.gpus_per_node)."""
+    gbps = parse_storage_gbps(storage_gbps)
+    if corpus_samples is not None and corpus_samples < 1:
+        raise ConfigError(f"--corpus-samples: expected a positive number of samples, got {corpus_samples}")
+    samples, source = ((corpus_samples, "--corpus-samples") if corpus_samples is not None
+                       else corpus_samples_of(cfg))
+    vocab = cfg.model.generator.vocab_size
+    if not isinstance(vocab, int):
+        raise ConfigError(f"model.generator.vocab_size={vocab!r}: the planner needs a resolved vocab size")
+    member = sample_member_bytes(cfg.data.seq_len, vocab)
+    nodes = -(-gpus // max(hw.gpus_per_node, 1))
+    batch, readers = cfg.train.global_batch_size, max(cfg.data.num_workers, 1) * gpus
+    return StorageIO(member, math.ceil(batch * member * (1 + cfg.data.read_overfetch)),
+                     INDEX_BYTES_PER_SAMPLE * batch * readers, nodes, samples, source, readers, gbps)
 
 
 def model_flops(cfg: Config) -> StepFlops:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from megakd.bench.flops import StepFlops
 from megakd.bench.memory import GiB, mlm_head_bytes
-from megakd.bench.planner import Hardware, Plan
+from megakd.bench.planner import Hardware, Plan, StorageIO
 from megakd.bench.roofline import format_phases
 from megakd.config import Config
 
@@ -14,6 +14,15 @@ def _size(n: float) -> str:
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.4g} {unit}"
         n /= 1024
+    return ""
+
+
+def _decimal(n: float) -> str:
+    """Bytes in decimal units (1 GB = 1e9 bytes), as storage bandwidth is quoted."""
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
+        n /= 1000
     return ""
 
 
@@ -55,8 +64,35 @@ def format_bench(res: dict) -> str:
     return "\n".join(lines)
 
 
+def _storage_header(cfg: Config, io: StorageIO) -> str:
+    bandwidth = f"{io.storage_gbps:g} GB/s aggregate" if io.storage_gbps else "not bounded (--storage-gbps)"
+    return (f"storage: {io.member_bytes} B per sample (tar member), {_decimal(io.step_bytes)} per step "
+            f"({_decimal(io.data_step_bytes)} of members for batch {cfg.train.global_batch_size} with up to "
+            f"{cfg.data.read_overfetch:g} overfetch, {_decimal(io.index_step_bytes)} of member indexes for "
+            f"{io.readers} readers), {io.nodes} node(s), read bandwidth {bandwidth}")
+
+
+def _storage_lines(cfg: Config, gpus: int, io: StorageIO, step_s: float) -> list[str]:
+    """What the planned step reads, the old loader's reads for comparison, and the storage-bound warning."""
+    need = io.need_gbps(step_s)
+    at = f"; at {io.storage_gbps:g} GB/s a step's reads take {io.storage_s:.3g} s" if io.storage_gbps else ""
+    workers = max(cfg.data.num_workers, 1)
+    lines = [f"  storage reads at this step: {need:.3g} GB/s job-wide, {need / io.nodes:.3g} GB/s per node"
+             + at,
+             f"  whole-shard loader (each of {workers} worker(s) x {gpus} ranks read the whole corpus each "
+             f"epoch, {io.corpus_samples} samples, {io.corpus_source}): "
+             f"{io.readers * io.member_bytes * cfg.train.global_batch_size / io.step_bytes:.3g}x this, "
+             f"{_decimal(io.readers * io.corpus_bytes)} per epoch"]
+    if io.storage_bound(step_s):
+        lines.append(f"warning: storage-bound: {io.storage_s / step_s:.1f}x the compute step time "
+                     f"({io.storage_s:.3g} s to read {_decimal(io.step_bytes)} at {io.storage_gbps:g} GB/s "
+                     f"vs {step_s:.3g} s); the time to train uses the storage step")
+    return lines
+
+
 def format_plan(cfg: Config, hw: Hardware, gpus: int, gpu_mem_gib: float, counts: dict[str, int],
-                flops: StepFlops, plans: list[Plan], top: int, efficiency: float) -> str:
+                flops: StepFlops, plans: list[Plan], top: int, efficiency: float,
+                storage: StorageIO | None = None) -> str:
     steps = cfg.train.max_steps
     precision = cfg.train.precision
     fitting = [p for p in plans if p.fits]
@@ -69,6 +105,15 @@ def format_plan(cfg: Config, hw: Hardware, gpus: int, gpu_mem_gib: float, counts
         f"{precision} at {efficiency:.0%}, all-reduce busbw {hw.busbw_intra:g} GB/s in a node / "
         f"{hw.busbw_inter:g} GB/s across ({hw.source})",
     ]
+    if storage is not None:
+        lines.append(_storage_header(cfg, storage))
+
+    def bound(p: Plan) -> float:  # the step the run gets: compute, or storage where that is slower
+        return storage.bound_step_s(p.step_s) if storage else p.step_s
+
+    def storage_bound(p: Plan) -> bool:
+        return storage is not None and storage.storage_bound(p.step_s)
+
     if fitting:
         best = fitting[0]
         m = best.memory
@@ -82,23 +127,29 @@ def format_plan(cfg: Config, hw: Hardware, gpus: int, gpu_mem_gib: float, counts
             f"checkpointing {'on' if best.layout.checkpointing else 'off'}, {best.dp} data-parallel x "
             f"{best.accumulation} accumulation: step {best.step_s:.2f} s "
             f"(compute {best.compute_s:.2f} s + communication {best.comm_s:.3f} s), "
-            f"{steps} steps in {_duration(best.step_s * steps)}",
+            f"{steps} steps in {_duration(bound(best) * steps)}",
             f"  per device: params {m['params'] / GiB:.2f} GiB, gradients {m['grads'] / GiB:.2f} GiB, optimizer "
             f"states {m['optimizer'] / GiB:.2f} GiB (both optimizers), activations {m['activations'] / GiB:.2f} GiB"
             f" = {m['total'] / GiB:.2f} GiB",
             f"  generator MLM head per micro-batch: dense logits {head['dense'] / GiB:.2f} GiB -> sparse "
             f"(masked only) {head['sparse'] / GiB:.2f} GiB -> sparse + fused loss {head['sparse_fused'] / GiB:.2f} GiB",
         ]
+        if storage is not None:
+            lines += _storage_lines(cfg, gpus, storage, best.step_s)
     else:
         lines += ["", f"nothing fits in {gpu_mem_gib:g} GB; smallest layouts:"]
     lines += ["", f"{'#':>3} {'ZeRO':>4} {'pp':>3} {'micro':>5} {'ckpt':>4} {'dp':>4} {'accum':>5} "
-                  f"{'GiB/dev':>8} {'fits':>4} {'compute s':>9} {'comm s':>7} {'step s':>7} {f'{steps} steps':>16}"]
+                  f"{'GiB/dev':>8} {'fits':>4} {'compute s':>9} {'comm s':>7} {'step s':>7}"
+                  + (f" {'read GB/s':>9}" if storage else "") + f" {f'{steps} steps':>16}"]
     shown = fitting[:top] if fitting else sorted(plans, key=lambda p: p.memory["total"])[:top]
     for i, p in enumerate(shown, 1):
         L = p.layout
         lines.append(f"{i:>3} {L.zero_stage:>4} {L.pipeline_stages:>3} {L.micro_batch:>5} "
                      f"{'on' if L.checkpointing else 'off':>4} {p.dp:>4} {p.accumulation:>5} {p.total_gib:>8.1f} "
-                     f"{'yes' if p.fits else 'no':>4} {p.compute_s:>9.2f} {p.comm_s:>7.3f} {p.step_s:>7.2f} "
-                     f"{_duration(p.step_s * steps):>16}")
+                     f"{'yes' if p.fits else 'no':>4} {p.compute_s:>9.2f} {p.comm_s:>7.3f} {p.step_s:>7.2f}"
+                     + (f" {storage.need_gbps(p.step_s):>9.3g}" if storage else "")
+                     + f" {_duration(bound(p) * steps):>16}" + ("*" if storage_bound(p) else ""))
+    if any(storage_bound(p) for p in shown):
+        lines.append(f"(*: storage-bound, timed at the storage step {storage.storage_s:.3g} s)")
     lines.append(f"({len(fitting)} of {len(plans)} layouts fit)")
     return "\n".join(lines)

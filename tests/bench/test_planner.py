@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
 from megakd.bench.flops import step_flops
-from megakd.bench.memory import GiB
-from megakd.bench.planner import GPUS, Layout, evaluate, hardware_from_bench, partition, plan
+from megakd.bench.memory import GiB, parameter_counts
+from megakd.bench.planner import (
+    GPUS,
+    Layout,
+    evaluate,
+    hardware_from_bench,
+    model_flops,
+    partition,
+    plan,
+    sample_member_bytes,
+    storage_io,
+)
+from megakd.bench.report import format_plan
 from megakd.cli import main
 from megakd.config import ConfigError, load_config
 from megakd.engine.pretrain import resolve_config
@@ -77,3 +89,82 @@ def test_hardware_from_bench_json(tmp_path):
                                 "collectives": {"all_reduce": [{"busbw_GBps": 0.5}, {"busbw_GBps": 1.3}]}}))
     hw = hardware_from_bench(path)
     assert hw.peak_tflops == {"fp32": 0.03} and hw.busbw_intra == hw.busbw_inter == 1.3
+
+
+# Storage: the numbers below are written out by hand (512-byte tar blocks, a 128-byte .npy header),
+# not computed by the planner's own functions.
+
+
+@pytest.mark.parametrize("seq_len", [3, 128, 512, 1000])
+@pytest.mark.parametrize("vocab_size", [30522, 65536, 65537, 128000])
+def test_member_bytes_is_a_real_shard_member(seq_len, vocab_size):
+    import numpy as np
+
+    from megakd.data.shards import _npy_header, tar_member, token_dtype
+
+    dtype = token_dtype(vocab_size)
+    npy = _npy_header(seq_len, dtype) + np.zeros(seq_len, dtype).tobytes()
+    assert len(tar_member("000000000000.ids.npy", npy)) == sample_member_bytes(seq_len, vocab_size)
+
+
+def test_member_bytes_by_hand():
+    assert sample_member_bytes(512, 30522) == 512 + 1536  # .npy 128 + 1024 -> 3 blocks
+    assert sample_member_bytes(512, 128000) == 512 + 2560  # .npy 128 + 2048 -> 5 blocks
+    assert sample_member_bytes(192, 65536) == 512 + 512  # 128 + 384 = 512 exactly: no padding block
+    assert sample_member_bytes(193, 65536) == 512 + 1024
+
+
+def test_storage_reads_by_hand(base, tmp_path):
+    io = storage_io(base, GPUS["a100"], 16, storage_gbps="0.01", corpus_samples=1000)
+    # Members of the batch with the 20 % overfetch budget, plus each of 4 x 16 readers' index records.
+    data, index = math.ceil(2048 * 3072 * 1.2), 12 * 2048 * 64
+    assert io.member_bytes == 3072 and io.data_step_bytes == data == 7_549_748 and io.index_step_bytes == index
+    assert io.step_bytes == data + index == 9_122_612
+    assert io.nodes == 2 and io.readers == 4 * 16
+    assert io.storage_s == pytest.approx(9_122_612 / 1e7)
+    assert io.need_gbps(0.5) == pytest.approx(9_122_612 / 0.5 / 1e9)
+    assert io.bound_step_s(0.5) == pytest.approx(0.9122612) and io.bound_step_s(1.0) == 1.0
+    assert storage_io(base, GPUS["a100"], 17).nodes == 3
+    assert storage_io(base, GPUS["a100"], 8).storage_s == 0  # no bandwidth given: no bound
+    # The corpus size: the shards' manifest when data.shards has one, else one pass of the run.
+    assert storage_io(base, GPUS["a100"], 8).corpus_samples == 125000 * 2048
+    (tmp_path / "manifest.json").write_text(json.dumps({"num_samples": 777}))
+    cfg = resolve_config(load_config("configs/electra-base.yaml", [f"data.shards={tmp_path}"]))
+    assert storage_io(cfg, GPUS["a100"], 8).corpus_samples == 777
+
+
+def test_storage_bound_warning_exactly_when_bandwidth_is_below_need(base):
+    plans = plan(base, GPUS["a100"], 64, 80, zero=2, pp=1, micro_batches=[32])
+    best = next(p for p in plans if p.fits)
+    need = (math.ceil(2048 * 3072 * 1.2) + 12 * 2048 * 4 * 64) / best.step_s / 1e9  # GB/s the planned step reads
+
+    def text(gbps):
+        io = storage_io(base, GPUS["a100"], 64, storage_gbps=gbps)
+        return format_plan(base, GPUS["a100"], 64, 80, parameter_counts(base), model_flops(base), plans, 3,
+                           0.45, io)
+
+    for gbps in (None, need * 1.01, need, 10.0):
+        assert "storage-bound" not in text(gbps) and "*" not in text(gbps)
+    slow = text(need / 1.8)
+    warnings = [line for line in slow.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "storage-bound: 1.8x the compute step time" in warnings[0]
+    hours = 125000 * best.step_s * 1.8 / 3600
+    assert f"125000 steps in {hours:.1f} h" in slow
+    assert f"{need:.3g} GB/s job-wide, {need / 8:.3g} GB/s per node" in slow
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "abc", "nan", "inf"])
+def test_cli_storage_gbps_must_be_positive(capsys, value):
+    assert main(["plan", "configs/electra-base.yaml", "--gpus", "8", "--gpu-mem", "80",
+                 f"--storage-gbps={value}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--storage-gbps" in err and "positive" in err
+
+
+def test_cli_plan_reports_storage(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "configs/electra-base.yaml", "--gpus", "64", "--gpu-mem", "80", "--zero", "2",
+                 "--pp", "1", "--micro-batch", "32", "--storage-gbps", "0.02", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "13.8 MB per step" in text and "warning: storage-bound:" in text
+    assert json.loads(out.read_text())["storage"]["step_bytes"] == math.ceil(2048 * 3072 * 1.2) + 12 * 2048 * 256

@@ -205,11 +205,12 @@ def cmd_data_shards(args: argparse.Namespace) -> int:
     import functools
 
     from megakd.data.shards import in_valid_split, write_shards
+    from megakd.data.storage import ShardStore
     from megakd.data.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.load(args.tokenizer)
     options = {"samples_per_shard": args.samples_per_shard, "num_workers": args.workers,
-               "min_tokens": args.min_tokens, "pack": args.pack}
+               "min_tokens": args.min_tokens, "pack": args.pack, "shuffle": args.shuffle}
     fraction = args.valid_fraction
     if fraction and not 0.0 < fraction < 1.0:
         raise ConfigError(f"--valid-fraction: expected a fraction in (0, 1), got {fraction}")
@@ -218,7 +219,7 @@ def cmd_data_shards(args: argparse.Namespace) -> int:
     manifest = write_shards(args.input, tokenizer, args.seq_len, args.out, keep=keep_train, **options)
     log.info("%d samples in %d shards in %s", manifest["num_samples"], len(manifest["shards"]), args.out)
     if fraction:
-        valid = Path(args.out) / "valid"
+        valid = ShardStore(args.out).url("valid")
         manifest = write_shards(args.input, tokenizer, args.seq_len, valid, keep=in_valid, **options)
         log.info("held out %d samples in %d shards in %s", manifest["num_samples"], len(manifest["shards"]), valid)
     return 0
@@ -445,18 +446,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
     import json
 
     from megakd.bench.memory import parameter_counts
-    from megakd.bench.planner import GPUS, hardware_from_bench, model_flops, plan
+    from megakd.bench.planner import GPUS, hardware_from_bench, model_flops, plan, storage_io
     from megakd.bench.report import format_plan
     from megakd.engine.pretrain import resolve_config
 
     cfg = resolve_config(load_config(args.config, [*args.overrides, *args.set_overrides]))
     hw = hardware_from_bench(args.bench) if args.bench else GPUS[args.gpu]
+    storage = storage_io(cfg, hw, args.gpus, storage_gbps=args.storage_gbps,
+                         corpus_samples=args.corpus_samples)
     plans = plan(cfg, hw, args.gpus, args.gpu_mem, zero=args.zero, pp=args.pp, micro_batches=args.micro_batch,
                  efficiency=args.efficiency, overlap=args.overlap, reserve_gib=args.reserve_gb)
     counts = parameter_counts(cfg)
-    emit(format_plan(cfg, hw, args.gpus, args.gpu_mem, counts, model_flops(cfg), plans, args.top, args.efficiency))
+    emit(format_plan(cfg, hw, args.gpus, args.gpu_mem, counts, model_flops(cfg), plans, args.top,
+                     args.efficiency, storage))
     if args.json:
         Path(args.json).write_text(json.dumps({"parameters": counts, "flops": model_flops(cfg).to_dict(),
+                                               "storage": storage.to_dict(),
                                                "plans": [p.to_dict() for p in plans]}, indent=1))
     return 0
 
@@ -561,7 +566,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--generator", required=True, help="run, checkpoint, megakd model dir or HF ELECTRA generator")
     p.add_argument("--discriminator", required=True, nargs="+", help="one or more runs, checkpoints, megakd model "
                    "dirs or HF ElectraForPreTraining dirs")
-    p.add_argument("--shards", required=True, help="shard directory from `megakd data shards`")
+    p.add_argument("--shards", required=True,
+                   help="shard directory (or s3://, gs://, http(s):// URL) from `megakd data shards`")
     p.add_argument("--tokenizer", help="tokenizer directory (default: the generator's own)")
     p.add_argument("--batches", type=int, default=50, help="batches scored")
     p.add_argument("--batch-size", type=int, default=32, help="samples per batch")
@@ -615,7 +621,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tokenizer", required=True,
                    help="a megakd tokenizer dir, or an HF tokenizer/model dir (WordPiece vocab.txt or tokenizer.json)")
     s.add_argument("--seq-len", type=int, required=True, help="tokens per sample")
-    s.add_argument("--out", required=True, help="the shard directory")
+    s.add_argument("--out", required=True,
+                   help="the shard directory, or an s3:// or gs:// prefix (uploaded, manifest last)")
     s.add_argument("--samples-per-shard", type=int, default=10_000, help="samples in each shard file")
     s.add_argument("--workers", type=int, default=1, help="tokenizing processes")
     s.add_argument("--valid-fraction", type=float, default=0.0,
@@ -624,6 +631,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--min-tokens", type=int, default=8, help="drop document pieces with fewer tokens")
     s.add_argument("--pack", action="store_true",
                    help="pack several short documents into one sample (per-document positions and attention)")
+    s.add_argument("--shuffle", action="store_true",
+                   help="write each shard's samples in a seeded random order (for data.read_block > 1)")
     s.set_defaults(func=cmd_data_shards)
 
     convert_examples = ("megakd convert to-hf runs/electra-tiny runs/electra-tiny-hf  # OUT/discriminator, "
@@ -670,7 +679,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl = command(sub, "plan", "memory/throughput planner: layouts that fit, best first", _examples(
         "megakd plan configs/electra-base.yaml --gpus 8 --gpu-mem 80 --gpu h100",
         "megakd plan configs/electra-large.yaml --gpus 32 --gpu-mem 40 --zero 2 train.precision=bf16",
-        "megakd plan configs/electra-base.yaml --gpus 8 --gpu-mem 80 --bench bench/bench_w8.json"))
+        "megakd plan configs/electra-base.yaml --gpus 8 --gpu-mem 80 --bench bench/bench_w8.json",
+        "megakd plan configs/electra-base.yaml --gpus 64 --gpu-mem 80 --storage-gbps 10"))
     pl.add_argument("config", help="pretraining recipe, e.g. configs/electra-base.yaml")
     pl.add_argument("--gpus", type=int, required=True, help="GPUs in all")
     pl.add_argument("--gpu-mem", type=float, required=True, help="memory per GPU in GB (GiB), e.g. 40 or 80")
@@ -684,6 +694,13 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--reserve-gb", type=float, default=2.0, help="memory kept free (CUDA context, fragmentation)")
     pl.add_argument("--top", type=int, default=10, help="layouts printed")
     pl.add_argument("--json", help="also write every evaluated layout here")
+    pl.add_argument("--storage-gbps", metavar="GBPS",
+                    help="aggregate shared-storage read bandwidth in GB/s (1 GB = 1e9 bytes): a step "
+                         "takes at least its reads / this; a warning when that bounds the step "
+                         "(default: unbounded)")
+    pl.add_argument("--corpus-samples", type=int, metavar="N",
+                    help="samples in the corpus, for the per-node index read and the old loader's epoch "
+                         "(default: num_samples of <data.shards>/manifest.json, else max_steps x batch)")
     pl.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. train.precision=fp16")
     pl.add_argument("--set", dest="set_overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="the same as a positional key=value (kept for older scripts)")

@@ -104,6 +104,13 @@ class DataConfig:
     # one book, and a masked LM on the bundled corpus left its unigram plateau ~200 steps later.
     shuffle_shards: int = 16
     skip_bad_shards: bool = False  # log, count and skip a missing or corrupt shard instead of stopping
+    # Consecutive samples of a shard kept together in the order, so that each is fetched with fewer,
+    # larger reads (object stores); 1 = every sample placed on its own. Pair > 1 with shards written
+    # by `megakd data shards --shuffle`. Part of the order: a resume must keep it.
+    read_block: int = 1
+    # Bytes of gaps between its samples that a ranged read may read through to save requests, as a
+    # fraction of the bytes it needs (a reader fetches at most 1 + this times its share).
+    read_overfetch: float = 0.2
     # Held-out shards for train.eval_every; "auto" = <data.shards>/valid when it exists
     # (`megakd data shards --valid-fraction`), "" = none.
     valid_shards: str = "auto"
@@ -317,8 +324,12 @@ class Config:
             ("train.max_bad_steps", self.train.max_bad_steps),
             ("backend.pipeline_stages", self.backend.pipeline_stages),
             ("data.shuffle_shards", self.data.shuffle_shards),
+            ("data.read_block", self.data.read_block),
         ):
             check_count(key, value)
+        if not 0.0 <= self.data.read_overfetch <= 1e6:
+            raise ConfigError(f"data.read_overfetch: expected a fraction >= 0 (extra bytes per byte needed), "
+                              f"got {shown(self.data.read_overfetch)}")
         for key, value in (
             ("train.save_every", self.train.save_every),
             ("train.eval_every", self.train.eval_every),

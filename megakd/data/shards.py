@@ -19,6 +19,13 @@ Layout of ``out_dir``: ``shard-000000.tar`` ... and ``manifest.json``. Each tar 
 ``{index:012d}.ids.npy``: a 1-D uint16 (vocab ≤ 65536) or uint32 array of token ids, keyed by the
 sample's global index (its position in write order). Tar headers carry no time or owner, so the
 same inputs, tokenizer and settings give byte-identical shards for any ``num_workers``.
+
+Beside each shard, ``shard-000000.idx`` indexes its members (manifest version 2): per sample, in
+order, the member's size in bytes (little-endian uint32; members are contiguous from offset 0)
+and the first 8 bytes of the member's sha256. The manifest carries each index's sha256, so a
+reader that fetches only some members (its share of the corpus, by ranged reads) still checks
+every byte it uses against the manifest (docs/decisions.md § Reads proportional to the share).
+Version-1 manifests (no index) are still read, whole shard by whole shard.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import json
 import logging
 import re
 import tarfile
+import tempfile
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -38,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from megakd.data.sources import expand_inputs, iter_documents
+from megakd.data.storage import ShardStore, is_remote
 from megakd.data.tokenizer import Tokenizer
 from megakd.errors import UserError
 from megakd.fsutil import atomic_output_dir
@@ -46,7 +55,8 @@ logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "megakd-shards"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 2 = with member indexes; 1 (no index) is still read
+INDEX_DTYPE = np.dtype([("size", "<u4"), ("digest", "V8")])  # one record per member, see the module docstring
 _TASK_CHARS = 1 << 20  # documents are sent to workers in batches of about this many characters
 # The writer's smallest possible shard: each sample is a tar header block plus at least one data
 # block (the .npy header alone is 10+ bytes), and the archive ends with two zero blocks. Counts
@@ -57,6 +67,15 @@ _END_OF_ARCHIVE = 2 * tarfile.BLOCKSIZE
 
 def shard_name(i: int) -> str:
     return f"shard-{i:06d}.tar"
+
+
+def index_name(shard: str) -> str:
+    return shard.removesuffix(".tar") + ".idx"
+
+
+def member_digest(member: bytes) -> bytes:
+    """The 8 bytes of a member's sha256 that its index record holds."""
+    return hashlib.sha256(member).digest()[:8]
 
 
 def sample_key(index: int) -> str:
@@ -187,8 +206,9 @@ _TAR_TEMPLATE = _tar_template()
 class _ShardWriter:
     """Collects samples and writes full shards in order, with deterministic tar headers."""
 
-    def __init__(self, out: Path, samples_per_shard: int, pack_len: int | None = None) -> None:
+    def __init__(self, out: Path, samples_per_shard: int, pack_len: int | None = None, shuffle: bool = False) -> None:
         self.out = out
+        self.shuffle = shuffle  # each shard's samples in a seeded permutation (a function of the shard number)
         self.samples_per_shard = samples_per_shard
         self.pack_len = pack_len  # None: one piece per sample; else pieces are packed up to this length
         self.open_pieces: list[np.ndarray] = []  # packing: pieces not yet known to complete a sample
@@ -235,7 +255,11 @@ class _ShardWriter:
         name = shard_name(len(self.shards))
         path = self.out / name
         first = self.next_index
+        if self.shuffle:
+            order = np.random.default_rng([len(self.shards), 0x5EED]).permutation(len(self.pending))
+            self.pending = [self.pending[j] for j in order]
         digest, size = hashlib.sha256(), 0
+        index = np.zeros(len(self.pending), INDEX_DTYPE)
         with open(path, "wb") as f:
             def put(block: bytes) -> None:
                 nonlocal size
@@ -244,13 +268,19 @@ class _ShardWriter:
                 size += len(block)
 
             for j, arr in enumerate(self.pending):
-                put(tar_member(f"{sample_key(first + j)}.ids.npy", self._npy(arr)))
+                member = tar_member(f"{sample_key(first + j)}.ids.npy", self._npy(arr))
+                index[j] = (len(member), member_digest(member))
+                put(member)
                 self.tokens += len(arr)
             # End of archive as tarfile writes it: two zero blocks, then zeros up to a full record.
             put(bytes(2 * tarfile.BLOCKSIZE))
             put(bytes(-size % tarfile.RECORDSIZE))
+        index_bytes = index.tobytes()
+        (self.out / index_name(name)).write_bytes(index_bytes)
         self.shards.append({"file": name, "samples": len(self.pending), "first_index": first,
-                            "bytes": size, "sha256": digest.hexdigest()})
+                            "bytes": size, "sha256": digest.hexdigest(),
+                            "index": {"file": index_name(name), "bytes": len(index_bytes),
+                                      "sha256": hashlib.sha256(index_bytes).hexdigest()}})
         self.next_index += len(self.pending)
         self.pending = []
 
@@ -267,10 +297,13 @@ def write_shards(
     min_tokens: int = 8,
     keep: Callable[[str], bool] | None = None,
     pack: bool = False,
+    shuffle: bool = False,
 ) -> dict:
     """Tokenize and pack ``inputs`` into WebDataset shards in ``out_dir``; returns the manifest.
 
-    ``pack`` puts several short documents into one sample (see the module docstring).
+    ``pack`` puts several short documents into one sample (see the module docstring). ``shuffle``
+    writes each shard's samples in a seeded permutation instead of input order, so that a run of
+    consecutive samples is a random subset of the shard (what ``data.read_block`` > 1 reads together).
 
     ``num_workers`` processes tokenize batches of documents; results are consumed in submission
     order, so the output does not depend on the number of workers. The whole directory is built
@@ -279,6 +312,10 @@ def write_shards(
     ``keep`` (a predicate on a document's text) writes only the documents it accepts: the
     train/validation split of :func:`in_valid_split`.
     """
+    if is_remote(out_dir):
+        return _write_remote(inputs, tokenizer, seq_len, str(out_dir), samples_per_shard=samples_per_shard,
+                             num_workers=num_workers, text_field=text_field, min_tokens=min_tokens, keep=keep,
+                             pack=pack, shuffle=shuffle)
     out = Path(out_dir)
     if seq_len < 3:
         raise UserError(f"seq_len={seq_len}: expected at least 3 ([CLS], one token, [SEP])")
@@ -289,7 +326,7 @@ def write_shards(
     sources = expand_inputs(inputs)
     dtype = token_dtype(tokenizer.vocab_size).name
     with atomic_output_dir(out) as tmp:
-        writer = _ShardWriter(tmp, samples_per_shard, seq_len if pack else None)
+        writer = _ShardWriter(tmp, samples_per_shard, seq_len if pack else None, shuffle)
         doc_counts: dict[str, int] = {}
         stats = {"documents": 0, "empty_documents": 0, "dropped_chunks": 0, "dropped_tokens": 0}
 
@@ -328,6 +365,7 @@ def write_shards(
             "total_tokens": writer.tokens,
             "mean_fill": round(writer.tokens / (writer.next_index * seq_len), 6),
             "packed": pack,
+            "shuffled": shuffle,
             "pieces": writer.pieces,  # [CLS] chunk [SEP] pieces; = num_samples unless packed
             "tokenizer": {"kind": tokenizer.kind, "vocab_hash": tokenizer.vocab_hash,
                           "vocab_size": tokenizer.vocab_size, **tokenizer.special_layout()},
@@ -342,27 +380,49 @@ def write_shards(
     return manifest
 
 
-def read_manifest(shards_dir: str | Path) -> dict:
+def _write_remote(inputs: list[str | Path], tokenizer: Tokenizer, seq_len: int, url: str, **options: Any) -> dict:
+    """Write the shards in a local staging directory, then upload them under ``url``, manifest last.
+
+    The prefix must hold no object yet (nothing is overwritten); until the manifest lands, readers
+    find no data set there, so an interrupted upload is never taken for a complete one.
+    """
+    store = ShardStore(url)
+    if not store.is_empty():
+        raise UserError(f"{url}: holds objects already; expected an unused prefix (nothing is overwritten)")
+    with tempfile.TemporaryDirectory(prefix="megakd-shards-") as staging:
+        local = Path(staging) / "out"
+        manifest = write_shards(inputs, tokenizer, seq_len, local, **options)
+        store.upload(local, last=MANIFEST)
+    return manifest
+
+
+def read_manifest(shards: str | Path | ShardStore) -> dict:
     """Read and validate ``manifest.json``; errors name the file, the entry and the problem (values cut
     to 100 characters).
 
     Besides the layout (format, keys and their types, a non-empty shard list, integer sample counts
-    that the shard sizes can hold), every shard entry must name a file inside
-    ``shards_dir`` (no absolute path, no ``..``, no symlink leading out) and carry a real sha256:
-    the loader checks each shard against it, so an all-zero or malformed digest is refused here.
+    that the shard sizes can hold), every shard entry must name a file inside the shards directory
+    (no absolute path, no ``..``, no symlink leading out) and carry a real sha256 (and, from version
+    2, its index's): the loader checks each shard against it, so an all-zero or malformed digest is
+    refused here.
     """
-    path = Path(shards_dir) / MANIFEST
-    if not path.is_file():
-        raise FileNotFoundError(f"shards {shards_dir}: missing {MANIFEST}")
+    store = shards if isinstance(shards, ShardStore) else ShardStore(shards)
+    path = store.url(MANIFEST)
     try:
-        m = json.loads(path.read_text(encoding="utf-8"))
+        raw = store.read(MANIFEST)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"shards {store}: missing {MANIFEST}") from None
+    except IsADirectoryError:
+        raise FileNotFoundError(f"shards {store}: {MANIFEST} is a directory") from None
+    try:
+        m = json.loads(raw.decode("utf-8"))
     except json.JSONDecodeError as e:
         raise UserError(f"{path}: invalid JSON ({e.msg} at line {e.lineno})") from None
     except UnicodeDecodeError:
         raise UserError(f"{path}: not a JSON text file (not UTF-8)") from None
-    if not isinstance(m, dict) or m.get("format") != MANIFEST_FORMAT or m.get("version") != MANIFEST_VERSION:
+    if not isinstance(m, dict) or m.get("format") != MANIFEST_FORMAT or m.get("version") not in (1, MANIFEST_VERSION):
         got = (m.get("format"), m.get("version")) if isinstance(m, dict) else (None, None)
-        raise UserError(f"{path}: expected format {MANIFEST_FORMAT!r} version {MANIFEST_VERSION}, "
+        raise UserError(f"{path}: expected format {MANIFEST_FORMAT!r} version 1 or {MANIFEST_VERSION}, "
                         f"got {got[0]!r} version {got[1]!r}")
     for key in ("seq_len", "dtype", "num_samples", "tokenizer", "shards"):
         if key not in m:
@@ -379,7 +439,7 @@ def read_manifest(shards_dir: str | Path) -> dict:
         raise UserError(f"{path}: shards={m['shards']!r:.100}, expected a non-empty list of entries")
     first = 0
     for s in m["shards"]:
-        _check_shard_entry(path, s)
+        _check_shard_entry(store, s)
         if not _is_int(s.get("first_index")) or s["first_index"] != first or not _is_int(s.get("samples")) \
                 or s["samples"] < 1:
             raise UserError(f"{path}: shard entry {s.get('file')!r} has inconsistent first_index/samples")
@@ -390,6 +450,8 @@ def read_manifest(shards_dir: str | Path) -> dict:
         first += s["samples"]
     if first != m["num_samples"]:
         raise UserError(f"{path}: shard sample counts sum to {first}, num_samples says {m['num_samples']}")
+    for s in m["shards"] if m["version"] >= 2 else []:
+        _check_index_entry(store, s)
     return m
 
 
@@ -397,21 +459,36 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_shard_entry(manifest: Path, entry: Any) -> None:
-    """One ``shards`` entry: a file that stays inside the shards dir, a size and a real sha256."""
+def _check_file_entry(store: ShardStore, entry: Any, what: str) -> None:
+    """A manifest entry naming a file: one that stays inside the shards dir, a size and a real sha256."""
+    manifest = store.url(MANIFEST)
     if not isinstance(entry, dict) or not isinstance(entry.get("file"), str) or not entry["file"]:
-        raise UserError(f"{manifest}: shard entry {entry!r} has no 'file' name")
+        raise UserError(f"{manifest}: {what} entry {entry!r:.100} has no 'file' name")
     name = entry["file"]
-    root = manifest.parent
-    if Path(name).is_absolute() or ".." in Path(name).parts:
-        raise UserError(f"{manifest}: shard file {name!r} must be a relative path inside {root} (no '..')")
-    if not (root / name).resolve().is_relative_to(root.resolve()):
-        raise UserError(f"{manifest}: shard file {name!r} resolves to {(root / name).resolve()}, outside {root} "
-                        f"(a symlink leading out of the shards directory)")
+    if Path(name).is_absolute() or ".." in Path(name).parts or "://" in name:
+        raise UserError(f"{manifest}: {what} file {name!r:.100} must be a relative path inside {store} (no '..')")
+    if not store.remote:
+        root = store.local_path
+        if not (root / name).resolve().is_relative_to(root.resolve()):
+            raise UserError(f"{manifest}: {what} file {name!r} resolves to {(root / name).resolve()}, outside "
+                            f"{root} (a symlink leading out of the shards directory)")
     if not _is_int(entry.get("bytes")) or entry["bytes"] < 0:
-        raise UserError(f"{manifest}: shard {name!r} has bytes={entry.get('bytes')!r}, expected a size in bytes")
+        raise UserError(f"{manifest}: {what} {name!r} has bytes={entry.get('bytes')!r:.100}, expected a size in bytes")
     digest = entry.get("sha256")
     if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest) or not digest.strip("0"):
-        raise UserError(f"{manifest}: shard {name!r} has sha256={digest!r}, expected 64 lowercase hex digits "
+        raise UserError(f"{manifest}: {what} {name!r} has sha256={digest!r:.100}, expected 64 lowercase hex digits "
                         f"(not all zero)")
+
+
+def _check_shard_entry(store: ShardStore, entry: Any) -> None:
+    _check_file_entry(store, entry, "shard")
+
+
+def _check_index_entry(store: ShardStore, entry: dict) -> None:
+    """Version 2: the shard's member index, one record per sample."""
+    index = entry.get("index")
+    _check_file_entry(store, index, f"index of shard {entry['file']!r}:")
+    if not _is_int(entry.get("samples")) or index["bytes"] != entry["samples"] * INDEX_DTYPE.itemsize:
+        raise UserError(f"{store.url(MANIFEST)}: index {index['file']!r} has bytes={index['bytes']}, expected "
+                        f"{INDEX_DTYPE.itemsize} per sample x samples={entry.get('samples')!r:.100}")
 

@@ -51,7 +51,8 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from webdataset.tariterators import base_plus_ext
 
 from megakd.data.masking import collate
-from megakd.data.shards import MANIFEST, read_manifest, sample_key
+from megakd.data.shards import INDEX_DTYPE, MANIFEST, member_digest, read_manifest, sample_key
+from megakd.data.storage import ShardStore, StorageError, transient
 from megakd.data.tokenizer import Tokenizer
 from megakd.errors import UserError
 
@@ -79,8 +80,23 @@ def epoch_shard_order(num_shards: int, seed: int, epoch: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch, 0]).permutation(num_shards)
 
 
-def in_group_order(num_samples: int, seed: int, epoch: int, group: int) -> np.ndarray:
-    return np.random.default_rng([seed, epoch, 1, group]).permutation(num_samples)
+def in_group_order(shard_counts: np.ndarray, seed: int, epoch: int, group: int, block: int = 1) -> np.ndarray:
+    """The group's samples (numbered through its shards in epoch order) in one seeded permutation.
+
+    ``block`` > 1 permutes runs of ``block`` consecutive samples of a shard (the last run of a shard
+    may be shorter) instead of single samples, so a reader's slice of the order is a few contiguous
+    byte ranges rather than one range per sample (docs/decisions.md § Reads proportional to the share).
+    """
+    rng = np.random.default_rng([seed, epoch, 1, group])
+    total = int(np.sum(shard_counts))
+    if block == 1:
+        return rng.permutation(total)
+    ends = np.cumsum(shard_counts)
+    starts = np.concatenate([np.arange(e - c, e, block) for e, c in zip(ends.tolist(), np.asarray(shard_counts).tolist())])
+    lengths = np.minimum(block, np.repeat(ends, -(-np.asarray(shard_counts) // block)) - starts)
+    order = rng.permutation(len(starts))
+    first, size = starts[order], lengths[order]
+    return np.repeat(first - np.cumsum(size) + size, size) + np.arange(total)
 
 
 def _decode_npy(data: bytes, headers: dict[bytes, tuple[np.dtype, tuple[int, ...]]]) -> np.ndarray:
@@ -103,11 +119,12 @@ def _decode_npy(data: bytes, headers: dict[bytes, tuple[np.dtype, tuple[int, ...
     return np.frombuffer(data, dtype=dtype, offset=end)
 
 
-def shard_problem(path: Path, entry: dict) -> str | None:
-    """Why the shard file cannot be the one its manifest entry describes, or None."""
-    if not path.is_file():
+def shard_problem(store: ShardStore, entry: dict) -> str | None:
+    """Why the shard object cannot be the one its manifest entry describes, or None."""
+    path = store.url(entry["file"])
+    size = store.size(entry["file"])
+    if size is None:
         return f"shard {path}: missing (listed in {MANIFEST})"
-    size = path.stat().st_size
     if size != entry["bytes"]:
         return f"shard {path}: {size} bytes, {MANIFEST} says {entry['bytes']} (truncated or replaced?)"
     return None
@@ -152,6 +169,13 @@ def _plain_members(path: Path, stream: tarfile.TarFile, limit: int) -> Iterator[
 
 def read_shard(path: Path, entry: dict, dtype: str, *, vocab_size: int | None = None,
                seq_len: int | None = None, verify: bool = True) -> list[np.ndarray]:
+    """All samples of the local shard file ``path`` (see :func:`read_whole_shard`)."""
+    return read_whole_shard(ShardStore(path.parent), entry, dtype, vocab_size=vocab_size, seq_len=seq_len,
+                            verify=verify)
+
+
+def read_whole_shard(store: ShardStore, entry: dict, dtype: str, *, vocab_size: int | None = None,
+                     seq_len: int | None = None, verify: bool = True) -> list[np.ndarray]:
     """All samples of one shard in stored order, checked against its manifest entry.
 
     The file is hashed while it is parsed and its sha256 compared with the manifest's at the end
@@ -164,13 +188,14 @@ def read_shard(path: Path, entry: dict, dtype: str, *, vocab_size: int | None = 
     ``[0, vocab_size)`` (``BadSampleError``). ``verify=False`` skips the sha256 and range checks; it
     exists only to measure their cost (``tools/bench_data.py``).
     """
-    if problem := shard_problem(path, entry):
-        raise ShardError(problem)
+    if not store.remote and (problem := shard_problem(store, entry)):
+        raise ShardError(problem)  # an object store answers a wrong size by the sha256 below
+    path = store.url(entry["file"])
     out: list[np.ndarray] = []
     headers: dict[bytes, tuple[np.dtype, tuple[int, ...]]] = {}
     first = entry["first_index"]
     failure: ShardError | None = None
-    with open(path, "rb") as f:
+    with store.open(entry["file"]) as f:
         reader = _HashingReader(f)
         try:
             with tarfile.open(fileobj=reader, mode="r|") as stream:
@@ -186,11 +211,17 @@ def read_shard(path: Path, entry: dict, dtype: str, *, vocab_size: int | None = 
                     out.append(arr)
         except ShardError as e:
             failure = e
+        except StorageError:
+            raise
         except Exception as e:  # tarfile/numpy raise many types for corrupt bytes
+            if store.remote and transient(e):
+                raise  # a dropped connection, not damaged bytes: `ShardStore.retrying` reads it again
             failure = ShardError(f"shard {path}: unreadable after {len(out)} samples ({type(e).__name__}: {e}); "
                                  f"expected an uncompressed tar")
         if verify or failure is not None:
             reader.drain()
+        store.fetched += reader.size
+        if verify or failure is not None:
             if reader.size != entry["bytes"] or reader.digest.hexdigest() != entry["sha256"]:
                 found = "" if failure is None else "; reading it: " + str(failure).removeprefix(f"shard {path}: ")
                 raise ShardError(f"shard {path}: sha256 {reader.digest.hexdigest()} differs from {MANIFEST}'s "
@@ -200,30 +231,106 @@ def read_shard(path: Path, entry: dict, dtype: str, *, vocab_size: int | None = 
     if len(out) != entry["samples"]:
         raise ShardError(f"shard {path}: holds {len(out)} samples, {MANIFEST} says {entry['samples']}")
     if verify:
-        _check_samples(path, out, first, vocab_size, seq_len)
+        _check_samples(path, out, range(first, first + len(out)), vocab_size, seq_len)
     return out
 
 
-def _check_samples(path: Path, samples: list[np.ndarray], first: int, vocab_size: int | None,
+def _check_samples(path: str, samples: list[np.ndarray], indices, vocab_size: int | None,
                    seq_len: int | None) -> None:
     """Every sample fits the model: at most ``seq_len`` tokens, ids below ``vocab_size``."""
     if seq_len is not None:
         lengths = np.fromiter((len(s) for s in samples), dtype=np.int64, count=len(samples))
         if (too_long := np.flatnonzero(lengths > seq_len)).size:
             j = int(too_long[0])
-            raise BadSampleError(f"shard {path}: sample {sample_key(first + j)} has {lengths[j]} tokens, "
+            raise BadSampleError(f"shard {path}: sample {sample_key(indices[j])} has {lengths[j]} tokens, "
                                  f"more than {MANIFEST}'s seq_len={seq_len}")
     if vocab_size is not None and samples and int(np.concatenate(samples).max()) >= vocab_size:
         j = next(j for j, s in enumerate(samples) if int(s.max()) >= vocab_size)
-        raise BadSampleError(f"shard {path}: sample {sample_key(first + j)} has token id {int(samples[j].max())} "
+        raise BadSampleError(f"shard {path}: sample {sample_key(indices[j])} has token id {int(samples[j].max())} "
                              f"outside the vocabulary [0, {vocab_size})")
 
 
+def read_index(store: ShardStore, entry: dict) -> np.ndarray:
+    """A shard's member index (sizes and digests), checked against the manifest's sha256 first."""
+    meta = entry["index"]
+    raw = store.read(meta["file"])
+    if len(raw) != meta["bytes"] or hashlib.sha256(raw).hexdigest() != meta["sha256"]:
+        raise ShardError(f"index {store.url(meta['file'])}: {len(raw)} bytes with sha256 "
+                         f"{hashlib.sha256(raw).hexdigest()}, {MANIFEST} says {meta['bytes']} bytes with "
+                         f"{meta['sha256']} (corrupted or replaced)")
+    index = np.frombuffer(raw, INDEX_DTYPE)
+    if int(index["size"].astype(np.int64).sum()) > entry["bytes"]:
+        raise ShardError(f"index {store.url(meta['file'])}: members add up to more than the shard's "
+                         f"{entry['bytes']} bytes")
+    return index
+
+
+def coalesce(starts: np.ndarray, ends: np.ndarray, overfetch: float = 0.0) -> list[tuple[int, int]]:
+    """Sorted, disjoint byte ranges merged into fewer requests, reading at most ``overfetch`` x their
+    bytes more: ranges that touch always merge; then the smallest gaps are read through while the
+    bytes they add stay within the budget (an object store charges per request and answers each
+    with a round trip, so a few hundred bytes of gap are cheaper than another request)."""
+    if not len(starts):
+        return []
+    gaps = starts[1:] - ends[:-1]
+    order = np.argsort(gaps, kind="stable")
+    spent = np.cumsum(gaps[order])
+    merge = np.zeros(len(gaps), bool)
+    merge[order[spent <= overfetch * int((ends - starts).sum())]] = True
+    breaks = np.flatnonzero(~merge) + 1
+    firsts = np.concatenate([[0], breaks])
+    lasts = np.concatenate([breaks - 1, [len(starts) - 1]])
+    return list(zip(starts[firsts].tolist(), ends[lasts].tolist()))
+
+
+def read_members(store: ShardStore, entry: dict, index: np.ndarray, wanted: np.ndarray, dtype: str, *,
+                 vocab_size: int | None, seq_len: int | None, overfetch: float = 0.0) -> dict[int, np.ndarray]:
+    """The samples at sorted, unique in-shard positions ``wanted``, by ranged reads of their members
+    (and of gaps between them worth at most ``overfetch`` x their bytes: :func:`coalesce`).
+
+    Each member is checked against the digest its (verified) index holds before it is parsed, then
+    parsed as the writer wrote it: one plain regular tar member ``{index}.ids.npy``.
+    """
+    path = store.url(entry["file"])
+    sizes = index["size"].astype(np.int64)
+    ends = np.cumsum(sizes)
+    starts = ends - sizes
+    ranges = coalesce(starts[wanted], ends[wanted], overfetch)
+    pieces = store.read_ranges(entry["file"], ranges)
+    range_of = np.searchsorted(np.asarray([start for start, _ in ranges]), starts[wanted], side="right") - 1
+    out: dict[int, np.ndarray] = {}
+    headers: dict[bytes, tuple[np.dtype, tuple[int, ...]]] = {}
+    first = entry["first_index"]
+    for j, r in zip(wanted.tolist(), range_of.tolist()):
+        at = int(starts[j]) - ranges[r][0]
+        member = pieces[r][at:at + int(sizes[j])]
+        key = sample_key(first + j)
+        if member_digest(member) != index["digest"][j].tobytes():
+            raise ShardError(f"shard {path}: sample {key} (bytes {starts[j]}..{ends[j]}) differs from its index "
+                             f"digest (corrupted or replaced)")
+        try:
+            info = tarfile.TarInfo.frombuf(member[:tarfile.BLOCKSIZE], "utf-8", "surrogateescape")
+            if info.type not in (tarfile.REGTYPE, tarfile.AREGTYPE) or info.name != f"{key}.ids.npy" \
+                    or info.size > len(member) - tarfile.BLOCKSIZE:
+                raise ValueError(f"member {info.name!r} of type {info.type!r}, {info.size} bytes")
+            arr = _decode_npy(member[tarfile.BLOCKSIZE:tarfile.BLOCKSIZE + info.size], headers)
+        except Exception as e:  # tarfile/numpy raise many types for malformed bytes
+            raise ShardError(f"shard {path}: sample {key} unreadable ({type(e).__name__}: {e}); expected a plain "
+                             f"tar member {key}.ids.npy") from None
+        if arr.dtype != dtype or arr.ndim != 1:
+            raise ShardError(f"shard {path}: sample {key} is {arr.dtype}{list(arr.shape)}, expected 1-D {dtype}")
+        out[j] = arr
+    if out:
+        _check_samples(path, list(out.values()), [first + j for j in out], vocab_size, seq_len)
+    return out
+
+
 @dataclass(frozen=True)
-class _Plan:
+class ReadPlan:
     """Everything a worker needs, small and picklable."""
 
-    shards_dir: str
+    store: ShardStore
+    indexed: bool  # manifest version 2: ranged reads of this reader's members only
     files: tuple[str, ...]
     counts: tuple[int, ...]
     entries: tuple[dict, ...]
@@ -245,61 +352,112 @@ class _Plan:
     vocab_size: int
     seq_len: int
     verify: bool
+    overfetch: float  # gap bytes a ranged read may read through, as a fraction of the wanted bytes
+    read_block: int  # consecutive samples of a shard kept together in the order (in_group_order)
 
     def batch_positions(self, batch: int) -> range:
         """Global positions of this rank's micro-batch number ``batch``."""
         start = (batch * self.world_size + self.rank) * self.micro_batch_size
         return range(start, start + self.micro_batch_size)
 
+    def reader_positions(self, from_batch: int, every: int, lo: int, hi: int) -> np.ndarray:
+        """Global positions in ``[lo, hi)`` of this rank's micro-batches ``from_batch``, ``from_batch + every``, ...
 
-class _SampleReader:
-    """Samples by global position; keeps the current shard group in memory while positions stay in it."""
+        One DataLoader worker reads every ``every``-th batch: this is exactly what it will ask for
+        while the order passes through ``[lo, hi)``, so it is all that it fetches there.
+        """
+        size, stride = self.micro_batch_size, self.world_size * self.micro_batch_size
+        first = max(from_batch, (lo - (self.rank + 1) * size) // stride + 1)  # first batch ending after lo
+        first += (from_batch - first) % every  # ... that this reader owns
+        last = -(-(hi - self.rank * size) // stride) - 1  # last batch starting before hi
+        if last < first:
+            return np.zeros(0, np.int64)
+        starts = (np.arange(first, last + 1, every, dtype=np.int64) * self.world_size + self.rank) * size
+        positions = (starts[:, None] + np.arange(size, dtype=np.int64)).ravel()
+        return positions[(positions >= lo) & (positions < hi)]
 
-    def __init__(self, plan: _Plan, bad: list[tuple[str, str]]) -> None:
+
+class SampleReader:
+    """Samples by global position; keeps the current shard group in memory while positions stay in it.
+
+    Unindexed shards (manifest version 1) are read whole. Indexed ones: on entering a group the
+    reader fetches the members of exactly the positions it will be asked for there (its batches
+    from ``at_batch`` on, every ``every``-th), nothing else.
+    """
+
+    def __init__(self, plan: ReadPlan, bad: list[tuple[str, str]], every: int = 1) -> None:
         self.plan = plan
         self.bad = bad
+        self.every = every
+        self.at_batch = 0  # the batch being built; set by the caller before it asks for positions
         self.known_bad = set(plan.known_bad)
         self.counts = np.asarray(plan.counts)
         self.first_index = np.asarray([e["first_index"] for e in plan.entries])
         self.epoch = -1
         self.group = -1
 
-    def _open_epoch(self, epoch: int) -> None:
+    def open_epoch(self, epoch: int) -> None:
         self.epoch, self.group = epoch, -1
         order = epoch_shard_order(len(self.counts), self.plan.seed, epoch)
         size = self.plan.shuffle_shards
         self.groups = [order[i:i + size] for i in range(0, len(order), size)]
         self.group_ends = np.cumsum([self.counts[g].sum() for g in self.groups])
 
-    def _load_shard(self, shard: int) -> list[np.ndarray] | None:
+    def _load_shard(self, shard: int, wanted: np.ndarray | None) -> list[np.ndarray] | dict[int, np.ndarray] | None:
+        """The shard's samples (all of them, or the in-shard positions ``wanted``), or None if it is bad."""
         p = self.plan
         name = p.files[shard]
         if name in self.known_bad:
             return None
         try:
-            return read_shard(Path(p.shards_dir) / name, p.entries[shard], p.dtype,
-                              vocab_size=p.vocab_size, seq_len=p.seq_len, verify=p.verify)
-        except ShardError as e:
+            if wanted is None:
+                return p.store.retrying("read", name, lambda: read_whole_shard(
+                    p.store, p.entries[shard], p.dtype, vocab_size=p.vocab_size, seq_len=p.seq_len, verify=p.verify))
+            if not len(wanted):
+                return {}
+            index = read_index(p.store, p.entries[shard])
+            return read_members(p.store, p.entries[shard], index, wanted, p.dtype, vocab_size=p.vocab_size,
+                                seq_len=p.seq_len, overfetch=p.overfetch)
+        except (ShardError, FileNotFoundError) as e:
             if not p.skip_bad_shards:
-                raise
+                raise ShardError(str(e)) from None
             logger.warning("skipping bad shard (skip_bad_shards=True): %s", e)
             self.known_bad.add(name)
             self.bad.append((name, str(e)))
             return None
 
     def _open_group(self, group: int) -> None:
-        """Read the group's shards (in epoch order) and draw its seeded sample permutation."""
+        """Draw the group's seeded sample permutation and read what this reader needs of its shards."""
+        self.enter_group(group)
+        shards = self.groups[group]
+        if not self.plan.indexed:
+            self.loaded = [self._load_shard(int(shard), None) for shard in shards]
+            return
+        self.loaded = [self._load_shard(int(shard), wanted) for shard, wanted in zip(shards, self.wanted())]
+
+    def enter_group(self, group: int) -> None:
+        """Make ``group`` (of the open epoch) current: its shards' sample counts and its permutation."""
         self.group = group
         shards = self.groups[group]
-        self.loaded = [self._load_shard(int(shard)) for shard in shards]
         self.shard_ends = np.cumsum(self.counts[shards])
-        self.perm = in_group_order(int(self.shard_ends[-1]), self.plan.seed, self.epoch, group)
+        self.perm = in_group_order(self.counts[shards], self.plan.seed, self.epoch, group, self.plan.read_block)
+
+    def wanted(self) -> list[np.ndarray]:
+        """For each shard of the open group: the sorted in-shard positions of the samples this reader
+        will be asked for in it (from batch ``at_batch`` on)."""
+        shards = self.groups[self.group]
+        base = self.epoch * self.plan.total + int(self.group_ends[self.group]) - int(self.shard_ends[-1])
+        positions = self.plan.reader_positions(self.at_batch, self.every, base, base + int(self.shard_ends[-1]))
+        j = self.perm[positions - base]
+        owner = np.searchsorted(self.shard_ends, j, side="right")
+        local = j - (self.shard_ends[owner] - self.counts[shards][owner])
+        return [np.unique(local[owner == i]) for i in range(len(shards))]
 
     def sample(self, position: int) -> tuple[int, int, np.ndarray] | None:
         """(epoch, global index, ids) at ``position``, or None if its shard is bad (and skipped)."""
         epoch, offset = divmod(position, self.plan.total)
         if epoch != self.epoch:
-            self._open_epoch(epoch)
+            self.open_epoch(epoch)
         k = int(np.searchsorted(self.group_ends, offset, side="right"))
         if k != self.group:
             self._open_group(k)
@@ -320,7 +478,7 @@ class _RankDataset(IterableDataset):
     (never handed to training), so the round-robin order of batch numbers stays intact.
     """
 
-    def __init__(self, plan: _Plan, first_batch: int) -> None:
+    def __init__(self, plan: ReadPlan, first_batch: int) -> None:
         self.plan = plan
         self.first_batch = first_batch
 
@@ -329,10 +487,12 @@ class _RankDataset(IterableDataset):
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         p = self.plan
         bad: list[tuple[str, str]] = []
-        reader = _SampleReader(p, bad)
+        reader = SampleReader(p, bad, every=workers)
         batch_number = self.first_batch + worker
+        retried, fetched = p.store.retried, p.store.fetched
         try:
             while True:
+                reader.at_batch = batch_number
                 found = [x for x in map(reader.sample, p.batch_positions(batch_number)) if x is not None]
                 if found:
                     epochs, indices, samples = (list(column) for column in zip(*found))
@@ -341,9 +501,11 @@ class _RankDataset(IterableDataset):
                                     segment_start_id=p.segment_start_id)
                 else:
                     if len(reader.known_bad) == len(p.files):
-                        raise ShardError(f"shards {p.shards_dir}: every shard is bad; nothing left to read")
+                        raise ShardError(f"shards {p.store}: every shard is bad; nothing left to read")
                     batch = {"_empty": True}
                 batch["_batch"], batch["_bad"] = batch_number, tuple(bad)
+                batch["_io"] = (p.store.retried - retried, p.store.fetched - fetched)
+                retried, fetched = p.store.retried, p.store.fetched
                 bad.clear()
                 yield batch
                 batch_number += workers
@@ -420,32 +582,41 @@ class PretrainingLoader:
         pin_memory: bool = False,
         verify: bool = True,
         shuffle_shards: int = 16,
+        read_overfetch: float = 0.2,
+        read_block: int = 1,
     ) -> None:
-        self.shards_dir = Path(shards_dir)
-        manifest = read_manifest(self.shards_dir)
+        self.store = shards_dir if isinstance(shards_dir, ShardStore) else ShardStore(shards_dir)
+        manifest = read_manifest(self.store)
         if check_tokenizer and manifest["tokenizer"]["vocab_hash"] != tokenizer.vocab_hash:
-            raise UserError(f"{self.shards_dir / MANIFEST}: shards were written with tokenizer vocab_hash "
+            raise UserError(f"{self.store.url(MANIFEST)}: shards were written with tokenizer vocab_hash "
                              f"{manifest['tokenizer']['vocab_hash']}, but tokenizer {tokenizer.path} has "
                              f"{tokenizer.vocab_hash}")
         if not 0 <= rank < world_size:
             raise UserError(f"rank={rank}, world_size={world_size}: expected 0 <= rank < world_size")
-        if micro_batch_size < 1 or num_workers < 0 or not 0.0 <= mask_prob <= 1.0 or shuffle_shards < 1:
+        if micro_batch_size < 1 or num_workers < 0 or not 0.0 <= mask_prob <= 1.0 or shuffle_shards < 1 \
+                or not 0.0 <= read_overfetch <= 1e6 or read_block < 1:
             raise UserError(f"micro_batch_size={micro_batch_size}, num_workers={num_workers}, "
-                             f"mask_prob={mask_prob}, shuffle_shards={shuffle_shards}: expected ≥ 1, ≥ 0, "
-                             "in [0, 1], ≥ 1")
+                             f"mask_prob={mask_prob}, shuffle_shards={shuffle_shards}, read_overfetch={read_overfetch}, "
+                             f"read_block={read_block}: expected ≥ 1, ≥ 0, in [0, 1], ≥ 1, ≥ 0, ≥ 1")
         self.num_workers = num_workers
         self.pin_memory = pin_memory
         total = manifest["num_samples"]
         self.bad_shards: dict[str, str] = {}
-        for entry in manifest["shards"]:
-            problem = shard_problem(self.shards_dir / entry["file"], entry)
+        self.read_retries = 0  # transient storage errors retried so far by this rank's readers
+        self.read_bytes = 0  # bytes this rank's readers fetched from storage so far (shards and indexes)
+        # Local shards are all checked here; an object store is asked nothing more before the first
+        # read (one request per shard and rank would be a storm at scale): a missing or resized
+        # object is named when it is read.
+        for entry in [] if self.store.remote else manifest["shards"]:
+            problem = shard_problem(self.store, entry)
             if problem and not skip_bad_shards:
                 raise ShardError(problem)
             if problem:
                 logger.warning("skipping bad shard (skip_bad_shards=True): %s", problem)
                 self.bad_shards[entry["file"]] = problem
-        self.plan = _Plan(
-            shards_dir=str(self.shards_dir),
+        self.plan = ReadPlan(
+            store=self.store,
+            indexed=manifest["version"] >= 2,
             files=tuple(e["file"] for e in manifest["shards"]),
             counts=tuple(e["samples"] for e in manifest["shards"]),
             entries=tuple(manifest["shards"]),
@@ -467,7 +638,14 @@ class PretrainingLoader:
             seq_len=manifest["seq_len"],
             verify=verify,
             shuffle_shards=shuffle_shards,
+            overfetch=read_overfetch,
+            read_block=read_block,
         )
+        if read_block > 1 and not manifest.get("shuffled"):
+            logger.warning("%s: read_block=%d keeps %d consecutive samples of a shard together, but these shards "
+                           "were written in input order (consecutive pieces of one document); write them with "
+                           "`megakd data shards --shuffle` for mixed batches", self.store.url(MANIFEST), read_block,
+                           read_block)
         self.seq_len: int = manifest["seq_len"]
         self.packed: bool = bool(manifest.get("packed", False))
         self.num_samples: int = total
@@ -493,6 +671,9 @@ class PretrainingLoader:
             if "_error" in batch:
                 raise batch["_error"]
             self._next_batch = batch.pop("_batch") + 1
+            retries, fetched = batch.pop("_io")
+            self.read_retries += retries
+            self.read_bytes += fetched
             for name, reason in batch.pop("_bad"):
                 self.bad_shards.setdefault(name, reason)
             if batch.pop("_empty", False):
@@ -512,6 +693,7 @@ class PretrainingLoader:
             "data_fingerprint": self._fingerprint,
             "seed": p.seed,
             "mask_prob": p.mask_prob,
+            "read_block": p.read_block,
             "rank": p.rank,
             "world_size": p.world_size,
             "num_workers": self.num_workers,
@@ -531,8 +713,8 @@ class PretrainingLoader:
         if state.get("version") != STATE_VERSION:
             raise UserError(f"loader state: version {state.get('version')!r} (written by an older megakd with "
                              f"per-slot cursors), expected {STATE_VERSION}")
-        for key in ("data_fingerprint", "seed", "mask_prob"):
-            if state.get(key) != mine[key]:
+        for key in ("data_fingerprint", "seed", "mask_prob", "read_block"):
+            if state.get(key, 1 if key == "read_block" else None) != mine[key]:  # states before read_block had 1
                 raise UserError(f"loader state: {key}={state.get(key)!r} does not match this loader's {mine[key]!r}")
         if all(state.get(k) == mine[k] for k in ("world_size", "rank", "micro_batch_size")):
             self._next_batch = int(state["next_batch"])

@@ -162,18 +162,28 @@ def no_stop() -> tuple[bool, bool]:
     return False, False
 
 
+def never() -> bool:
+    return False
+
+
+STORAGE_FAILED = "storage failure"  # `StepResult.skipped` when some rank's batches were stand-ins
+
+
 @dataclass(frozen=True)
 class StepContext:
     """What one optimizer step needs besides its batches. Passed down the call, never stored.
 
     `stop_flags` is this rank's (stop requested, a SIGINT was among the signals), read when the
-    step's one agreement all-reduce runs; `timer(phase)` is a context manager around each
-    "forward", "backward" and "optimizer" phase (`megakd bench` measures through it).
+    step's one agreement all-reduce runs; so is `held`: whether this rank's micro-batches were
+    stand-ins because its storage failed (then every rank skips the update and stops). `timer(phase)`
+    is a context manager around each "forward", "backward" and "optimizer" phase (`megakd bench`
+    measures through it).
     """
 
     index: int  # the 0-based optimizer step being computed (DWT's α_s(t) depends on it)
     rng: torch.Generator  # this rank's replacement-sampling stream
     stop_flags: Callable[[], tuple[bool, bool]] = no_stop
+    held: Callable[[], bool] = never
     timer: Callable[[str], contextlib.AbstractContextManager] = untimed
 
 
@@ -210,6 +220,7 @@ class TrainingBackend:
     """The contract every backend implements, and what all of them share (ranks, collectives)."""
 
     name = "base"
+    holds_steps = False  # whether train_step honours StepContext.held (skips the update on every rank)
 
     def __init__(self, precision: str = "fp32", device: torch.device | None = None):
         self.rank, self.world_size, self.local_rank = 0, 1, 0
@@ -307,6 +318,8 @@ class Backend(TrainingBackend):
     Subclasses change how a unit is wrapped, how its gradients sync, and how it steps.
     """
 
+    holds_steps = True
+
     name = "single"
 
     # -- setup -------------------------------------------------------------------------------
@@ -331,7 +344,8 @@ class Backend(TrainingBackend):
         """The micro-batch loop; then all ranks agree (one all-reduce) on finiteness and stopping.
 
         A non-finite loss on any rank skips every unit's update; so does a non-finite gradient norm
-        (`step`). The stop flags ride on the same all-reduce.
+        (`step`) and a rank whose storage failed (`StepContext.held`). The stop flags ride on the
+        same all-reduce.
         """
         stats = stat_sums(self.device)
         losses: list[torch.Tensor] = []
@@ -347,11 +361,12 @@ class Backend(TrainingBackend):
             for key, value in out.stats.items():
                 stats[key] += value.detach().double()
         finite = bool(torch.isfinite(torch.stack([x.float() for x in losses])).all())
-        non_finite, stop, interrupted = self.agree(not finite, *step.stop_flags())
-        if non_finite:
+        non_finite, stop, interrupted, held = self.agree(not finite, *step.stop_flags(), step.held())
+        if non_finite or held:
             for unit in units:
                 self.skip_step(unit)
-            return StepResult(None, dict(stats), "non-finite loss", stop, interrupted)
+            return StepResult(None, dict(stats), STORAGE_FAILED if held else "non-finite loss", stop or held,
+                              interrupted)
         with step.timer("optimizer"), phase("optimizer"):
             norms = self.step(units)
         return StepResult(norms, dict(stats), None if norms is not None else "non-finite gradient norm",

@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 
 from megakd.config import Config, ConfigError, bundled_vocab_size, resolve_vocab_sizes
-from megakd.data.shards import read_manifest
+from megakd.data.shards import MANIFEST, read_manifest
+from megakd.data.storage import ShardStore
 from megakd.data.stream import PretrainingLoader
 from megakd.data.tokenizer import Tokenizer
 from megakd.engine.backends import (
@@ -50,17 +51,20 @@ def build_backend(cfg: Config) -> TrainingBackend:
     return DeepSpeedBackend(cfg)
 
 
-def resolve_data(cfg: Config) -> tuple[Path, Path]:
-    """(tokenizer dir, shards dir): the configured ones, or the bundled corpus built once in a cache."""
+def resolve_data(cfg: Config) -> tuple[Path, ShardStore]:
+    """(tokenizer dir, shards): the configured ones (a local directory or an object-store URL), or
+    the bundled corpus built once in a cache."""
     d = cfg.data
     if bool(d.tokenizer) != bool(d.shards):
         raise ConfigError("data.tokenizer and data.shards: set both (your own data) or neither (bundled corpus)")
     if d.tokenizer:
-        return Path(d.tokenizer), Path(d.shards)
+        return Path(d.tokenizer), ShardStore(d.shards)
     from megakd.data.default_corpus import prepare_default_data
 
     cache = Path(d.cache_dir or os.environ.get("MEGAKD_CACHE", "~/.cache/megakd")).expanduser()
-    return prepare_default_data(cache, vocab_size=bundled_vocab_size(cfg), seq_len=d.seq_len, corpus=d.corpus)
+    tokenizer_dir, shards_dir = prepare_default_data(cache, vocab_size=bundled_vocab_size(cfg), seq_len=d.seq_len,
+                                                     corpus=d.corpus)
+    return tokenizer_dir, ShardStore(shards_dir)
 
 
 def expected_vocab_size(cfg: Config) -> tuple[int, str, int]:
@@ -102,7 +106,7 @@ def build_models(cfg: Config) -> tuple[MaskedLM, Discriminator | None]:
     return generator, discriminator
 
 
-def admin_profile(cfg: Config, models: list[MaskedLM | Discriminator | None], shards_dir: Path,
+def admin_profile(cfg: Config, models: list[MaskedLM | Discriminator | None], shards_dir: ShardStore,
                   tokenizer: Tokenizer) -> None:
     """Admin's one-batch profiling pass for models with `init: admin`.
 
@@ -138,14 +142,15 @@ def compile_encoders(models: list[MaskedLM | Discriminator | None]) -> None:
                 layer.compile()
 
 
-def build_loader(cfg: Config, tokenizer: Tokenizer, shards_dir: Path, micro_batch_size: int, rank: int,
+def build_loader(cfg: Config, tokenizer: Tokenizer, shards_dir: ShardStore, micro_batch_size: int, rank: int,
                  world_size: int) -> PretrainingLoader:
     """The pretraining data stream as `cfg.data` describes it (training and `megakd bench` alike)."""
     return PretrainingLoader(
         shards_dir, tokenizer, micro_batch_size=micro_batch_size, rank=rank, world_size=world_size,
         num_workers=cfg.data.num_workers, seed=cfg.train.seed, mask_prob=cfg.data.mask_prob,
         skip_bad_shards=cfg.data.skip_bad_shards, pin_memory=torch.cuda.is_available(),
-        shuffle_shards=cfg.data.shuffle_shards,
+        shuffle_shards=cfg.data.shuffle_shards, read_block=cfg.data.read_block,
+        read_overfetch=cfg.data.read_overfetch,
     )
 
 
@@ -195,22 +200,22 @@ def _build_trainer(cfg: Config, backend: TrainingBackend, resume: str | None = N
     return Trainer(cfg, backend, layout, loader, tokenizer_dir=tokenizer_dir, validator=validator)
 
 
-def valid_shards_dir(cfg: Config, shards_dir: Path) -> Path | None:
+def valid_shards_dir(cfg: Config, shards: ShardStore) -> ShardStore | None:
     """data.valid_shards, or under "auto" the `valid/` set written beside the training shards."""
     if cfg.data.valid_shards == "auto":
-        beside = shards_dir / "valid"
-        return beside if (beside / "manifest.json").is_file() else None
-    return Path(cfg.data.valid_shards) if cfg.data.valid_shards else None
+        beside = shards.child("valid")
+        return beside if beside.size(MANIFEST) is not None else None
+    return ShardStore(cfg.data.valid_shards) if cfg.data.valid_shards else None
 
 
-def build_validator(cfg: Config, tokenizer: Tokenizer, shards_dir: Path, micro_batch: int, backend: TrainingBackend,
+def build_validator(cfg: Config, tokenizer: Tokenizer, shards_dir: ShardStore, micro_batch: int, backend: TrainingBackend,
                     layout: Layout) -> Validator | None:
     if not cfg.train.eval_every:
         return None
     valid_dir = valid_shards_dir(cfg, shards_dir)
     if valid_dir is None:
         raise ConfigError(f"train.eval_every={cfg.train.eval_every} needs validation shards: set data.valid_shards=DIR "
-                          f"or write them with `megakd data shards --valid-fraction F` (none at {shards_dir / 'valid'})")
+                          f"or write them with `megakd data shards --valid-fraction F` (none at {shards_dir.url('valid')})")
     loader = PretrainingLoader(valid_dir, tokenizer, micro_batch_size=micro_batch, seed=VALID_SEED,
                                mask_prob=cfg.data.mask_prob)
     return Validator(loader, cfg.train.eval_samples, backend, layout)

@@ -21,9 +21,18 @@ import numpy as np
 import torch
 
 from megakd.config import Config, config_to_dict, read_yaml_file, save_config
+from megakd.data.storage import StorageError as DataStorageError
 from megakd.data.stream import STOP_SIGNALS
 from megakd.data.tokenizer import copy_tokenizer
-from megakd.engine.backends import StepContext, StepResult, TrainingBackend, Unit, stat_sums
+from megakd.engine.backends import (
+    STORAGE_FAILED,
+    StepContext,
+    StepResult,
+    TrainingBackend,
+    Unit,
+    never,
+    stat_sums,
+)
 from megakd.engine.layouts import Layout
 from megakd.engine.metrics import MetricsWriter, plot_metrics
 from megakd.engine.probe import Probe
@@ -281,14 +290,25 @@ class Trainer:
         The data position is global (megakd.data.stream), so every rank continues the same global
         sample order; rank 0 takes over the metric sums of all saved ranks, and a rank that did not
         exist before starts fresh, deterministic RNG streams (dropout and sampling cannot continue
-        bit-exactly across a layout change; everything else does).
+        bit-exactly across a layout change; everything else does). Under DeepSpeed ZeRO the model
+        and optimizer state go through a universal checkpoint (`DeepSpeedBackend.load_units_elastic`);
+        the pipeline engine cannot re-cut its stages' state and is refused.
         """
         b = self.backend
-        if b.name == "deepspeed" or saved_world < 1:
-            raise UserError(f"checkpoint {path} was written by {saved_world} processes, this run has "
-                              f"{b.world_size}: resuming with another world size needs the single or ddp backend "
-                              f"(DeepSpeed's ZeRO state is partitioned per process)")
-        b.load_units(list(self.units.values()), path)
+        if saved_world < 1:
+            raise UserError(f"checkpoint {path} has no trainer_state_rank*.pt: it is incomplete or not a "
+                            f"megakd checkpoint")
+        units = list(self.units.values())
+        if b.name == "deepspeed":
+            load_elastic = getattr(b, "load_units_elastic", None)
+            if load_elastic is None:
+                raise UserError(f"checkpoint {path} was written by {saved_world} processes, this run has "
+                                f"{b.world_size}: a pipeline-parallel checkpoint resumes only at its world size; "
+                                f"resume with {saved_world} processes, or start a new run from its weights "
+                                f"(init.generator / init.discriminator = the checkpoint)")
+            load_elastic(units, path, self.run_dir)
+        else:
+            b.load_units(units, path)
         states = [checkpoint.load_rank_state(path, r) for r in range(saved_world)]
         mine = states[b.rank] if b.rank < saved_world else {**states[0], "rng": None}
         interval = stat_sums(torch.device("cpu"))
@@ -315,8 +335,11 @@ class Trainer:
 
     def _step(self, batches) -> StepResult:
         """One step through the backend; the trainer's counters and interval sums follow its result."""
-        context = StepContext(index=self.step, rng=self.rng, stop_flags=self._local_stop_flags)
+        held = batches.held if isinstance(batches, StepBatches) else never
+        context = StepContext(index=self.step, rng=self.rng, stop_flags=self._local_stop_flags, held=held)
         result = self.backend.train_step(self.layout, batches, context)
+        if result.skipped == STORAGE_FAILED:
+            return result  # nothing of this step counts: the checkpoint repeats it on resume
         for key, value in result.stats.items():
             self.interval[key] += value.to(self.interval[key].device)
         if result.norms is None:
@@ -325,6 +348,19 @@ class Trainer:
             self.bad_steps = 0
             self.step += 1
         return result
+
+    def _stop_on_storage_failure(self, batches: StepBatches, step_start: dict) -> None:
+        """Some rank's storage failed for good during a step that every rank then skipped: save the
+        run as it was before that step (its data position rewound on every rank) and stop with the
+        failing rank's one-line error."""
+        self.loader.load_state_dict(step_start)
+        path = self.save()
+        log.warning("storage failed at step %d: saved %s; resume with --resume auto once it is back", self.step + 1,
+                    path)
+        if batches.failure is not None:
+            raise batches.failure
+        raise DataStorageError(f"step {self.step + 1}: another rank's storage failed (see its message); the run was "
+                           f"saved at step {self.step}")
 
     def _skipped(self, what: str) -> None:
         """Count a skipped update; `train.max_bad_steps` of them in a row stop the run unsaved."""
@@ -340,10 +376,12 @@ class Trainer:
     # -- metrics ---------------------------------------------------------------------------------
     def _record(self, norms_sum: dict[str, float], steps: int, seconds: float) -> dict:
         names = sorted(self.interval)
-        totals = torch.stack([self.interval[k] for k in names])
-        totals = self.backend.all_reduce_sum(totals).cpu()
-        s = dict(zip(names, totals.tolist()))
-        rec: dict = {"step": self.step, **self.layout.metrics(s)}
+        # The loaders' retry counts (cumulative, per rank) ride on the same all-reduce: the job's total.
+        retries = torch.tensor([float(self.loader.read_retries)], dtype=torch.float64).to(self.backend.device)
+        totals = self.backend.all_reduce_sum(torch.cat([torch.stack([self.interval[k] for k in names]), retries]))
+        totals = totals.cpu().tolist()
+        s = dict(zip(names, totals))
+        rec: dict = {"step": self.step, **self.layout.metrics(s), "read_retries": int(totals[-1])}
         rec.update(self.layout.optimizer_metrics({k: v / max(1, steps) for k, v in norms_sum.items()}))
         rec["tokens_per_s"] = s.get("tokens", 0.0) / max(seconds, 1e-9)
         self.interval.clear()
@@ -399,11 +437,14 @@ class Trainer:
         last_saved = self.step
         try:
             self.layout.train()
-            batches = iter(self.loader)
+            batches = StepBatches(iter(self.loader), can_hold=self.backend.holds_steps)
             norms_sum: dict[str, float] = defaultdict(float)
             steps_in_interval, t0 = 0, time.perf_counter()
             while self.step < cfg.train.max_steps:
+                step_start = self.loader.state_dict()
                 result = self._step(batches)
+                if result.skipped == STORAGE_FAILED:
+                    self._stop_on_storage_failure(batches, step_start)
                 norms, stop, interrupted = result.norms, result.stop, result.interrupted
                 if norms is not None:
                     for k, v in norms.items():
@@ -453,6 +494,40 @@ class Trainer:
         if self.backend.is_main and cfg.run.plots and not preempted:
             plot_metrics(self.run_dir / "metrics.jsonl", self.run_dir / "plots")
         return TrainResult(step=self.step, preempted=preempted, run_dir=self.run_dir, interrupted=interrupted)
+
+
+class StepBatches:
+    """The loader's micro-batches, turned into stand-ins when storage fails for good mid-run.
+
+    A rank whose reads fail cannot simply raise: the other ranks would wait for it in the step's
+    collectives. It keeps repeating its last micro-batch instead, and reports `held()` in the step's
+    agreement, so every rank skips that update, saves and stops (`Trainer._stop_on_storage_failure`).
+    Without a previous batch, or under a backend that cannot skip an update, the error is raised.
+    """
+
+    def __init__(self, batches, can_hold: bool):
+        self.batches = batches
+        self.can_hold = can_hold
+        self.last: dict | None = None
+        self.failure: DataStorageError | None = None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        if self.failure is None:
+            try:
+                self.last = next(self.batches)
+                return self.last
+            except DataStorageError as error:
+                if self.last is None or not self.can_hold:
+                    raise
+                log.error("%s", error)
+                self.failure = error
+        return self.last
+
+    def held(self) -> bool:
+        return self.failure is not None
 
 
 def _numpy_state_to_plain(state: tuple) -> tuple:

@@ -1,14 +1,15 @@
 import itertools
 import json
+import re
 import shutil
 
 import pytest
 
 from megakd.data.shards import MANIFEST, read_manifest, write_shards
-from megakd.data.stream import PretrainingLoader, ShardError
+from megakd.data.stream import PretrainingLoader, ShardError, read_shard
 from megakd.data.tokenizer import train_tokenizer
 
-from .conftest import corpus_docs, write_jsonl
+from .conftest import corpus_docs, member_spans, unindexed, write_jsonl
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 
@@ -18,6 +19,29 @@ def shards(small_shards, tmp_path):
     copy = tmp_path / "shards"
     shutil.copytree(small_shards, copy)
     return copy
+
+
+@pytest.fixture
+def v1_shards(shards):
+    """The same shards as a version-1 data set (no member index): read whole shard by whole shard."""
+    return unindexed(shards)
+
+
+def damaged_member(shards, name, offset):
+    """(sample key, start, end) of the member of shard `name` holding byte `offset` (version 2)."""
+    entry = json.loads((shards / MANIFEST).read_text())
+    entry = next(s for s in entry["shards"] if s["file"] == name)
+    j, (start, end) = next((j, span) for j, span in enumerate(member_spans(shards, name)) if span[0] <= offset < span[1])
+    return f"{entry['first_index'] + j:012d}", start, end
+
+
+def read_until_error(loader, limit=200):
+    """(indices of the samples yielded before the loader raised, the ShardError)."""
+    seen = []
+    with pytest.raises(ShardError) as err:
+        for b in itertools.islice(loader, limit):
+            seen += [int(i) for i in b["index"]]
+    return seen, err
 
 
 def shard_indices(manifest, name):
@@ -43,26 +67,70 @@ def test_missing_shard(shards, tokenizer):
     (2048, r"sha256 [0-9a-f]{64} differs .*\(corrupted or replaced\)$"),  # third tar header: the tar ends early
     (1536, r"sha256 [0-9a-f]{64} differs .*; reading it: unreadable after 1 samples \(ValueError"),  # .npy header
 ])
-def test_corrupt_shard_of_the_right_size(shards, tokenizer, workers, offset, message):
-    path = shards / "shard-000002.tar"
+def test_corrupt_shard_of_the_right_size(v1_shards, tokenizer, workers, offset, message):
+    """Version 1: the whole shard's sha256 is named first, then what parsing it found."""
+    path = v1_shards / "shard-000002.tar"
     data = bytearray(path.read_bytes())
     data[offset : offset + 512] = b"\xff" * 512
     path.write_bytes(bytes(data))
-    loader = PretrainingLoader(shards, tokenizer, micro_batch_size=4, num_workers=workers)
+    loader = PretrainingLoader(v1_shards, tokenizer, micro_batch_size=4, num_workers=workers)
     with pytest.raises(ShardError, match=r"^shard \S+shard-000002\.tar: " + message) as err:
         list(itertools.islice(loader, 200))
     assert "\n" not in str(err.value)  # one line, also from a worker process
 
 
-def test_shard_swapped_with_another(shards, tokenizer):
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("offset", [2048, 1536])  # a tar header, a .npy header
+def test_corrupt_member_of_the_right_size(shards, tokenizer, workers, offset):
+    """Version 2: the damaged member is named by its sample and byte range, before it is parsed."""
+    path = shards / "shard-000002.tar"
+    key, start, end = damaged_member(shards, path.name, offset)
+    data = bytearray(path.read_bytes())
+    data[offset : offset + 512] = b"\xff" * 512
+    path.write_bytes(bytes(data))
+    loader = PretrainingLoader(shards, tokenizer, micro_batch_size=4, num_workers=workers)
+    seen, err = read_until_error(loader)
+    assert re.fullmatch(rf"shard \S+shard-000002\.tar: sample {key} \(bytes {start}\.\.{end}\) differs from its "
+                        r"index digest \(corrupted or replaced\)", str(err.value)), str(err.value)
+    assert int(key) not in seen  # nothing was made of the damaged bytes
+
+
+def swap(a, b):
+    tmp = a.with_name("x")
+    a.rename(tmp), b.rename(a), tmp.rename(b)
+
+
+def test_shard_swapped_with_another(v1_shards, tokenizer):
+    shards = v1_shards
     a, b = shards / "shard-000001.tar", shards / "shard-000004.tar"
     assert a.stat().st_size == b.stat().st_size  # tar pads to 10 KiB records: the sizes agree
-    tmp = shards / "x"
-    a.rename(tmp), b.rename(a), tmp.rename(b)
+    swap(a, b)
     loader = PretrainingLoader(shards, tokenizer, micro_batch_size=4)
     with pytest.raises(ShardError, match=r"shard-00000[14]\.tar: sha256 .* \(corrupted or replaced\); reading it: "
                                          r"member 0 is '000000000\d+\.ids\.npy', expected"):
         list(itertools.islice(loader, 200))
+
+
+@pytest.mark.parametrize("with_index", [False, True], ids=["tar", "tar-and-index"])
+def test_indexed_shard_swapped_with_another(shards, tokenizer, with_index):
+    """Version 2: swapped alone, a shard's members differ from its index digests; swapped with its
+    index, the index differs from the manifest's sha256. Either way no sample of it is yielded."""
+    a, b = shards / "shard-000001.tar", shards / "shard-000004.tar"
+    assert a.stat().st_size == b.stat().st_size
+    swap(a, b)
+    if with_index:
+        swap(a.with_suffix(".idx"), b.with_suffix(".idx"))
+        pattern = (r"index \S+shard-00000[14]\.idx: \d+ bytes with sha256 [0-9a-f]{64}, manifest.json says \d+ "
+                   r"bytes with [0-9a-f]{64} \(corrupted or replaced\)")
+    else:
+        pattern = (r"shard \S+shard-00000[14]\.tar: sample 000000000\d+ \(bytes \d+\.\.\d+\) differs from its "
+                   r"index digest \(corrupted or replaced\)")
+    manifest = read_manifest(shards)
+    loader = PretrainingLoader(shards, tokenizer, micro_batch_size=4)
+    seen, err = read_until_error(loader)
+    assert re.fullmatch(pattern, str(err.value)), str(err.value)
+    swapped = shard_indices(manifest, "shard-000001.tar") | shard_indices(manifest, "shard-000004.tar")
+    assert not swapped & set(seen)
 
 
 def test_manifest_with_wrong_count(shards, tokenizer):
@@ -100,7 +168,8 @@ def test_tokenizer_mismatch(small_shards, tokenizer, corpus_jsonl, tmp_path):
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_skip_bad_shards_counts_and_skips_only_them(shards, tokenizer, workers):
+def test_skip_bad_shards_counts_and_skips_only_them(v1_shards, tokenizer, workers):
+    shards = v1_shards
     manifest = read_manifest(shards)
     (shards / "shard-000005.tar").unlink()
     corrupt = shards / "shard-000002.tar"
@@ -117,6 +186,40 @@ def test_skip_bad_shards_counts_and_skips_only_them(shards, tokenizer, workers):
     lost = shard_indices(manifest, "shard-000002.tar") | shard_indices(manifest, "shard-000005.tar")
     assert sorted(seen) == sorted(set(range(manifest["num_samples"])) - lost)
     assert loader.skipped_shards == 2 and set(loader.bad_shards) == {"shard-000002.tar", "shard-000005.tar"}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_skip_bad_shards_with_index_skips_only_damaged_members(shards, small_shards, tokenizer, workers):
+    """Version 2: a reader that meets a damaged member skips its share of that shard; another reader
+    (worker) whose members of it are intact still uses them. Every sample used is the intact one."""
+    manifest = read_manifest(shards)
+    clean = [s for e in manifest["shards"] for s in read_shard(small_shards / e["file"], e, manifest["dtype"])]
+    (shards / "shard-000005.tar").unlink()
+    corrupt = shards / "shard-000002.tar"
+    key, _, _ = damaged_member(shards, corrupt.name, 2048)
+    data = bytearray(corrupt.read_bytes())
+    data[2048:2560] = b"\xff" * 512
+    corrupt.write_bytes(bytes(data))
+    loader = PretrainingLoader(shards, tokenizer, micro_batch_size=4, num_workers=workers, skip_bad_shards=True)
+    assert loader.skipped_shards == 1  # the missing one is known up front, the corrupt one when read
+    seen = []
+    for b in loader:
+        for i, e, ids, attn in zip(b["index"], b["epoch"], b["input_ids"], b["attention_mask"]):
+            if e == 0:
+                seen.append(int(i))
+                assert ids[attn.bool()].tolist() == clean[int(i)].tolist(), f"sample {int(i)} differs"
+        if loader.position >= loader.num_samples:  # later batches start in epoch 1
+            break
+    assert len(seen) == len(set(seen))
+    missing = shard_indices(manifest, "shard-000005.tar")
+    damaged = shard_indices(manifest, "shard-000002.tar")
+    assert int(key) in damaged and int(key) not in seen and not missing & set(seen)
+    assert set(range(manifest["num_samples"])) - damaged - missing <= set(seen)  # intact shards: all of them
+    if workers == 0:  # one reader: it met the damaged member, so it used none of that shard
+        assert not damaged & set(seen)
+    assert loader.skipped_shards == 2 and set(loader.bad_shards) == {"shard-000002.tar", "shard-000005.tar"}
+    assert re.fullmatch(rf"shard \S+shard-000002\.tar: sample {key} \(bytes 2048\.\.\d+\) differs from its index "
+                        r"digest \(corrupted or replaced\)", loader.bad_shards["shard-000002.tar"])
 
 
 def test_writer_refuses_non_empty_output(small_shards, tokenizer, corpus_jsonl):

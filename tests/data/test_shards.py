@@ -1,6 +1,8 @@
 import filecmp
 import gzip
+import hashlib
 import json
+import tarfile
 
 import numpy as np
 import pytest
@@ -62,9 +64,30 @@ def test_manifest_contents(packed, tokenizer):
     assert m["tokenizer"]["vocab_hash"] == tokenizer.vocab_hash and m["tokenizer"]["vocab_size"] == 600
     assert [s["file"] for s in m["shards"]] == [f"shard-{i:06d}.tar" for i in range(len(m["shards"]))]
     assert all(s["samples"] == 100 for s in m["shards"][:-1]) and 0 < m["shards"][-1]["samples"] <= 100
-    assert sorted(p.name for p in out.iterdir()) == sorted([MANIFEST] + [s["file"] for s in m["shards"]])
+    assert m["version"] == 2 and [s["index"]["file"] for s in m["shards"]] == [
+        f"shard-{i:06d}.idx" for i in range(len(m["shards"]))]
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [MANIFEST] + [s["file"] for s in m["shards"]] + [s["index"]["file"] for s in m["shards"]])
     for entry in m["shards"]:  # size and sha256 match the manifest (read_shard checks both)
         read_shard(out / entry["file"], entry, m["dtype"])
+        # The index, checked independently of the reader: one 12-byte record per member, in order.
+        raw = (out / entry["index"]["file"]).read_bytes()
+        assert entry["index"]["bytes"] == len(raw) == 12 * entry["samples"]
+        assert entry["index"]["sha256"] == hashlib.sha256(raw).hexdigest()
+        data = (out / entry["file"]).read_bytes()
+        sizes = [int.from_bytes(raw[k : k + 4], "little") for k in range(0, len(raw), 12)]
+        padding = 2 * tarfile.BLOCKSIZE + (-(sum(sizes) + 2 * tarfile.BLOCKSIZE) % tarfile.RECORDSIZE)
+        assert sum(sizes) == len(data) - padding and not any(data[sum(sizes):])
+        with tarfile.open(out / entry["file"]) as tar:
+            infos = tar.getmembers()
+        assert [info.offset for info in infos] == [sum(sizes[:k]) for k in range(len(sizes))]
+        at = 0
+        for k, size in enumerate(sizes):
+            member = data[at : at + size]
+            assert member[:tarfile.BLOCKSIZE] == infos[k].tobuf(tarfile.USTAR_FORMAT)  # this member's header
+            assert size == tarfile.BLOCKSIZE + -(-infos[k].size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+            assert raw[12 * k + 4 : 12 * k + 12] == hashlib.sha256(member).digest()[:8]
+            at += size
 
 
 @pytest.mark.parametrize("workers", [2, 3])

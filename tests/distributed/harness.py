@@ -119,6 +119,10 @@ class _RankInterleaved:
     def state_dict(self) -> dict:
         return {"ranks": [loader.state_dict() for loader in self.loaders]}
 
+    @property
+    def read_retries(self) -> int:
+        return sum(loader.read_retries for loader in self.loaders)
+
 
 class _RankRngLayout:
     """A trainer's layout whose micro-batch i of a step samples replacements with rank i's generator.

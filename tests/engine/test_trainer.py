@@ -40,7 +40,7 @@ def _params(trainer):
 
 CONTRACT_KEYS = {"step", "gen_loss", "gen_acc", "disc_loss", "disc_acc", "rtd_precision", "rtd_recall", "rtd_f1",
                  "replaced_frac", "lr_generator", "lr_discriminator", "grad_norm_generator",
-                 "grad_norm_discriminator", "tokens_per_s"}
+                 "grad_norm_discriminator", "tokens_per_s", "read_retries"}
 
 
 def test_metrics_contract_and_run_dir(tiny_data, tmp_path):

@@ -24,8 +24,9 @@ from megakd.data.shards import MANIFEST
 from megakd.models.electra import MaskedLM
 from megakd.models.encoder import EncoderConfig
 from megakd.store.model_dir import save_model_dir
+from tests.data.conftest import forge_member, member_spans, unindexed
 from tests.faults.harness import megakd, megakd_peak, snapshot
-from tests.faults.test_data_faults import first_shard
+from tests.faults.test_data_faults import first_key, first_shard
 from tests.helpers import TINY_SEQ_LEN, TINY_VOCAB, tiny_overrides
 
 GIB = 1 << 30
@@ -107,11 +108,27 @@ def resealed(damage):
     return both
 
 
+def forged_first_member(member):
+    """Version 2: the shard's first member replaced by `member(its name)`, with its index record and the
+    manifest's sizes and sha256s (shard and index) all made to agree: only the parse can refuse it."""
+    def damage(shards: Path, name: str) -> None:
+        forge_member(shards, name, 0, member(f"{first_sample(shards, name)}.ids.npy"))
+    damage.resealed = True
+    return damage
+
+
+def forged_gzip_first_member(shards: Path, name: str) -> None:
+    start, end = member_spans(shards, name)[0]
+    forge_member(shards, name, 0, gzip.compress((shards / name).read_bytes()[start:end], mtime=0))
+
+
+forged_gzip_first_member.resealed = True
+
 SHA = r"sha256 [0-9a-f]{64} differs from manifest.json's [0-9a-f]{64} \(corrupted or replaced\)"
 SPARSE = same_size(lambda member: sparse_member(member, 2 * GIB))
 HUGE = same_size(lambda member: huge_regular_member(member, 2 * GIB))
 
-# (id, damage(shards_dir, first shard's name), error-line pattern with SHARD for that name).
+# (id, damage(shards_dir, first shard's name), error-line pattern with SHARD for that name): version 1.
 SHARD_FAULTS = [
     ("sparse-2gib-genuine-manifest", SPARSE,
      rf"shard \S+/SHARD: {SHA}; reading it: member '\d{{12}}.ids.npy' is sparse, expected a plain regular file$"),
@@ -131,6 +148,28 @@ SHARD_FAULTS = [
      r"manifest.json: shard 'SHARD' has samples=\d+, more than its bytes=\d+ can hold"),
 ]
 
+# The same attacks on version-2 shards (FIRST: the first member's sample key). A damaged member with a
+# genuine index fails its digest before it is parsed; with a forged, consistent index it must still be
+# refused by the parse (one plain regular member of its own name, no larger than its bytes).
+DIGEST = r"sample FIRST \(bytes 0\.\.\d+\) differs from its index digest \(corrupted or replaced\)$"
+UNREADABLE = r"shard \S+/SHARD: sample FIRST unreadable \({}\); expected a plain tar member FIRST.ids.npy$"
+FORGED_HUGE = forged_first_member(lambda member: huge_regular_member(member, 2 * GIB))
+INDEXED_SHARD_FAULTS = [
+    ("sparse-2gib-genuine-manifest", SPARSE, rf"shard \S+/SHARD: {DIGEST}"),
+    ("sparse-2gib-forged-index", forged_first_member(lambda member: sparse_member(member, 2 * GIB)),
+     UNREADABLE.format(r"ValueError: member 'FIRST.ids.npy' of type b'S', 512 bytes")),
+    ("regular-2gib-forged-index", FORGED_HUGE,
+     UNREADABLE.format(r"ValueError: member 'FIRST.ids.npy' of type b'0', 2147483648 bytes")),
+    ("regular-wrong-name-forged-index", forged_first_member(lambda member: huge_regular_member("x" + member, 512)),
+     UNREADABLE.format(r"ValueError: member 'xFIRST.ids.npy' of type b'0', 512 bytes")),
+    ("gzip-genuine-manifest", gzipped,
+     r"shard \S+/SHARD: \d+ bytes, manifest.json says \d+ \(truncated or replaced\?\)$"),
+    ("gzip-same-size-genuine-manifest", gzipped_same_size, rf"shard \S+/SHARD: {DIGEST}"),
+    ("gzip-member-forged-index", forged_gzip_first_member, UNREADABLE.format(r"TruncatedHeaderError: truncated header")),
+    ("gzip-resealed", resealed(gzipped),
+     r"manifest.json: shard 'SHARD' has samples=\d+, more than its bytes=\d+ can hold"),
+]
+
 
 @pytest.fixture(scope="module")
 def run_with_checkpoint(tiny_data, tmp_path_factory) -> Path:
@@ -142,19 +181,39 @@ def run_with_checkpoint(tiny_data, tmp_path_factory) -> Path:
     return run
 
 
-@pytest.mark.parametrize(("damage", "pattern"), [f[1:] for f in SHARD_FAULTS], ids=[f[0] for f in SHARD_FAULTS])
-def test_shard_members_are_plain_and_bounded(tiny_data, run_with_checkpoint, tmp_path, damage, pattern):
+@pytest.fixture(scope="module")
+def run_with_checkpoint_v1(tiny_data, tmp_path_factory) -> Path:
+    """The same on a version-1 copy of the shards (the manifest is part of the data fingerprint)."""
+    root = tmp_path_factory.mktemp("bounded_v1")
+    shards = root / "shards"
+    shutil.copytree(tiny_data[1], shards)
+    unindexed(shards)
+    run = root / "run"
+    out = megakd("pretrain", "-c", CONFIG,
+                 *tiny_overrides((tiny_data[0], shards), run, **{"train.max_steps": 2, "run.export_hf": "false"}))
+    assert out.code == 0, out.stderr
+    return run
+
+
+@pytest.mark.parametrize(("fmt", "damage", "pattern"),
+                         [("v1", *f[1:]) for f in SHARD_FAULTS] + [("v2", *f[1:]) for f in INDEXED_SHARD_FAULTS],
+                         ids=[f"{f[0]}-v1" for f in SHARD_FAULTS] + [f"{f[0]}-v2" for f in INDEXED_SHARD_FAULTS])
+def test_shard_members_are_plain_and_bounded(tiny_data, request, tmp_path, fmt, damage, pattern):
     tokenizer = tiny_data[0]
     shards = tmp_path / "shards"
     shutil.copytree(tiny_data[1], shards)
+    if fmt == "v1":
+        unindexed(shards)
     name = first_shard(shards)
+    pattern = pattern.replace("FIRST", first_key(shards, name))
     damage(shards, name)
     shards_before = snapshot(shards)
     run = tmp_path / "run"
     # A resealed shard changes the data fingerprint, which a resume refuses first: start fresh.
     resume = not getattr(damage, "resealed", False)
     if resume:
-        shutil.copytree(run_with_checkpoint, run)
+        shutil.copytree(request.getfixturevalue("run_with_checkpoint" if fmt == "v2" else "run_with_checkpoint_v1"),
+                        run)
     before = snapshot(run / "checkpoints")
     resume_args = ["--resume", "auto", "--allow-change", "data.shards"] if resume else []
     out, peak = megakd_peak("pretrain", "-c", CONFIG, *resume_args,

@@ -19,6 +19,7 @@ import pytest
 
 from megakd.data.shards import MANIFEST, read_manifest
 from megakd.data.stream import epoch_shard_order
+from tests.data.conftest import forge_member, member_spans, unindexed
 from tests.faults.harness import megakd, snapshot
 from tests.helpers import TINY_VOCAB, tiny_overrides
 
@@ -45,6 +46,10 @@ def patch_tokens(shards: Path, name: str, value: bytes, *, reseal: bool) -> None
     data = bytearray(path.read_bytes())
     at = TAR_HEADER + NPY_HEADER + 2
     data[at : at + len(value)] = value
+    if reseal and (shards / name).with_suffix(".idx").exists():  # version 2: the index record and its sha256 too
+        start, end = member_spans(shards, name)[0]
+        forge_member(shards, name, 0, bytes(data[start:end]))
+        return
     path.write_bytes(bytes(data))
     if reseal:
         digest = hashlib.sha256(bytes(data)).hexdigest()
@@ -73,12 +78,27 @@ def set_first_entry(**fields):
     return lambda shards, name: edit_manifest(shards, lambda m: m["shards"][0].update(fields))
 
 
+def v1(damage):
+    """`damage` applied to a version-1 copy (no member index: shards read and checked whole)."""
+    def on_unindexed(shards: Path, name: str) -> None:
+        damage(unindexed(shards), name)
+    on_unindexed.__name__ = f"{damage.__name__}_v1"
+    on_unindexed.v1 = True
+    return on_unindexed
+
+
+FIRST_MEMBER = r"sample FIRST \(bytes 0\.\.\d+\) differs from its index digest \(corrupted or replaced\)$"
+
+
 # (id, damage(shards_dir, first_shard_name), error-line pattern with SHARD for that name). Every row: exit 2.
 FAULTS = [
-    ("flipped-bit", flip_bit,
+    ("flipped-bit", flip_bit, rf"shard \S+/SHARD: {FIRST_MEMBER}"),
+    ("flipped-bit-v1", v1(flip_bit),
      r"shard \S+/SHARD: sha256 [0-9a-f]{64} differs from manifest.json's [0-9a-f]{64} \(corrupted or replaced\)$"),
     ("id-outside-vocab", reseal_with_id_outside_vocab,
-     rf"shard \S+/SHARD: sample \d{{12}} has token id {TINY_VOCAB + 7} outside the vocabulary \[0, {TINY_VOCAB}\)$"),
+     rf"shard \S+/SHARD: sample FIRST has token id {TINY_VOCAB + 7} outside the vocabulary \[0, {TINY_VOCAB}\)$"),
+    ("id-outside-vocab-v1", v1(reseal_with_id_outside_vocab),
+     rf"shard \S+/SHARD: sample FIRST has token id {TINY_VOCAB + 7} outside the vocabulary \[0, {TINY_VOCAB}\)$"),
     ("seq-len-too-small", lambda s, n: edit_manifest(s, lambda m: m.update(seq_len=16)),
      r"shard \S+/SHARD: sample \d{12} has \d+ tokens, more than manifest.json's seq_len=16$"),
     ("all-zero-sha256", set_first_entry(sha256="0" * 64),
@@ -105,6 +125,12 @@ def damaged_copy(tiny_data, tmp_path: Path, damage) -> tuple[Path, str]:
     return shards, name
 
 
+def first_key(shards: Path, name: str) -> str:
+    """The sample key of the first member of shard `name`."""
+    m = read_manifest(shards)
+    return f"{next(s for s in m['shards'] if s['file'] == name)['first_index']:012d}"
+
+
 @pytest.fixture(scope="module")
 def run_with_checkpoint(tiny_data, tmp_path_factory) -> Path:
     """A 2-step run with its checkpoint: what every row resumes from (and must leave untouched)."""
@@ -115,16 +141,30 @@ def run_with_checkpoint(tiny_data, tmp_path_factory) -> Path:
     return run
 
 
+@pytest.fixture(scope="module")
+def run_with_checkpoint_v1(tiny_data, tmp_path_factory) -> Path:
+    """The same on a version-1 copy of the shards (the manifest is part of the data fingerprint)."""
+    root = tmp_path_factory.mktemp("faults_v1")
+    shards = root / "shards"
+    shutil.copytree(tiny_data[1], shards)
+    unindexed(shards)
+    run = root / "run"
+    out = megakd("pretrain", "-c", "configs/electra-tiny.yaml",
+                 *tiny_overrides((tiny_data[0], shards), run, **{"train.max_steps": 2, "run.export_hf": "false"}))
+    assert out.code == 0, out.stderr
+    return run
+
+
 @pytest.mark.parametrize(("damage", "pattern"), [f[1:] for f in FAULTS], ids=[f[0] for f in FAULTS])
-def test_damaged_data_stops_with_one_line_and_loses_nothing(tiny_data, run_with_checkpoint, tmp_path,
-                                                            damage, pattern):
+def test_damaged_data_stops_with_one_line_and_loses_nothing(tiny_data, request, tmp_path, damage, pattern):
     tokenizer = tiny_data[0]
     shards, name = damaged_copy(tiny_data, tmp_path, damage)
     run = tmp_path / "run"
     # A resealed shard changes the data fingerprint, which a resume refuses first: start fresh.
     resume = "reseal" not in damage.__name__
     if resume:
-        shutil.copytree(run_with_checkpoint, run)
+        base = "run_with_checkpoint_v1" if getattr(damage, "v1", False) else "run_with_checkpoint"
+        shutil.copytree(request.getfixturevalue(base), run)
     before = snapshot(run / "checkpoints")
     # The damaged copy lives at another path: name that change, as a user moving shards would.
     resume_args = ["--resume", "auto", "--allow-change", "data.shards"] if resume else []
@@ -134,20 +174,27 @@ def test_damaged_data_stops_with_one_line_and_loses_nothing(tiny_data, run_with_
     assert "Traceback" not in out.stderr
     line = out.error_line()
     assert line.startswith("megakd: error: "), out.stderr
+    if "FIRST" in pattern:  # (rows that damage the manifest itself leave it unreadable)
+        pattern = pattern.replace("FIRST", first_key(shards, name))
     assert re.search(pattern.replace("SHARD", re.escape(name)), line), line
     assert snapshot(run / "checkpoints") == before
 
 
-def test_flipped_bit_with_skip_bad_shards_trains_on_and_counts_it(tiny_data, tmp_path):
-    """`data.skip_bad_shards=true`: the sha256 mismatch is logged and the shard skipped whole. The
-    shard is read completely before any of its samples is used, so none of it was trained on."""
+@pytest.mark.parametrize("fmt", ["v2", "v1"])
+def test_flipped_bit_with_skip_bad_shards_trains_on_and_counts_it(tiny_data, tmp_path, fmt):
+    """`data.skip_bad_shards=true`: the mismatch is logged and the shard skipped (by this reader). Version 1:
+    the shard is read completely and checked against its sha256 before any of its samples is used;
+    version 2: each member is checked against its index digest before it is parsed. Either way none
+    of the damaged bytes was trained on."""
     tokenizer = tiny_data[0]
-    shards, name = damaged_copy(tiny_data, tmp_path, flip_bit)
+    shards, name = damaged_copy(tiny_data, tmp_path, flip_bit if fmt == "v2" else v1(flip_bit))
     run = tmp_path / "run"
     out = megakd("pretrain", "-c", "configs/electra-tiny.yaml",
                  *tiny_overrides((tokenizer, shards), run, **{"train.max_steps": 2, "run.export_hf": "false",
                                                               "data.skip_bad_shards": "true"}))
     assert out.code == 0, out.stderr
-    assert re.search(rf"skipping bad shard \(skip_bad_shards=True\): shard \S+/{re.escape(name)}: sha256 .* differs",
+    found = (rf"sample {first_key(shards, name)} \(bytes 0\.\.\d+\) differs from its index digest" if fmt == "v2"
+             else r"sha256 .* differs")
+    assert re.search(rf"skipping bad shard \(skip_bad_shards=True\): shard \S+/{re.escape(name)}: {found}",
                      out.stderr), out.stderr
     assert (run / "checkpoints" / "step_00000002").is_dir()

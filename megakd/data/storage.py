@@ -1,0 +1,220 @@
+"""Where shards live: a local directory or an object-store prefix (``s3://``, ``gs://``, ``http(s)://``).
+
+:class:`ShardStore` is the one door the data code goes through: whole objects, byte ranges of
+an object, and writes. Local paths are plain file calls (no fsspec); URLs go through fsspec, with
+the storage library's usual credentials (``AWS_*``, ``GOOGLE_APPLICATION_CREDENTIALS``, ...), never
+the config file. Reads of a URL are retried on transient errors (a reset connection, a timeout, a
+5xx or throttling answer) with exponential backoff; each retry is counted (``retries``) and a
+read that still fails after the last try raises :class:`StorageError` naming the URL. A missing
+object or a refused permission is not transient and fails at once.
+
+A store is picklable and opens its fsspec filesystem lazily in the process that reads, so a
+DataLoader worker never inherits a parent's connection pool or event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from megakd.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+REMOTE_SCHEMES = ("s3://", "gs://", "gcs://", "http://", "https://")
+EXTRAS = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "http": "aiohttp", "https": "aiohttp"}
+
+
+class StorageError(UserError):
+    """A read or write of shard storage that failed for good (after the retries, for a transient error)."""
+
+
+def is_remote(spec: str | Path) -> bool:
+    return str(spec).startswith(REMOTE_SCHEMES)
+
+
+def transient(error: BaseException) -> bool:
+    """Whether trying again may help: connection trouble, timeouts, 5xx / 429 answers."""
+    if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
+        return False
+    status = getattr(error, "status", None) or getattr(error, "code", None)
+    if isinstance(status, int) and 400 <= status < 500:
+        return status in (408, 429)
+    try:
+        import aiohttp
+    except ImportError:  # pragma: no cover - only without the http extra
+        aiohttp = None
+    if aiohttp is not None and isinstance(error, aiohttp.ClientError):
+        return True
+    try:  # s3fs: botocore's connection errors (EndpointConnectionError, ...) are not OSErrors
+        from botocore.exceptions import ConnectionError as BotoConnectionError
+        from botocore.exceptions import HTTPClientError
+    except ImportError:  # pragma: no cover - only without the s3 extra
+        pass
+    else:
+        if isinstance(error, (BotoConnectionError, HTTPClientError)):
+            return True
+    return isinstance(error, (OSError, TimeoutError, ConnectionError))
+
+
+class ShardStore:
+    """A directory of shards, local or remote; names inside it are ``/``-separated relative paths."""
+
+    def __init__(self, spec: str | Path, *, retries: int = 8, backoff_s: float = 0.25, max_backoff_s: float = 30.0):
+        self.spec = str(spec).rstrip("/") if is_remote(spec) else str(spec)
+        self.remote = is_remote(spec)
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.retried = 0  # transient failures retried so far, in this process
+        self.fetched = 0  # bytes read so far, in this process
+        self._fs: Any = None
+        self._fs_pid = -1
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_fs": None, "_fs_pid": -1, "retried": 0, "fetched": 0}
+
+    def __repr__(self) -> str:
+        return self.spec
+
+    def url(self, name: str) -> str:
+        return f"{self.spec}/{name}" if self.remote else str(Path(self.spec) / name)
+
+    def child(self, name: str) -> ShardStore:
+        """The store of a subdirectory (e.g. ``valid/``), with the same retry policy."""
+        return ShardStore(self.url(name), retries=self.retries, backoff_s=self.backoff_s,
+                          max_backoff_s=self.max_backoff_s)
+
+    @property
+    def local_path(self) -> Path:
+        if self.remote:
+            raise ValueError(f"{self.spec} is not a local path")
+        return Path(self.spec)
+
+    # -- fsspec ------------------------------------------------------------------------------------
+    def _filesystem(self):
+        if self._fs is None or self._fs_pid != os.getpid():
+            try:
+                import fsspec
+                from fsspec.core import url_to_fs
+            except ImportError:  # pragma: no cover - fsspec comes with torch and datasets
+                raise UserError(f"{self.spec}: reading a URL needs fsspec (pip install fsspec)") from None
+            scheme = self.spec.split("://", 1)[0]
+            try:
+                fs, _ = url_to_fs(self.spec, skip_instance_cache=True)
+            except ImportError:
+                raise UserError(f"{self.spec}: reading {scheme}:// needs {EXTRAS.get(scheme, 'its fsspec backend')} "
+                                f"(pip install 'megakd[remote]')") from None
+            del fsspec
+            self._fs, self._fs_pid = fs, os.getpid()
+        return self._fs
+
+    def retrying(self, what: str, name: str, call):
+        """``call()``, retried with exponential backoff while its error is transient."""
+        delay, started = self.backoff_s, time.monotonic()
+        for attempt in range(self.retries + 1):
+            try:
+                return call()
+            except Exception as error:  # fsspec backends raise many types; `transient` sorts them
+                if not transient(error):
+                    if isinstance(error, UserError):
+                        raise  # already one line naming the object (a damaged shard, a bad sample)
+                    if isinstance(error, FileNotFoundError):
+                        raise FileNotFoundError(f"{self.url(name)}: not found") from None
+                    raise StorageError(f"{self.url(name)}: {what} failed ({type(error).__name__}: "
+                                       f"{str(error).splitlines()[0][:200] if str(error) else ''})") from None
+                if attempt == self.retries:
+                    raise StorageError(f"{self.url(name)}: {what} still failing after {self.retries + 1} tries over "
+                                       f"{time.monotonic() - started:.0f} s ({type(error).__name__}: "
+                                       f"{str(error).splitlines()[0][:200] if str(error) else ''})") from None
+                self.retried += 1
+                logger.warning("%s: %s failed (%s: %s); retry %d of %d in %.2f s", self.url(name), what,
+                               type(error).__name__, error, attempt + 1, self.retries, delay)
+                time.sleep(delay)
+                delay = min(2 * delay, self.max_backoff_s)
+                if self.remote:
+                    self._fs = None  # a fresh connection pool for the next try
+        raise AssertionError("unreachable")
+
+    # -- reads -------------------------------------------------------------------------------------
+    def read(self, name: str) -> bytes:
+        """The whole object ``name``."""
+        if not self.remote:
+            data = (Path(self.spec) / name).read_bytes()
+        else:
+            data = self.retrying("read", name, lambda: self._filesystem().cat_file(self.url(name)))
+        self.fetched += len(data)
+        return data
+
+    def read_ranges(self, name: str, ranges: list[tuple[int, int]]) -> list[bytes]:
+        """Bytes ``[start, end)`` of ``name`` for each range (fetched concurrently from object stores)."""
+        if not ranges:
+            return []
+        url = self.url(name)
+        if not self.remote:
+            parts = []
+            with open(url, "rb") as f:
+                for start, end in ranges:
+                    f.seek(start)
+                    parts.append(f.read(end - start))
+        else:
+            def fetch() -> list[bytes]:
+                starts, ends = zip(*ranges)
+                got = self._filesystem().cat_ranges([url] * len(ranges), list(starts), list(ends), on_error="return")
+                for part in got:
+                    if isinstance(part, BaseException):
+                        raise part
+                return got
+
+            parts = self.retrying(f"ranged read ({len(ranges)} ranges)", name, fetch)
+        self.fetched += sum(len(part) for part in parts)
+        for (start, end), part in zip(ranges, parts):
+            if len(part) != end - start:  # a shorter answer: the object is shorter than its manifest says
+                raise StorageError(f"{url}: bytes [{start}, {end}) gave {len(part)} bytes (object truncated or "
+                                   "replaced?)")
+        return parts
+
+    def size(self, name: str) -> int | None:
+        """Size in bytes, or None if there is no such object."""
+        if not self.remote:
+            path = Path(self.spec) / name
+            return path.stat().st_size if path.is_file() else None
+        try:
+            return int(self.retrying("stat", name, lambda: self._filesystem().size(self.url(name))))
+        except FileNotFoundError:
+            return None
+
+    def open(self, name: str):
+        """A sequential binary reader of the whole object (the streaming path of unindexed shards)."""
+        if not self.remote:
+            return open(Path(self.spec) / name, "rb")
+        return self.retrying("open", name, lambda: self._filesystem().open(self.url(name), "rb", block_size=1 << 22))
+
+    # -- writes ------------------------------------------------------------------------------------
+    def is_empty(self) -> bool:
+        """No object under this prefix (a remote ``--out`` must be unused, like a local one)."""
+        if not self.remote:
+            path = Path(self.spec)
+            return not path.exists() or (path.is_dir() and not any(path.iterdir()))
+        fs = self._filesystem()
+        try:
+            return not self.retrying("list", "", lambda: fs.find(self.spec, maxdepth=None))
+        except FileNotFoundError:
+            return True
+
+    def upload(self, local_dir: Path, last: str) -> None:
+        """Copy every file of ``local_dir`` under this prefix, ``last`` (the manifest) after all others.
+
+        Readers open the manifest first, so until it lands the prefix holds no data set at all:
+        an interrupted upload is never read as a complete one.
+        """
+        fs = self._filesystem()
+        # The manifests go last, the top one (which makes the data set visible) very last.
+        files = sorted((p for p in local_dir.rglob("*") if p.is_file()),
+                       key=lambda p: (p.name == last, -len(p.relative_to(local_dir).parts), str(p)))
+        for path in files:
+            name = path.relative_to(local_dir).as_posix()
+            self.retrying("upload", name, lambda path=path, name=name: fs.put_file(str(path), self.url(name)))

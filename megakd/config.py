@@ -96,7 +96,9 @@ class DataConfig:
     # explicit vocab_size if one is given, else BUNDLED_VOCAB_SIZE.
     vocab_size: int | str = "auto"
     seq_len: int = 128  # only used when building the bundled-corpus default (shards carry their own)
-    cache_dir: str = ""  # where the bundled-corpus default is built once; "" = $MEGAKD_CACHE or ~/.cache/megakd
+    # Where the bundled-corpus default is built once and fetched shard indexes are kept (put it on
+    # node-local disk on a cluster); "" = $MEGAKD_CACHE or ~/.cache/megakd
+    cache_dir: str = ""
     mask_prob: float = 0.15  # fraction of tokens masked for the MLM (and replaced for RTD)
     num_workers: int = 0  # DataLoader worker processes per rank (0 = load in the training process)
     # Shards whose samples are interleaved in one seeded permutation (held in memory together, per
@@ -111,6 +113,9 @@ class DataConfig:
     # Bytes of gaps between its samples that a ranged read may read through to save requests, as a
     # fraction of the bytes it needs (a reader fetches at most 1 + this times its share).
     read_overfetch: float = 0.2
+    # Tries after a transient storage error (connection reset, timeout, 5xx, throttling), with
+    # backoff from 0.25 s doubling to 30 s (8: about a minute); then the run saves and stops.
+    read_retries: int = 8
     # Held-out shards for train.eval_every; "auto" = <data.shards>/valid when it exists
     # (`megakd data shards --valid-fraction`), "" = none.
     valid_shards: str = "auto"
@@ -336,12 +341,15 @@ class Config:
             ("train.eval_samples", self.train.eval_samples),
             ("train.probe_every", self.train.probe_every),
             ("data.num_workers", self.data.num_workers),
+            ("data.read_retries", self.data.read_retries),
             ("optim.schedule.warmup_steps", self.optim.schedule.warmup_steps),
             ("electra.sampling_anneal_steps", self.electra.sampling_anneal_steps),
             ("run.keep_last", self.run.keep_last),
         ):
             if value >= COUNT_LIMIT:
                 raise ConfigError(f"{key}: expected an integer below 2**31, got {value}")
+        if self.data.read_retries < 0:
+            raise ConfigError(f"data.read_retries: expected an integer >= 0, got {self.data.read_retries}")
         check_seed("train.seed", self.train.seed)
         if self.train.probe_every < 0:
             raise ConfigError(f"train.probe_every: expected >= 0 (0 = off), got {self.train.probe_every}")

@@ -7,9 +7,11 @@ ranged-read planner (:func:`megakd.data.stream.coalesce`); only the fetch itself
 world size from 1 to ``--max-world`` (powers of two) and worker count in ``--workers`` is run for
 the first node's ranks (``--gpus-per-node``); every rank is alike, so the max over them stands for all.
 
-Prints, per layout: the largest rank's bytes (shard members plus member indexes) against its share
-of the corpus (corpus / world size), the node's, and what the unindexed whole-shard reader fetched
-(every worker of every rank read the whole corpus). Writes a plot with ``--plot PATH``.
+Prints, per layout: the largest rank's bytes (shard members, plus its part of the member indexes
+the node fetches once into its cache) against its share of the corpus (corpus / world size), the
+node's, the same ratio without the index cache (every reader fetching every index it needs), and
+what the unindexed whole-shard reader fetched (every worker of every rank read the whole corpus).
+Writes a plot with ``--plot PATH``.
 
     python tools/sim_reads.py [--samples 2000000] [--max-world 1024] [--workers 0 1 2 4 8] \
         [--read-block 1] [--plot docs/img/reads_per_rank.png]
@@ -39,27 +41,30 @@ def synthetic_plan(args: argparse.Namespace, rank: int, world: int, workers: int
         entries=entries, dtype="uint16", total=sum(counts), seed=0, rank=rank, num_workers=workers,
         world_size=world, micro_batch_size=args.micro_batch, mask_prob=0.15, pad_id=0, mask_id=0, special_ids=(),
         segment_start_id=None, shuffle_shards=args.shuffle_shards, skip_bad_shards=False, known_bad=frozenset(),
-        vocab_size=1, seq_len=1, verify=True, overfetch=args.overfetch, read_block=args.read_block,
+        vocab_size=1, seq_len=1, verify=True, overfetch=args.overfetch, read_block=args.read_block, index_cache=None,
     )
 
 
-def reader_bytes(plan: ReadPlan, worker: int, readers: int, member: int) -> int:
-    """Bytes one reader fetches over epoch 0: its members' coalesced ranges and the indexes of the shards it touches."""
+def reader_fetch(plan: ReadPlan, worker: int, readers: int, member: int) -> tuple[int, set[int]]:
+    """One reader over epoch 0: bytes of its members' coalesced ranges, and the shards whose index it needs."""
     reader = SampleReader(plan, [], every=readers)
     reader.at_batch = worker
     reader.open_epoch(0)
-    total = 0
+    data, touched = 0, set()
     for group, shards in enumerate(reader.groups):
         reader.enter_group(group)
         for shard, wanted in zip(shards.tolist(), reader.wanted()):
             if len(wanted):
                 starts = wanted.astype(np.int64) * member
-                total += sum(end - start for start, end in coalesce(starts, starts + member, plan.overfetch))
-                total += plan.counts[shard] * INDEX_DTYPE.itemsize
-    return total
+                data += sum(end - start for start, end in coalesce(starts, starts + member, plan.overfetch))
+                touched.add(shard)
+    return data, touched
 
 
 def simulate(args: argparse.Namespace) -> list[dict]:
+    """Per layout: the first node's ranks over epoch 0. Indexes go through the node's cache, so the
+    node fetches each index it needs once (the first epoch; later epochs fetch none); that is
+    shared out evenly over the node's ranks. Without the cache every reader fetches them."""
     corpus = args.samples * args.member_bytes
     rows = []
     world = 1
@@ -67,12 +72,23 @@ def simulate(args: argparse.Namespace) -> list[dict]:
         for workers in args.workers:
             readers = max(1, workers)
             ranks = range(min(world, args.gpus_per_node))
-            per_rank = [sum(reader_bytes(synthetic_plan(args, r, world, workers), k, readers, args.member_bytes)
-                            for k in range(readers)) for r in ranks]
+            data, node_shards, uncached = [], set(), 0
+            for r in ranks:
+                plan = synthetic_plan(args, r, world, workers)
+                rank_data = 0
+                for k in range(readers):
+                    got, touched = reader_fetch(plan, k, readers, args.member_bytes)
+                    rank_data += got
+                    node_shards |= touched
+                    uncached += sum(plan.counts[s] for s in touched) * INDEX_DTYPE.itemsize
+                data.append(rank_data)
+            index = sum(synthetic_plan(args, 0, world, workers).counts[s] for s in node_shards) * INDEX_DTYPE.itemsize
+            per_rank = [d + index / len(ranks) for d in data]
             share = corpus / world
             rows.append({"world": world, "workers": workers, "share": share, "rank_max": max(per_rank),
-                         "ratio": max(per_rank) / share, "node": sum(per_rank),
-                         "node_share": share * len(ranks), "old_rank": readers * corpus})
+                         "ratio": max(per_rank) / share, "node": sum(per_rank), "node_share": share * len(ranks),
+                         "uncached_ratio": (max(data) + uncached / len(ranks)) / share,
+                         "old_rank": readers * corpus})
         world *= 2
     return rows
 
@@ -105,11 +121,11 @@ def main() -> None:
           f"shard group {human(group)}, micro-batch {args.micro_batch}, read_block {args.read_block}, "
           f"overfetch {args.overfetch}")
     print(f"{'world':>6} {'workers':>7} {'share/rank':>11} {'rank max':>10} {'rank/share':>10} "
-          f"{'node':>10} {'node/share':>10} {'unindexed/rank':>14} {'saved':>7}")
+          f"{'node':>10} {'node/share':>10} {'no cache':>8} {'whole-shard/rank':>16} {'saved':>7}")
     for r in rows:
         print(f"{r['world']:>6} {r['workers']:>7} {human(r['share']):>11} {human(r['rank_max']):>10} "
               f"{r['ratio']:>10.3f} {human(r['node']):>10} {r['node'] / r['node_share']:>10.3f} "
-              f"{human(r['old_rank']):>14} {r['old_rank'] / r['rank_max']:>6.0f}x")
+              f"{r['uncached_ratio']:>8.2f} {human(r['old_rank']):>16} {r['old_rank'] / r['rank_max']:>6.0f}x")
     worst = max(rows, key=lambda r: (r["rank_max"] - group) / r["share"])
     print(f"largest rank / share: {max(r['ratio'] for r in rows):.3f}; bound 1.2 x share + one group holds: "
           f"{all(r['rank_max'] <= 1.2 * r['share'] + group for r in rows)} (tightest: world {worst['world']}, "
@@ -125,9 +141,11 @@ def main() -> None:
             mine = [r for r in rows if r["workers"] == workers]
             ax.plot([r["world"] for r in mine], [r["ratio"] for r in mine], marker="o", label=f"{workers} workers")
             ax.plot([r["world"] for r in mine], [r["old_rank"] / r["share"] for r in mine], ls=":", color="grey")
+            ax.plot([r["world"] for r in mine], [r["uncached_ratio"] for r in mine], ls="--", lw=0.8,
+                    color=ax.lines[-2].get_color())
         ax.axhline(1.2, color="red", lw=0.8, ls="--", label="1.2 x share")
-        ax.set(xscale="log", yscale="log", xlabel="world size (ranks)", ylabel="bytes fetched per rank / share",
-               title="Storage reads per rank over one epoch (dotted: whole-shard reader)")
+        ax.set(xscale="log", yscale="log", xlabel="world size (ranks)", ylabel="bytes fetched per rank / share")
+        ax.set_title("Reads per rank, first epoch (dashed: no index cache, dotted: whole shards)", fontsize=9)
         ax.legend(fontsize=7, ncol=2)
         args.plot.parent.mkdir(parents=True, exist_ok=True)
         fig.tight_layout()

@@ -12,10 +12,10 @@ every micro-batch, ZeRO-3 also all-gathers the 16-bit weights for every forward 
 Storage (`storage_io`): the loader reads WebDataset tars with ranged reads, each reader (DataLoader
 worker, at least one per rank) fetching only the tar members of its own samples, so the job reads
 global batch x member bytes x (1 + data.read_overfetch, the gap bytes a ranged read may read through)
-per optimizer step from shared storage, plus the member indexes (12 bytes per sample) of the shards
-each reader touches, which every reader reads once per epoch: readers x 12 bytes x global batch per
-step (docs/decisions.md § Reads proportional to the share). With an aggregate read bandwidth
-(`--storage-gbps`) the step cannot be shorter than step bytes / bandwidth.
+per optimizer step from shared storage, plus the member indexes (12 bytes per sample), which each
+node fetches once per run into its cache (docs/decisions.md § Reads proportional to the share).
+With an aggregate read bandwidth (`--storage-gbps`) the step cannot be shorter than step bytes /
+bandwidth.
 """
 
 from __future__ import annotations
@@ -260,7 +260,7 @@ def plan(cfg: Config, hw: Hardware, gpus: int, gpu_mem_gib: float, *, zero: int 
 
 TAR_BLOCK = 512  # a tar member: one 512-byte header block + its data rounded up to whole blocks
 NPY_HEADER = 128  # np.save's header of a 1-D uint16/uint32 array (format 1.0, padded to 64 bytes)
-INDEX_BYTES_PER_SAMPLE = 12  # a member index record (size and digest), read by every reader each epoch
+INDEX_BYTES_PER_SAMPLE = 12  # a member index record (size and digest), fetched once a run per node
 
 
 def sample_member_bytes(seq_len: int, vocab_size: int) -> int:
@@ -293,18 +293,13 @@ class StorageIO:
     """What the job reads from shared storage (see the module docstring), independent of the layout."""
 
     member_bytes: int  # one sample's tar member
-    data_step_bytes: int  # global batch x member bytes x (1 + overfetch): members read per step, job-wide
-    index_step_bytes: int  # readers x 12 bytes x global batch: index records read per step, job-wide
+    step_bytes: int  # global batch x member bytes x (1 + overfetch): read per optimizer step, job-wide
     nodes: int
     corpus_samples: int
     corpus_source: str  # where corpus_samples comes from
-    readers: int  # workers per rank (at least 1) x ranks (the old loader read the whole corpus this often)
+    index_bytes_per_node: int  # 12 bytes x samples, fetched once a run into the node's cache
+    readers: int  # workers per rank (at least 1) x ranks (the whole-shard loader read the corpus this often)
     storage_gbps: float | None = None  # aggregate read bandwidth, GB/s; None = unbounded
-
-    @property
-    def step_bytes(self) -> int:
-        """Bytes read from storage per optimizer step, job-wide."""
-        return self.data_step_bytes + self.index_step_bytes
 
     @property
     def corpus_bytes(self) -> int:
@@ -329,8 +324,7 @@ class StorageIO:
         return self.storage_s > step_s * (1 + 1e-9)
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "step_bytes": self.step_bytes, "corpus_bytes": self.corpus_bytes,
-                "storage_s": self.storage_s}
+        return {**asdict(self), "corpus_bytes": self.corpus_bytes, "storage_s": self.storage_s}
 
 
 def corpus_samples_of(cfg: Config) -> tuple[int, str]:
@@ -358,9 +352,9 @@ def storage_io(cfg: Config, hw: Hardware, gpus: int, *, storage_gbps: str | floa
         raise ConfigError(f"model.generator.vocab_size={vocab!r}: the planner needs a resolved vocab size")
     member = sample_member_bytes(cfg.data.seq_len, vocab)
     nodes = -(-gpus // max(hw.gpus_per_node, 1))
-    batch, readers = cfg.train.global_batch_size, max(cfg.data.num_workers, 1) * gpus
-    return StorageIO(member, math.ceil(batch * member * (1 + cfg.data.read_overfetch)),
-                     INDEX_BYTES_PER_SAMPLE * batch * readers, nodes, samples, source, readers, gbps)
+    step = math.ceil(cfg.train.global_batch_size * member * (1 + cfg.data.read_overfetch))
+    return StorageIO(member, step, nodes, samples, source, INDEX_BYTES_PER_SAMPLE * samples,
+                     max(cfg.data.num_workers, 1) * gpus, gbps)
 
 
 def model_flops(cfg: Config) -> StepFlops:

@@ -67,9 +67,9 @@ def format_bench(res: dict) -> str:
 def _storage_header(cfg: Config, io: StorageIO) -> str:
     bandwidth = f"{io.storage_gbps:g} GB/s aggregate" if io.storage_gbps else "not bounded (--storage-gbps)"
     return (f"storage: {io.member_bytes} B per sample (tar member), {_decimal(io.step_bytes)} per step "
-            f"({_decimal(io.data_step_bytes)} of members for batch {cfg.train.global_batch_size} with up to "
-            f"{cfg.data.read_overfetch:g} overfetch, {_decimal(io.index_step_bytes)} of member indexes for "
-            f"{io.readers} readers), {io.nodes} node(s), read bandwidth {bandwidth}")
+            f"(batch {cfg.train.global_batch_size}, ranged reads, up to {cfg.data.read_overfetch:g} overfetch), "
+            f"{io.nodes} node(s), read bandwidth {bandwidth}; member indexes {_decimal(io.index_bytes_per_node)} "
+            f"per node once a run ({io.corpus_samples} samples, {io.corpus_source})")
 
 
 def _storage_lines(cfg: Config, gpus: int, io: StorageIO, step_s: float) -> list[str]:
@@ -80,8 +80,7 @@ def _storage_lines(cfg: Config, gpus: int, io: StorageIO, step_s: float) -> list
     lines = [f"  storage reads at this step: {need:.3g} GB/s job-wide, {need / io.nodes:.3g} GB/s per node"
              + at,
              f"  whole-shard loader (each of {workers} worker(s) x {gpus} ranks read the whole corpus each "
-             f"epoch, {io.corpus_samples} samples, {io.corpus_source}): "
-             f"{io.readers * io.member_bytes * cfg.train.global_batch_size / io.step_bytes:.3g}x this, "
+             f"epoch): {io.readers * io.member_bytes * cfg.train.global_batch_size / io.step_bytes:.3g}x this, "
              f"{_decimal(io.readers * io.corpus_bytes)} per epoch"]
     if io.storage_bound(step_s):
         lines.append(f"warning: storage-bound: {io.storage_s / step_s:.1f}x the compute step time "

@@ -14,6 +14,8 @@ DataLoader worker never inherits a parent's connection pool or event loop.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import logging
 import os
 import time
@@ -218,3 +220,72 @@ class ShardStore:
         for path in files:
             name = path.relative_to(local_dir).as_posix()
             self.retrying("upload", name, lambda path=path, name=name: fs.put_file(str(path), self.url(name)))
+
+
+class ContentCache:
+    """Immutable objects on local disk, each named by its sha256 (the member indexes of shards).
+
+    What one reader fetched, the other readers on the node (DataLoader workers, ranks) and later
+    epochs read from here instead of from shared storage. A file is used only if its bytes hash
+    to its name, so a damaged or planted file is ignored (and replaced), never trusted. One reader
+    fetches a missing object while the others wait for it (a lock file; one older than
+    ``wait_s`` is taken for a crashed fetcher's and broken), so a node fetches each object about
+    once. Any failure of the cache itself (read-only, full) falls back to fetching.
+    """
+
+    def __init__(self, root: str | Path, wait_s: float = 60.0) -> None:
+        self.root = Path(root)
+        self.wait_s = wait_s
+
+    def _valid(self, path: Path, digest: str) -> bytes | None:
+        try:
+            data = path.read_bytes()
+        except OSError:
+            return None
+        if hashlib.sha256(data).hexdigest() == digest:
+            return data
+        path.unlink(missing_ok=True)
+        return None
+
+    def get(self, digest: str, fetch) -> bytes:
+        """The object whose sha256 is ``digest``: from the cache, or ``fetch()``-ed (and kept if it matches)."""
+        path = self.root / digest
+        if (data := self._valid(path, digest)) is not None:
+            return data
+        lock = self.root / f"{digest}.lock"
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            return fetch()
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return self._wait_for(path, lock, digest, fetch)
+        except OSError:
+            return fetch()
+        try:
+            data = fetch()
+            if hashlib.sha256(data).hexdigest() == digest:
+                with contextlib.suppress(OSError):
+                    tmp = self.root / f".{digest}.{os.getpid()}.tmp"
+                    tmp.write_bytes(data)
+                    os.replace(tmp, path)
+            return data
+        finally:
+            os.close(fd)
+            lock.unlink(missing_ok=True)
+
+    def _wait_for(self, path: Path, lock: Path, digest: str, fetch) -> bytes:
+        """Another reader is fetching ``digest``: wait for its file; fetch alone if it never comes."""
+        deadline = time.monotonic() + self.wait_s
+        while time.monotonic() < deadline:
+            time.sleep(0.02)
+            if (data := self._valid(path, digest)) is not None:
+                return data
+            try:
+                if time.time() - lock.stat().st_mtime > self.wait_s:
+                    lock.unlink(missing_ok=True)  # a fetcher that died holding it
+                    return self.get(digest, fetch)
+            except FileNotFoundError:
+                return self.get(digest, fetch)  # the fetcher gave up without a file
+        return fetch()

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import hashlib
 import io
 import json
@@ -52,7 +53,7 @@ from webdataset.tariterators import base_plus_ext
 
 from megakd.data.masking import collate
 from megakd.data.shards import INDEX_DTYPE, MANIFEST, member_digest, read_manifest, sample_key
-from megakd.data.storage import ShardStore, StorageError, transient
+from megakd.data.storage import ContentCache, ShardStore, StorageError, transient
 from megakd.data.tokenizer import Tokenizer
 from megakd.errors import UserError
 
@@ -250,10 +251,15 @@ def _check_samples(path: str, samples: list[np.ndarray], indices, vocab_size: in
                              f"outside the vocabulary [0, {vocab_size})")
 
 
-def read_index(store: ShardStore, entry: dict) -> np.ndarray:
-    """A shard's member index (sizes and digests), checked against the manifest's sha256 first."""
+def read_index(store: ShardStore, entry: dict, cache: ContentCache | None = None) -> np.ndarray:
+    """A shard's member index (sizes and digests), checked against the manifest's sha256 first.
+
+    With a ``cache``, an index fetched once is read from local disk afterwards (by every reader
+    sharing the cache directory, e.g. all ranks and workers of a node).
+    """
     meta = entry["index"]
-    raw = store.read(meta["file"])
+    fetch = functools.partial(store.read, meta["file"])
+    raw = cache.get(meta["sha256"], fetch) if cache is not None else fetch()
     if len(raw) != meta["bytes"] or hashlib.sha256(raw).hexdigest() != meta["sha256"]:
         raise ShardError(f"index {store.url(meta['file'])}: {len(raw)} bytes with sha256 "
                          f"{hashlib.sha256(raw).hexdigest()}, {MANIFEST} says {meta['bytes']} bytes with "
@@ -354,6 +360,7 @@ class ReadPlan:
     verify: bool
     overfetch: float  # gap bytes a ranged read may read through, as a fraction of the wanted bytes
     read_block: int  # consecutive samples of a shard kept together in the order (in_group_order)
+    index_cache: str | None  # directory of a ContentCache for member indexes (None: fetch them each time)
 
     def batch_positions(self, batch: int) -> range:
         """Global positions of this rank's micro-batch number ``batch``."""
@@ -390,6 +397,7 @@ class SampleReader:
         self.bad = bad
         self.every = every
         self.at_batch = 0  # the batch being built; set by the caller before it asks for positions
+        self.index_cache = ContentCache(plan.index_cache) if plan.index_cache else None
         self.known_bad = set(plan.known_bad)
         self.counts = np.asarray(plan.counts)
         self.first_index = np.asarray([e["first_index"] for e in plan.entries])
@@ -415,7 +423,7 @@ class SampleReader:
                     p.store, p.entries[shard], p.dtype, vocab_size=p.vocab_size, seq_len=p.seq_len, verify=p.verify))
             if not len(wanted):
                 return {}
-            index = read_index(p.store, p.entries[shard])
+            index = read_index(p.store, p.entries[shard], self.index_cache)
             return read_members(p.store, p.entries[shard], index, wanted, p.dtype, vocab_size=p.vocab_size,
                                 seq_len=p.seq_len, overfetch=p.overfetch)
         except (ShardError, FileNotFoundError) as e:
@@ -562,13 +570,17 @@ class PretrainingLoader:
     ``epoch``, and ``segment_ids`` for packed shards (see :func:`megakd.data.masking.collate`). The state counts only batches this object
     has handed out, so DataLoader prefetching never leaks into a checkpoint.
 
-    Every shard is verified as it is read (:func:`read_shard`: sha256, sample lengths, token ids
-    below ``tokenizer.vocab_size``); ``verify=False`` exists only for ``tools/bench_data.py``.
+    ``shards_dir`` is a local directory, an object-store URL or a :class:`ShardStore`. Every sample
+    is verified as it is read (indexed shards: each member against its index digest, see
+    :func:`read_members`; unindexed ones: :func:`read_whole_shard`'s sha256), with its length and
+    token ids below ``tokenizer.vocab_size``; ``verify=False`` (unindexed shards only) exists only
+    for ``tools/bench_data.py``. ``index_cache``: a directory where member indexes are kept once
+    fetched (:class:`ContentCache`; node-local disk shared by the node's ranks and workers).
     """
 
     def __init__(
         self,
-        shards_dir: str | Path,
+        shards_dir: str | Path | ShardStore,
         tokenizer: Tokenizer,
         *,
         micro_batch_size: int,
@@ -584,6 +596,7 @@ class PretrainingLoader:
         shuffle_shards: int = 16,
         read_overfetch: float = 0.2,
         read_block: int = 1,
+        index_cache: str | Path | None = None,
     ) -> None:
         self.store = shards_dir if isinstance(shards_dir, ShardStore) else ShardStore(shards_dir)
         manifest = read_manifest(self.store)
@@ -640,6 +653,7 @@ class PretrainingLoader:
             shuffle_shards=shuffle_shards,
             overfetch=read_overfetch,
             read_block=read_block,
+            index_cache=str(index_cache) if index_cache else None,
         )
         if read_block > 1 and not manifest.get("shuffled"):
             logger.warning("%s: read_block=%d keeps %d consecutive samples of a shard together, but these shards "

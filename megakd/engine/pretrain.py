@@ -51,6 +51,11 @@ def build_backend(cfg: Config) -> TrainingBackend:
     return DeepSpeedBackend(cfg)
 
 
+def cache_root(cfg: Config) -> Path:
+    """data.cache_dir, else $MEGAKD_CACHE, else ~/.cache/megakd: the bundled corpus and shard indexes."""
+    return Path(cfg.data.cache_dir or os.environ.get("MEGAKD_CACHE", "~/.cache/megakd")).expanduser()
+
+
 def resolve_data(cfg: Config) -> tuple[Path, ShardStore]:
     """(tokenizer dir, shards): the configured ones (a local directory or an object-store URL), or
     the bundled corpus built once in a cache."""
@@ -58,13 +63,12 @@ def resolve_data(cfg: Config) -> tuple[Path, ShardStore]:
     if bool(d.tokenizer) != bool(d.shards):
         raise ConfigError("data.tokenizer and data.shards: set both (your own data) or neither (bundled corpus)")
     if d.tokenizer:
-        return Path(d.tokenizer), ShardStore(d.shards)
+        return Path(d.tokenizer), ShardStore(d.shards, retries=d.read_retries)
     from megakd.data.default_corpus import prepare_default_data
 
-    cache = Path(d.cache_dir or os.environ.get("MEGAKD_CACHE", "~/.cache/megakd")).expanduser()
-    tokenizer_dir, shards_dir = prepare_default_data(cache, vocab_size=bundled_vocab_size(cfg), seq_len=d.seq_len,
-                                                     corpus=d.corpus)
-    return tokenizer_dir, ShardStore(shards_dir)
+    tokenizer_dir, shards_dir = prepare_default_data(cache_root(cfg), vocab_size=bundled_vocab_size(cfg),
+                                                     seq_len=d.seq_len, corpus=d.corpus)
+    return tokenizer_dir, ShardStore(shards_dir, retries=d.read_retries)
 
 
 def expected_vocab_size(cfg: Config) -> tuple[int, str, int]:
@@ -150,7 +154,7 @@ def build_loader(cfg: Config, tokenizer: Tokenizer, shards_dir: ShardStore, micr
         num_workers=cfg.data.num_workers, seed=cfg.train.seed, mask_prob=cfg.data.mask_prob,
         skip_bad_shards=cfg.data.skip_bad_shards, pin_memory=torch.cuda.is_available(),
         shuffle_shards=cfg.data.shuffle_shards, read_block=cfg.data.read_block,
-        read_overfetch=cfg.data.read_overfetch,
+        read_overfetch=cfg.data.read_overfetch, index_cache=cache_root(cfg) / "shard-index",
     )
 
 
@@ -205,7 +209,7 @@ def valid_shards_dir(cfg: Config, shards: ShardStore) -> ShardStore | None:
     if cfg.data.valid_shards == "auto":
         beside = shards.child("valid")
         return beside if beside.size(MANIFEST) is not None else None
-    return ShardStore(cfg.data.valid_shards) if cfg.data.valid_shards else None
+    return ShardStore(cfg.data.valid_shards, retries=cfg.data.read_retries) if cfg.data.valid_shards else None
 
 
 def build_validator(cfg: Config, tokenizer: Tokenizer, shards_dir: ShardStore, micro_batch: int, backend: TrainingBackend,

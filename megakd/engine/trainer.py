@@ -116,14 +116,18 @@ class Trainer:
             "bad_steps": self.bad_steps,
             "interval": {k: v.cpu() for k, v in self.interval.items()},
             "data": self.loader.state_dict(),
-            "rng": {
-                "torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-                "sampling": self.rng.get_state(),
-                "python": random.getstate(),
-                # numpy's state holds an ndarray, which a weights-only load refuses: store it as a tensor
-                "numpy": _numpy_state_to_plain(np.random.get_state()),
-            },
+            "rng": self._rng_state(),
+        }
+
+    def _rng_state(self) -> dict:
+        """Every random stream of this rank (host-side copies: no device sync)."""
+        return {
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            "sampling": self.rng.get_state(),
+            "python": random.getstate(),
+            # numpy's state holds an ndarray, which a weights-only load refuses: store it as a tensor
+            "numpy": _numpy_state_to_plain(np.random.get_state()),
         }
 
     def load_rank_state(self, state: dict) -> None:
@@ -132,7 +136,9 @@ class Trainer:
         self.interval.clear()
         self.interval.update({k: v.to(self.backend.device) for k, v in state["interval"].items()})
         self.loader.load_state_dict(state["data"])
-        rng = state["rng"]
+        self._set_rng_state(state["rng"])
+
+    def _set_rng_state(self, rng: dict) -> None:
         torch.set_rng_state(rng["torch"])
         if rng["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
@@ -349,11 +355,13 @@ class Trainer:
             self.step += 1
         return result
 
-    def _stop_on_storage_failure(self, batches: StepBatches, step_start: dict) -> None:
+    def _stop_on_storage_failure(self, batches: StepBatches, data: dict, rng: dict) -> None:
         """Some rank's storage failed for good during a step that every rank then skipped: save the
-        run as it was before that step (its data position rewound on every rank) and stop with the
-        failing rank's one-line error."""
-        self.loader.load_state_dict(step_start)
+        run exactly as it was before that step (data position and random streams rewound on every
+        rank; the skipped step changed nothing else), so a resume continues bit-exactly, and stop
+        with the failing rank's one-line error."""
+        self.loader.load_state_dict(data)
+        self._set_rng_state(rng)
         path = self.save()
         log.warning("storage failed at step %d: saved %s; resume with --resume auto once it is back", self.step + 1,
                     path)
@@ -441,10 +449,10 @@ class Trainer:
             norms_sum: dict[str, float] = defaultdict(float)
             steps_in_interval, t0 = 0, time.perf_counter()
             while self.step < cfg.train.max_steps:
-                step_start = self.loader.state_dict()
+                step_start = self.loader.state_dict(), self._rng_state()
                 result = self._step(batches)
                 if result.skipped == STORAGE_FAILED:
-                    self._stop_on_storage_failure(batches, step_start)
+                    self._stop_on_storage_failure(batches, *step_start)
                 norms, stop, interrupted = result.norms, result.stop, result.interrupted
                 if norms is not None:
                     for k, v in norms.items():

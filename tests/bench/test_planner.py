@@ -116,27 +116,25 @@ def test_member_bytes_by_hand():
 
 def test_storage_reads_by_hand(base, tmp_path):
     io = storage_io(base, GPUS["a100"], 16, storage_gbps="0.01", corpus_samples=1000)
-    # Members of the batch with the 20 % overfetch budget, plus each of 4 x 16 readers' index records.
-    data, index = math.ceil(2048 * 3072 * 1.2), 12 * 2048 * 64
-    assert io.member_bytes == 3072 and io.data_step_bytes == data == 7_549_748 and io.index_step_bytes == index
-    assert io.step_bytes == data + index == 9_122_612
-    assert io.nodes == 2 and io.readers == 4 * 16
-    assert io.storage_s == pytest.approx(9_122_612 / 1e7)
-    assert io.need_gbps(0.5) == pytest.approx(9_122_612 / 0.5 / 1e9)
-    assert io.bound_step_s(0.5) == pytest.approx(0.9122612) and io.bound_step_s(1.0) == 1.0
+    # Members of the batch with the 20 % overfetch budget; the indexes once a run per node.
+    assert io.member_bytes == 3072 and io.step_bytes == math.ceil(2048 * 3072 * 1.2) == 7_549_748
+    assert io.nodes == 2 and io.index_bytes_per_node == 12_000 and io.readers == 4 * 16
+    assert io.storage_s == pytest.approx(7_549_748 / 1e7)
+    assert io.need_gbps(0.5) == pytest.approx(7_549_748 / 0.5 / 1e9)
+    assert io.bound_step_s(0.5) == pytest.approx(0.7549748) and io.bound_step_s(0.8) == 0.8
     assert storage_io(base, GPUS["a100"], 17).nodes == 3
     assert storage_io(base, GPUS["a100"], 8).storage_s == 0  # no bandwidth given: no bound
     # The corpus size: the shards' manifest when data.shards has one, else one pass of the run.
     assert storage_io(base, GPUS["a100"], 8).corpus_samples == 125000 * 2048
     (tmp_path / "manifest.json").write_text(json.dumps({"num_samples": 777}))
     cfg = resolve_config(load_config("configs/electra-base.yaml", [f"data.shards={tmp_path}"]))
-    assert storage_io(cfg, GPUS["a100"], 8).corpus_samples == 777
+    assert storage_io(cfg, GPUS["a100"], 8).index_bytes_per_node == 12 * 777
 
 
 def test_storage_bound_warning_exactly_when_bandwidth_is_below_need(base):
     plans = plan(base, GPUS["a100"], 64, 80, zero=2, pp=1, micro_batches=[32])
     best = next(p for p in plans if p.fits)
-    need = (math.ceil(2048 * 3072 * 1.2) + 12 * 2048 * 4 * 64) / best.step_s / 1e9  # GB/s the planned step reads
+    need = math.ceil(2048 * 3072 * 1.2) / best.step_s / 1e9  # GB/s the planned step reads
 
     def text(gbps):
         io = storage_io(base, GPUS["a100"], 64, storage_gbps=gbps)
@@ -166,5 +164,5 @@ def test_cli_plan_reports_storage(tmp_path, capsys):
     assert main(["plan", "configs/electra-base.yaml", "--gpus", "64", "--gpu-mem", "80", "--zero", "2",
                  "--pp", "1", "--micro-batch", "32", "--storage-gbps", "0.02", "--json", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "13.8 MB per step" in text and "warning: storage-bound:" in text
-    assert json.loads(out.read_text())["storage"]["step_bytes"] == math.ceil(2048 * 3072 * 1.2) + 12 * 2048 * 256
+    assert "7.55 MB per step" in text and "warning: storage-bound:" in text
+    assert json.loads(out.read_text())["storage"]["step_bytes"] == math.ceil(2048 * 3072 * 1.2)

@@ -1,0 +1,276 @@
+"""Shards in object storage, against real servers over a socket: a moto S3 server and a small HTTP
+server with Range support (tests/remote_servers.py). No fsspec mocks: s3fs and aiohttp do the I/O.
+
+Reading a prefix must give the same batches as the same shards on local disk, survive a server
+that goes away for a moment (counted retries), fail in one line naming the object when it stays
+away or when an object was tampered with, and never take a half-uploaded prefix for a data set.
+"""
+
+from __future__ import annotations
+
+# ruff: noqa: F811  (pytest fixtures imported from tests.remote_servers are test arguments)
+import itertools
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from megakd.data.shards import INDEX_DTYPE, MANIFEST, read_manifest, sample_key, write_shards
+from megakd.data.storage import ShardStore, StorageError
+from megakd.data.stream import PretrainingLoader, ShardError
+from megakd.errors import UserError
+from tests.data.conftest import corpus_docs, write_jsonl
+from tests.remote_servers import http_server, s3, s3_env, s3_server  # noqa: F401, F811 (fixtures)
+
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+
+KEYS = ("input_ids", "masked_input_ids", "attention_mask", "mlm_mask", "index", "epoch")
+SPS = 37  # samples per shard: 395 samples in 11 shards
+
+
+def take(loader, n: int) -> list[dict]:
+    return list(itertools.islice(iter(loader), n))
+
+
+def assert_same_batches(a: list[dict], b: list[dict]) -> None:
+    assert len(a) == len(b)
+    for i, (x, y) in enumerate(zip(a, b)):
+        for k in KEYS:
+            assert x[k].dtype == y[k].dtype and torch.equal(x[k], y[k]), (i, k)
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    return write_jsonl(tmp_path_factory.mktemp("remote_src") / "small.jsonl", corpus_docs(2, 6))
+
+
+@pytest.fixture(scope="module")
+def local(source, tokenizer, tmp_path_factory) -> Path:
+    """Shuffled shards on local disk (shuffled so that read_block > 1 reads mixed samples)."""
+    out = tmp_path_factory.mktemp("remote_local") / "shards"
+    write_shards([source], tokenizer, 64, out, samples_per_shard=SPS, shuffle=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def s3_copy(source, tokenizer, s3_server, s3_env) -> str:
+    """The same shards written by write_shards to an s3:// prefix (one bucket for the module's readers)."""
+    s3_server.client().create_bucket(Bucket="remote-same")
+    url = "s3://remote-same/shards"
+    write_shards([source], tokenizer, 64, url, samples_per_shard=SPS, shuffle=True)
+    return url
+
+
+@pytest.fixture
+def served(local, http_server):
+    """The local shards behind the HTTP server (a copy: tests may tamper with what is served)."""
+    return http_server(local)
+
+
+def loader(spec, tokenizer, **kw) -> PretrainingLoader:
+    return PretrainingLoader(spec, tokenizer, **{"micro_batch_size": 8, "seed": 3, **kw})
+
+
+# -- a. the same batches from every store ------------------------------------------------------------
+@pytest.mark.parametrize("world,rank,workers,read_block", [
+    (1, 0, 0, 1), (1, 0, 0, 4), (2, 0, 0, 1), (2, 1, 0, 4), (2, 0, 2, 4), (2, 1, 2, 1)])
+def test_s3_and_http_give_the_local_batches(local, s3_copy, served, tokenizer, world, rank, workers, read_block):
+    kw = dict(rank=rank, world_size=world, num_workers=workers, read_block=read_block, shuffle_shards=4)
+    n = 30  # 240 samples per rank: across shard groups, and into epoch 1 for world 2
+    want = take(loader(local, tokenizer, **kw), n)
+    assert read_manifest(s3_copy) == read_manifest(local) | {"sources": read_manifest(s3_copy)["sources"]}
+    for spec in (s3_copy, served.url):
+        got = loader(spec, tokenizer, **kw)
+        assert_same_batches(take(got, n), want)
+        assert got.read_retries == 0
+    assert served.ranged > 0  # members were fetched by ranged reads, not whole shards
+
+
+# -- b. kill -9 during a run reading s3://, then --resume auto ---------------------------------------
+@pytest.mark.slow
+def test_kill_then_resume_auto_on_s3_matches_the_uninterrupted_run(tiny_data, s3, tmp_path):
+    from tests.faults.harness import REPO, megakd
+    from tests.faults.test_persistence import _args, assert_same_as_base
+
+    tokenizer_dir, shards_dir = tiny_data
+    from megakd.data.tokenizer import Tokenizer
+
+    url = s3.url("tiny")
+    write_shards([tokenizer_dir.parent / "slice.jsonl"], Tokenizer.load(tokenizer_dir), 64, url,
+                 samples_per_shard=256)
+    reference, run = tmp_path / "reference", tmp_path / "run"
+    out = megakd("pretrain", *_args(tiny_data, reference))  # uninterrupted, from local disk
+    assert out.code == 0, out.stderr[-2000:]
+    remote = (tokenizer_dir, url)
+    proc = subprocess.Popen([sys.executable, "-m", "megakd.cli", "pretrain", *_args(remote, run)], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = run / "checkpoints" / "step_00000002"
+    deadline = time.time() + 300
+    while not first.is_dir() and proc.poll() is None:
+        assert time.time() < deadline
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL, "the run ended before it could be killed"
+    assert not (run / "checkpoints" / "step_00000006").exists()
+    out = megakd("pretrain", "--resume", "auto", *_args(remote, run))
+    assert out.code == 0, out.stderr[-2000:]
+    assert_same_as_base(run, reference)
+
+
+# -- c. a server that goes away for a moment ----------------------------------------------------------
+# Stopping a server only in the process that runs it: DataLoader workers fork after the servers
+# started and keep a copy of the listening socket, so with workers a "stopped" server accepts
+# connections it never answers. A stopped server is therefore tested with workers=0 only.
+@pytest.mark.parametrize("workers", [0])
+def test_http_server_restarted_mid_epoch_is_retried(local, served, tokenizer, workers):
+    kw = dict(num_workers=workers, shuffle_shards=1)  # one shard read at a time, all through the epoch
+    want = take(loader(local, tokenizer, **kw), 30)
+    got = loader(served.url, tokenizer, **kw)
+    batches = iter(got)
+    first = take(batches, 3)
+    restarted = served.restart_after(1.0)  # down now, back in 1 s
+    rest = take(batches, 27)
+    restarted.join()
+    assert_same_batches(first + rest, want)
+    assert got.read_retries > 0
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_http_503_answers_are_retried(local, served, tokenizer, workers):
+    kw = dict(num_workers=workers, shuffle_shards=1)
+    want = take(loader(local, tokenizer, **kw), 30)
+    got = loader(served.url, tokenizer, **kw)
+    batches = iter(got)
+    first = take(batches, 3)
+    served.fail(3, 503)
+    rest = take(batches, 27)
+    assert_same_batches(first + rest, want)
+    # with workers, retries made for prefetched batches not yet handed out are not counted yet
+    assert served.failed == 3 and (got.read_retries == 3 if workers == 0 else 1 <= got.read_retries <= 3)
+
+
+@pytest.mark.skip(reason="harness: ThreadedMotoServer.stop() leaves werkzeug's keep-alive connections served, "
+                         "so the reader never sees the outage (needs moto in a separate process)")
+def test_s3_server_restarted_mid_epoch_is_retried(local, source, s3, tokenizer):
+    write_shards([source], tokenizer, 64, s3.url("x"), samples_per_shard=SPS, shuffle=True)
+    want = take(loader(local, tokenizer, shuffle_shards=1), 20)
+    got = loader(s3.url("x"), tokenizer, shuffle_shards=1)
+    batches = iter(got)
+    first = take(batches, 3)
+    s3.server.stop()
+    time.sleep(1.0)
+    s3.server.start()
+    rest = take(batches, 17)
+    assert_same_batches(first + rest, want)
+    assert got.read_retries > 0
+
+
+# -- d. a server that stays away -----------------------------------------------------------------------
+def test_http_server_down_for_good_is_one_line_naming_the_object(served, tokenizer):
+    got = loader(ShardStore(served.url, retries=2, backoff_s=0.05), tokenizer)
+    served.stop()
+    started = time.monotonic()
+    with pytest.raises(StorageError) as e:
+        next(iter(got))
+    message = str(e.value)
+    assert "\n" not in message and "still failing after 3 tries" in message, message
+    url = message.split(": ", 1)[0]
+    assert url.startswith(served.url + "/") and url.endswith((".tar", ".idx")), message
+    assert time.monotonic() - started < 10
+
+
+def test_s3_server_down_for_good_is_one_line_naming_the_object(local, source, s3, tokenizer):
+    write_shards([source], tokenizer, 64, s3.url("x"), samples_per_shard=SPS)
+    got = loader(ShardStore(s3.url("x"), retries=2, backoff_s=0.05), tokenizer)
+    s3.server.stop()
+    with pytest.raises(StorageError) as e:
+        next(iter(got))
+    message = str(e.value)
+    assert "\n" not in message and "still failing after 3 tries" in message, message
+    url = message.split(": ", 1)[0]
+    assert url.startswith(s3.url("x") + "/") and url.endswith((".tar", ".idx")), message
+
+
+# -- e. tampered objects --------------------------------------------------------------------------------
+def test_tampered_s3_shard_names_the_url_and_the_sample(source, s3, tokenizer):
+    url = s3.url("x")
+    manifest = write_shards([source], tokenizer, 64, url, samples_per_shard=SPS)
+    entry = manifest["shards"][4]
+    index = np.frombuffer(s3.get(f"x/{entry['index']['file']}"), INDEX_DTYPE)
+    j = 5
+    at = int(index["size"][:j].astype(np.int64).sum()) + 512 + 130  # inside member j's npy payload
+    data = bytearray(s3.get(f"x/{entry['file']}"))
+    data[at] ^= 0x01
+    s3.put(f"x/{entry['file']}", bytes(data))
+    with pytest.raises(ShardError) as e:
+        take(loader(url, tokenizer), 60)
+    message = str(e.value)
+    assert "\n" not in message, message
+    assert f"shard {url}/{entry['file']}: sample {sample_key(entry['first_index'] + j)}" in message, message
+    assert "differs from its index digest" in message, message
+
+
+def test_replaced_s3_index_fails_its_sha256(source, s3, tokenizer):
+    url = s3.url("x")
+    manifest = write_shards([source], tokenizer, 64, url, samples_per_shard=SPS)
+    a, b = manifest["shards"][2]["index"]["file"], manifest["shards"][3]["index"]["file"]
+    s3.put(f"x/{a}", s3.get(f"x/{b}"))  # another shard's (valid-looking) index
+    with pytest.raises(ShardError) as e:
+        take(loader(url, tokenizer), 60)
+    message = str(e.value)
+    assert "\n" not in message, message
+    assert message.startswith(f"index {url}/{a}: ") and "(corrupted or replaced)" in message, message
+
+
+# -- f. uploads -----------------------------------------------------------------------------------------
+def test_upload_refuses_a_non_empty_prefix_and_changes_nothing(source, s3, tokenizer):
+    url = s3.url("x")
+    write_shards([source], tokenizer, 64, url, samples_per_shard=SPS)
+    before = {k: s3.get(k) for k in s3.keys()}
+    with pytest.raises(UserError, match="holds objects already") as e:
+        write_shards([source], tokenizer, 64, url, samples_per_shard=50, shuffle=True)
+    assert url in str(e.value) and "\n" not in str(e.value)
+    s3.put("y/notes.txt", b"not shards")  # a single foreign object is enough
+    with pytest.raises(UserError, match="holds objects already"):
+        write_shards([source], tokenizer, 64, s3.url("y"), samples_per_shard=SPS)
+    assert {k: s3.get(k) for k in s3.keys() if k.startswith("x/")} == before
+    assert s3.keys("y/") == ["y/notes.txt"]
+
+
+def test_manifest_is_the_last_put_and_a_prefix_without_it_is_no_data_set(source, s3, tokenizer):
+    url = s3.url("x")
+    with s3.server.recording() as requests:
+        write_shards([source], tokenizer, 64, url, samples_per_shard=SPS, keep=lambda text: True)
+    puts = [key for method, key in requests if method == "PUT" and key.startswith(f"{s3.name}/x/")]
+    assert sorted(puts) == sorted(f"{s3.name}/{k}" for k in s3.keys("x/"))
+    assert puts[-1] == f"{s3.name}/x/{MANIFEST}" and puts.count(puts[-1]) == 1
+    # an upload interrupted just before its manifest: every other object, copied as it was
+    for key in s3.keys("x/"):
+        if not key.endswith(MANIFEST):
+            s3.put("partial/" + key[2:], s3.get(key))
+    with pytest.raises(FileNotFoundError, match=f"missing {MANIFEST}"):
+        loader(s3.url("partial"), tokenizer)
+
+
+# -- g. the CLI ----------------------------------------------------------------------------------------
+def test_cli_data_shards_to_s3_then_read_back(local, source, s3, tokenizer, tmp_path):
+    from tests.faults.harness import megakd
+
+    url = s3.url("cli")
+    out = megakd("data", "shards", "--input", str(source), "--tokenizer", str(tokenizer.path), "--seq-len", "64",
+                 "--out", url, "--samples-per-shard", str(SPS), "--shuffle")
+    assert out.code == 0, out.stderr[-2000:]
+    assert f"cli/{MANIFEST}" in s3.keys("cli/")
+    assert read_manifest(url)["shards"] == read_manifest(local)["shards"]
+    assert_same_batches(take(loader(url, tokenizer, read_block=4), 20),
+                        take(loader(local, tokenizer, read_block=4), 20))
+    again = megakd("data", "shards", "--input", str(source), "--tokenizer", str(tokenizer.path), "--seq-len", "64",
+                   "--out", url)
+    assert again.code == 2 and again.error_line().endswith("nothing is overwritten)"), again.stderr[-2000:]
+    shutil.rmtree(tmp_path, ignore_errors=True)

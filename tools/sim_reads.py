@@ -47,13 +47,12 @@ def synthetic_plan(args: argparse.Namespace, rank: int, world: int, workers: int
 
 def reader_fetch(plan: ReadPlan, worker: int, readers: int, member: int) -> tuple[int, set[int]]:
     """One reader over epoch 0: bytes of its members' coalesced ranges, and the shards whose index it needs."""
-    reader = SampleReader(plan, [], every=readers)
+    reader = SampleReader(plan, [], every=readers, prefetch=False)
     reader.at_batch = worker
-    reader.open_epoch(0)
     data, touched = 0, set()
-    for group, shards in enumerate(reader.groups):
-        reader.enter_group(group)
-        for shard, wanted in zip(shards.tolist(), reader.wanted()):
+    for index in range(len(reader.epoch_groups(0)[0])):
+        group = reader.group_at(0, index)
+        for shard, wanted in zip(group.shards.tolist(), reader.wanted(group)):
             if len(wanted):
                 starts = wanted.astype(np.int64) * member
                 data += sum(end - start for start, end in coalesce(starts, starts + member, plan.overfetch))

@@ -41,8 +41,10 @@ import logging
 import multiprocessing
 import signal
 import tarfile
+import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -384,34 +386,97 @@ class ReadPlan:
         return positions[(positions >= lo) & (positions < hi)]
 
 
+@dataclass
+class ShardGroup:
+    """One shard group of one epoch, as a reader sees it: its shards, their order and what it read."""
+
+    epoch: int
+    index: int  # the group's number in its epoch
+    shards: np.ndarray  # shard numbers, in epoch order
+    shard_ends: np.ndarray  # cumulative sample counts of those shards
+    first: int  # the epoch offset of the group's first position
+    perm: np.ndarray  # the group's sample order (in_group_order)
+    loaded: list = field(default_factory=list)  # per shard: its samples (list or dict by position) or None
+    bad: list[tuple[str, str]] = field(default_factory=list)  # shards found bad while reading it
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return self.epoch, self.index
+
+
+class _Prefetch(threading.Thread):
+    """Reads one shard group in the background (a daemon: a run that ends never waits for it)."""
+
+    def __init__(self, read, group: ShardGroup) -> None:
+        super().__init__(daemon=True)
+        self.read, self.group, self.error = read, group, None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.read(self.group)
+        except BaseException as error:  # handed to the reader's thread, which raises it
+            self.error = error
+
+    def result(self) -> ShardGroup:
+        self.join()
+        if self.error is not None:
+            raise self.error
+        return self.group
+
+
 class SampleReader:
-    """Samples by global position; keeps the current shard group in memory while positions stay in it.
+    """Samples by global position; holds the current shard group in memory while positions stay in
+    it, and reads the next one in the background meanwhile (``prefetch``).
 
     Unindexed shards (manifest version 1) are read whole. Indexed ones: on entering a group the
     reader fetches the members of exactly the positions it will be asked for there (its batches
     from ``at_batch`` on, every ``every``-th), nothing else.
     """
 
-    def __init__(self, plan: ReadPlan, bad: list[tuple[str, str]], every: int = 1) -> None:
+    def __init__(self, plan: ReadPlan, bad: list[tuple[str, str]], every: int = 1, prefetch: bool = True) -> None:
         self.plan = plan
         self.bad = bad
         self.every = every
+        self.prefetch = prefetch
         self.at_batch = 0  # the batch being built; set by the caller before it asks for positions
         self.index_cache = ContentCache(plan.index_cache) if plan.index_cache else None
         self.known_bad = set(plan.known_bad)
         self.counts = np.asarray(plan.counts)
         self.first_index = np.asarray([e["first_index"] for e in plan.entries])
-        self.epoch = -1
-        self.group = -1
+        self._epochs: dict[int, tuple[list[np.ndarray], np.ndarray]] = {}
+        self.current: ShardGroup | None = None
+        self._ahead: _Prefetch | None = None
 
-    def open_epoch(self, epoch: int) -> None:
-        self.epoch, self.group = epoch, -1
-        order = epoch_shard_order(len(self.counts), self.plan.seed, epoch)
-        size = self.plan.shuffle_shards
-        self.groups = [order[i:i + size] for i in range(0, len(order), size)]
-        self.group_ends = np.cumsum([self.counts[g].sum() for g in self.groups])
+    def epoch_groups(self, epoch: int) -> tuple[list[np.ndarray], np.ndarray]:
+        """The epoch's shard groups (the seeded shard order cut into ``shuffle_shards``) and their end offsets."""
+        if epoch not in self._epochs:
+            order = epoch_shard_order(len(self.counts), self.plan.seed, epoch)
+            size = self.plan.shuffle_shards
+            groups = [order[i:i + size] for i in range(0, len(order), size)]
+            self._epochs = {e: v for e, v in self._epochs.items() if e >= epoch - 1}
+            self._epochs[epoch] = groups, np.cumsum([self.counts[g].sum() for g in groups])
+        return self._epochs[epoch]
 
-    def _load_shard(self, shard: int, wanted: np.ndarray | None) -> list[np.ndarray] | dict[int, np.ndarray] | None:
+    def group_at(self, epoch: int, index: int) -> ShardGroup:
+        """Group ``index`` of ``epoch``, nothing read yet."""
+        groups, ends = self.epoch_groups(epoch)
+        shards = groups[index]
+        shard_ends = np.cumsum(self.counts[shards])
+        perm = in_group_order(self.counts[shards], self.plan.seed, epoch, index, self.plan.read_block)
+        return ShardGroup(epoch, index, shards, shard_ends, int(ends[index]) - int(shard_ends[-1]), perm)
+
+    def wanted(self, group: ShardGroup) -> list[np.ndarray]:
+        """For each shard of ``group``: the sorted in-shard positions of the samples this reader will
+        be asked for in it (from batch ``at_batch`` on)."""
+        base = group.epoch * self.plan.total + group.first
+        positions = self.plan.reader_positions(self.at_batch, self.every, base, base + int(group.shard_ends[-1]))
+        j = group.perm[positions - base]
+        owner = np.searchsorted(group.shard_ends, j, side="right")
+        local = j - (group.shard_ends[owner] - self.counts[group.shards][owner])
+        return [np.unique(local[owner == i]) for i in range(len(group.shards))]
+
+    def _load_shard(self, group: ShardGroup, shard: int, wanted: np.ndarray | None):
         """The shard's samples (all of them, or the in-shard positions ``wanted``), or None if it is bad."""
         p = self.plan
         name = p.files[shard]
@@ -429,53 +494,55 @@ class SampleReader:
         except (ShardError, FileNotFoundError) as e:
             if not p.skip_bad_shards:
                 raise ShardError(str(e)) from None
-            logger.warning("skipping bad shard (skip_bad_shards=True): %s", e)
-            self.known_bad.add(name)
-            self.bad.append((name, str(e)))
+            group.bad.append((name, str(e)))
             return None
 
-    def _open_group(self, group: int) -> None:
-        """Draw the group's seeded sample permutation and read what this reader needs of its shards."""
-        self.enter_group(group)
-        shards = self.groups[group]
-        if not self.plan.indexed:
-            self.loaded = [self._load_shard(int(shard), None) for shard in shards]
-            return
-        self.loaded = [self._load_shard(int(shard), wanted) for shard, wanted in zip(shards, self.wanted())]
+    def _read(self, group: ShardGroup) -> None:
+        """Read what this reader needs of the group's shards; an object store's shards concurrently."""
+        wanted = self.wanted(group) if self.plan.indexed else [None] * len(group.shards)
+        jobs = [(int(shard), w) for shard, w in zip(group.shards, wanted)]
+        if self.plan.store.remote and len(jobs) > 1:
+            with ThreadPoolExecutor(min(8, len(jobs))) as pool:
+                group.loaded = list(pool.map(lambda job: self._load_shard(group, *job), jobs))
+        else:
+            group.loaded = [self._load_shard(group, *job) for job in jobs]
 
-    def enter_group(self, group: int) -> None:
-        """Make ``group`` (of the open epoch) current: its shards' sample counts and its permutation."""
-        self.group = group
-        shards = self.groups[group]
-        self.shard_ends = np.cumsum(self.counts[shards])
-        self.perm = in_group_order(self.counts[shards], self.plan.seed, self.epoch, group, self.plan.read_block)
+    def _next_key(self, group: ShardGroup) -> tuple[int, int]:
+        groups, _ = self.epoch_groups(group.epoch)
+        return (group.epoch, group.index + 1) if group.index + 1 < len(groups) else (group.epoch + 1, 0)
 
-    def wanted(self) -> list[np.ndarray]:
-        """For each shard of the open group: the sorted in-shard positions of the samples this reader
-        will be asked for in it (from batch ``at_batch`` on)."""
-        shards = self.groups[self.group]
-        base = self.epoch * self.plan.total + int(self.group_ends[self.group]) - int(self.shard_ends[-1])
-        positions = self.plan.reader_positions(self.at_batch, self.every, base, base + int(self.shard_ends[-1]))
-        j = self.perm[positions - base]
-        owner = np.searchsorted(self.shard_ends, j, side="right")
-        local = j - (self.shard_ends[owner] - self.counts[shards][owner])
-        return [np.unique(local[owner == i]) for i in range(len(shards))]
+    def _enter(self, epoch: int, index: int) -> None:
+        """Make group ``index`` of ``epoch`` current (the prefetched one if it is that), then start
+        reading the group after it."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead.group.key == (epoch, index):
+            group = ahead.result()
+        else:
+            group = self.group_at(epoch, index)
+            self._read(group)
+        for name, reason in group.bad:
+            logger.warning("skipping bad shard (skip_bad_shards=True): %s", reason)
+            self.known_bad.add(name)
+            self.bad.append((name, reason))
+        self.current = group
+        if self.prefetch:
+            self._ahead = _Prefetch(self._read, self.group_at(*self._next_key(group)))
 
     def sample(self, position: int) -> tuple[int, int, np.ndarray] | None:
         """(epoch, global index, ids) at ``position``, or None if its shard is bad (and skipped)."""
         epoch, offset = divmod(position, self.plan.total)
-        if epoch != self.epoch:
-            self.open_epoch(epoch)
-        k = int(np.searchsorted(self.group_ends, offset, side="right"))
-        if k != self.group:
-            self._open_group(k)
-        j = int(self.perm[offset - (int(self.group_ends[k]) - int(self.shard_ends[-1]))])
-        i = int(np.searchsorted(self.shard_ends, j, side="right"))
-        samples = self.loaded[i]
+        group = self.current
+        if group is None or group.epoch != epoch or not group.first <= offset < group.first + group.shard_ends[-1]:
+            _, ends = self.epoch_groups(epoch)
+            self._enter(epoch, int(np.searchsorted(ends, offset, side="right")))
+            group = self.current
+        j = int(group.perm[offset - group.first])
+        i = int(np.searchsorted(group.shard_ends, j, side="right"))
+        samples = group.loaded[i]
         if samples is None:
             return None
-        shard = int(self.groups[k][i])
-        j -= int(self.shard_ends[i]) - int(self.counts[shard])
+        shard = int(group.shards[i])
+        j -= int(group.shard_ends[i]) - int(self.counts[shard])
         return epoch, int(self.first_index[shard] + j), samples[j]
 
 

@@ -30,8 +30,10 @@ def _train(tiny_data, run_dir, shards, resume=None, **extra):
 
 
 def _metrics(run_dir):
+    """The logged rows without speed and retry counts (the failed run retried before it stopped:
+    a background read of the next group may count its retries in a row logged before the failure)."""
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rows]
+    return [{k: v for k, v in r.items() if k not in ("tokens_per_s", "read_retries")} for r in rows]
 
 
 def _params(trainer):

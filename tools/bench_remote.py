@@ -1,0 +1,127 @@
+"""Reading shards from an S3 API against local disk, side by side, and what each rank fetches.
+
+Starts moto's S3 server on a local socket (a dev dependency: `pip install -e ".[dev]"`), writes the
+same seq-512 shards of the bundled corpus to local disk and to a bucket (each once in input order
+and once `--shuffle`d for `data.read_block`), then times the loader on both, the paths taking turns
+within each repeat so load on the machine falls on all alike. Prints samples/s per core (a
+DataLoader worker is a core) and the ratio to local disk at the same settings. Then runs 2 ranks x
+2 workers through one epoch from the bucket and prints each rank's fetched bytes against its share.
+
+Local S3 is not S3: a request here costs a Python server's time on this machine's cores, not a
+network round trip, so the ratio says how the loader copes with per-request cost, not what a
+cluster will see.
+
+    python tools/bench_remote.py [--workers 4] [--batches 300] [--repeats 3] [--read-block 16 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import logging
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def start_s3() -> object:
+    """moto's S3 server in a thread; the AWS_* environment points every client (workers too) at it."""
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1",
+                      AWS_ENDPOINT_URL=f"http://{host}:{port}")
+    import boto3
+
+    boto3.client("s3").create_bucket(Bucket="bench")
+    return server
+
+
+def samples_per_s(make_loader, batches: int, batch: int) -> float:
+    """From the loader's start (workers, first reads) to its `batches`-th batch: every shard-group
+    read on the way is inside the timing, which is where local and remote storage differ."""
+    start = time.perf_counter()
+    for _ in itertools.islice(make_loader(), batches):
+        pass
+    return batches * batch / (time.perf_counter() - start)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--batches", type=int, default=300)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--read-block", type=int, nargs="+", default=[16, 64], help="data.read_block values to time "
+                   "on the shuffled shards (besides 1 on the plain ones)")
+    p.add_argument("--samples-per-shard", type=int, default=250)
+    p.add_argument("--shuffle-shards", type=int, default=2, help="shards per group: a group is read every "
+                   "samples-per-shard x shuffle-shards samples")
+    p.add_argument("--cache", default=os.environ.get("MEGAKD_CACHE", str(Path.home() / ".cache" / "megakd")))
+    args = p.parse_args()
+
+    from megakd.data.default_corpus import bundled_corpus_files, prepare_default_data
+    from megakd.data.shards import write_shards
+    from megakd.data.stream import PretrainingLoader
+    from megakd.data.tokenizer import Tokenizer
+
+    server = start_s3()
+    tok_dir, _ = prepare_default_data(args.cache, vocab_size=8000, seq_len=512)
+    tok = Tokenizer.load(tok_dir)
+    inputs = bundled_corpus_files("classic")
+    work = Path(tempfile.mkdtemp(prefix="bench-remote-"))
+    sets = {}
+    for shuffled in (False, True):
+        name = "shuffled" if shuffled else "plain"
+        local = work / name
+        write_shards(inputs, tok, 512, local, samples_per_shard=args.samples_per_shard, shuffle=shuffled)
+        remote = f"s3://bench/{name}"
+        write_shards(inputs, tok, 512, remote, samples_per_shard=args.samples_per_shard, shuffle=shuffled)
+        sets[name] = (str(local), remote)
+
+    rows = []
+    for name, block in [("plain", 1)] + [("shuffled", b) for b in args.read_block]:
+        local, remote = sets[name]
+        makers = {where: (lambda src=src, block=block: PretrainingLoader(
+            src, tok, micro_batch_size=args.batch, num_workers=args.workers, seed=0, read_block=block,
+            shuffle_shards=args.shuffle_shards, index_cache=work / "index-cache"))
+            for where, src in (("local disk", local), ("local S3", remote))}
+        rates: dict[str, list[float]] = {where: [] for where in makers}
+        for _ in range(args.repeats):  # the paths take turns
+            for where, make in makers.items():
+                rates[where].append(samples_per_s(make, args.batches, args.batch))
+        base = statistics.median(rates["local disk"])
+        for where in makers:
+            rate = statistics.median(rates[where])
+            rows.append((where, block, rate / max(args.workers, 1), rate / base))
+
+    print(f"seq 512, micro-batch {args.batch}, {args.workers} workers, groups of {args.shuffle_shards} x "
+          f"{args.samples_per_shard} samples; median of {args.repeats} runs of {args.batches} batches from the start")
+    print(f"{'source':<12} {'read_block':>10} {'samples/s/core':>15} {'vs local disk':>14}")
+    for where, block, per_core, ratio in rows:
+        print(f"{where:<12} {block:>10} {per_core:>15.0f} {ratio:>13.2f}x")
+
+    local, remote = sets["plain"]
+    shard_bytes = sum(f.stat().st_size for f in Path(local).glob("shard-*.tar"))
+    print("\n2 ranks x 2 workers, one epoch from local S3 (read_block 1):")
+    for rank in range(2):
+        loader = PretrainingLoader(remote, tok, micro_batch_size=args.batch, rank=rank, world_size=2, num_workers=2,
+                                   seed=0, index_cache=work / f"index-cache-{rank}")
+        for _ in loader:
+            if loader.position >= loader.num_samples:
+                break
+        share = shard_bytes / 2
+        print(f"  rank {rank}: fetched {loader.read_bytes / 1e6:.1f} MB, share {share / 1e6:.1f} MB "
+              f"({loader.read_bytes / share:.3f}x; the whole-shard reader: {2 * shard_bytes / share:.0f}x)")
+    server.stop()
+
+
+if __name__ == "__main__":
+    main()

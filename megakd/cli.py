@@ -78,16 +78,28 @@ def _train(args: argparse.Namespace, run) -> int:
 
         print_config(resolve_config(cfg))
         return 0
-    result = run(cfg, resume=args.resume, allow_change=tuple(args.allow_change))
+    # The run directory stays locked (rank 0) until the export below is published.
+    result = run(cfg, resume=args.resume, allow_change=tuple(args.allow_change), keep_lock=True)
+    try:
+        return _finish(cfg, result)
+    finally:
+        if result.lock is not None:
+            result.lock.release()
+
+
+def _finish(cfg, result) -> int:
+    """The end of `_train`, under the run directory's lock: the exit code, after the HF export."""
     if result.preempted:
         log.warning("stopped at step %d; run the same command with --resume auto to continue", result.step)
         return EXIT_INTERRUPTED if result.interrupted else 0
     if cfg.run.export_hf and int(os.environ.get("RANK", "0")) == 0:
         from megakd.convert import export_run
+        from megakd.store.rundir import publish_export
 
         try:
             with _stop_signals_raise():
-                log.info("exported HuggingFace model to %s", export_run(result.run_dir))
+                # Published only while this job still owns the run directory (checked before the rename).
+                log.info("exported HuggingFace model to %s", publish_export(result.run_dir, export_run))
         except _StoppedDuringExport as stop:
             log.warning("stopped by %s during the HuggingFace export: nothing was exported (the partial export "
                         "was removed; the checkpoint of step %d is intact); run the same command with --resume "

@@ -248,17 +248,20 @@ def _millions(model: torch.nn.Module) -> float:
     return sum(p.numel() for p in model.parameters()) / 1e6
 
 
-def run_pretraining(cfg: Config, resume: str | None = None, allow_change: tuple[str, ...] = ()) -> TrainResult:
-    """Train (or continue) the run `cfg` describes. The HF export at the end is the command's job."""
+def run_pretraining(cfg: Config, resume: str | None = None, allow_change: tuple[str, ...] = (),
+                    keep_lock: bool = False) -> TrainResult:
+    """Train (or continue) the run `cfg` describes. The HF export at the end is the command's job: with
+    `keep_lock` the run directory stays locked for it (`result.lock`, released by the caller)."""
     trainer = build_trainer(cfg, resume=resume)
     try:
         trainer.open_run(resume, allow_change)
-        return trainer.train()
+        return trainer.train(keep_lock=keep_lock)
     finally:
         trainer.close()
 
 
-def run_distill(cfg: Config, resume: str | None = None, allow_change: tuple[str, ...] = ()) -> TrainResult:
+def run_distill(cfg: Config, resume: str | None = None, allow_change: tuple[str, ...] = (),
+                keep_lock: bool = False) -> TrainResult:
     """`megakd distill` (DWT, docs/methods.md § DWT): pretraining with `distill.teacher` required.
 
     The student is `model.generator`: a BERT-MLM (`model.objective=mlm`, DWT as published) or an
@@ -269,4 +272,4 @@ def run_distill(cfg: Config, resume: str | None = None, allow_change: tuple[str,
     if not cfg.distill.teacher:
         raise ConfigError("distill.teacher: expected a teacher (run, checkpoint, model dir or HF MLM dir); "
                           "without one use `megakd pretrain`")
-    return run_pretraining(cfg, resume=resume, allow_change=allow_change)
+    return run_pretraining(cfg, resume=resume, allow_change=allow_change, keep_lock=keep_lock)

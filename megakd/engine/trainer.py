@@ -50,6 +50,9 @@ class TrainResult:
     preempted: bool  # stopped on a signal, after writing a checkpoint
     run_dir: Path
     interrupted: bool = False  # the signal was SIGINT on some rank (the command exits 130, not 0)
+    # With `train(keep_lock=True)`: the run directory's lock, still held on rank 0 for the command's
+    # end-of-run export; the caller releases it.
+    lock: rundir.RunDirLock | None = None
 
 
 class TooManyBadSteps(UserError):
@@ -156,8 +159,8 @@ class Trainer:
         error: BaseException | None = None
         tmp, final = checkpoint.temp_dir(self.run_dir, self.step), None
         try:
-            tmp, final = checkpoint.begin(self.run_dir, self.step, main)
-        except OSError as err:
+            tmp, final = checkpoint.begin(self.run_dir, self.step, main)  # checks run-dir ownership on rank 0
+        except (OSError, StoreError) as err:
             error = err
         self.backend.barrier()
         if error is None:
@@ -173,8 +176,8 @@ class Trainer:
         self._agree_or_abort(error, tmp)
         if main:
             try:
-                checkpoint.commit(tmp, final, self.step, self.cfg.run.keep_last)
-            except (OSError, RuntimeError) as err:
+                checkpoint.commit(tmp, final, self.step, self.cfg.run.keep_last)  # checks run-dir ownership
+            except (OSError, RuntimeError, StoreError) as err:
                 error = err
         self._agree_or_abort(error, tmp)
         return final
@@ -188,6 +191,10 @@ class Trainer:
         self.backend.barrier()  # every rank has measured the partial checkpoint before it goes
         if self.backend.is_main:
             checkpoint.abort(tmp)
+            # A lost run directory explains any failure (another job may have removed the temp dir).
+            taken = error if isinstance(error, rundir.RunDirTakenOver) else self._lock.ownership_error()
+            if taken is not None:
+                raise taken from None
         if error is None:
             raise StoreError(f"{tmp.parent}: saving step {self.step} failed on another rank; the partial checkpoint "
                              "was removed, older checkpoints are intact")
@@ -415,12 +422,20 @@ class Trainer:
         """
         return self._stop_signal is not None, self._stop_signal == signal.SIGINT
 
-    def train(self) -> TrainResult:
-        """Train to train.max_steps (a new run unless `open_run` resumed one); the run dir is locked until the end."""
+    def train(self, keep_lock: bool = False) -> TrainResult:
+        """Train to train.max_steps (a new run unless `open_run` resumed one); the run dir is locked until the end.
+
+        With `keep_lock`, a run that returns keeps the lock in `result.lock` (rank 0), so the command's
+        end-of-run export is written under it; the caller releases it.
+        """
         if not self._opened:
             self.open_run(None)
         with self._holding_run_dir:
-            return self._train()
+            result = self._train()
+            if keep_lock:
+                self._holding_run_dir.pop_all()  # not released on leaving: handed to the caller
+                result.lock = self._lock
+            return result
 
     def _train(self) -> TrainResult:
         cfg = self.cfg

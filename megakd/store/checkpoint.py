@@ -7,6 +7,10 @@ A job killed at any moment therefore leaves either a complete, verifiable checkp
 `.tmp-step_*` directory that the next start removes. `--resume auto` verifies the newest
 checkpoint against its manifest and falls back to the newest intact one, saying which file was
 damaged.
+
+Under a run-directory lock this process holds, `begin` and `commit` first check that the job still
+owns the run directory (`megakd.store.rundir.check_owner`): a job whose `.lock` was removed or
+replaced stops without writing, its temporary directory removed.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import time
 from pathlib import Path
 
 from megakd.fsutil import sha256_file
+from megakd.store import rundir
 from megakd.store.files import StoreError, fsync_dir, fsync_tree, load_state, save_state
 
 log = logging.getLogger(__name__)
@@ -89,6 +94,7 @@ def begin(run_dir: str | Path, step: int, is_main: bool) -> tuple[Path, Path]:
     """(temporary dir to write into, final dir). Rank 0 creates the temporary dir."""
     final, tmp = step_dir(run_dir, step), temp_dir(run_dir, step)
     if is_main:
+        rundir.check_owner(run_dir)
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
@@ -155,10 +161,14 @@ def commit(tmp: Path, final: Path, step: int, keep_last: int) -> None:
     """Rank 0, after all ranks wrote: manifest, fsync, publish `tmp` as `final`, prune older ones.
 
     Saving a step that is already published (a signal right after a periodic save) replaces it.
-    Pruning keeps the newest `keep_last` by step and never the checkpoint just written.
+    Pruning keeps the newest `keep_last` by step and never the checkpoint just written. Ownership of
+    the run directory is checked first and again just before the publishing rename; a job that lost it
+    raises `RunDirTakenOver` with `tmp` removed.
     """
+    _check_owner_or_abort(tmp, final)
     write_manifest(tmp, step)
     fsync_tree(tmp)
+    _check_owner_or_abort(tmp, final)
     old = None
     if final.exists():
         old = final.with_name(f".old-{final.name}-{time.time_ns()}")
@@ -174,6 +184,14 @@ def commit(tmp: Path, final: Path, step: int, keep_last: int) -> None:
             stale.rename(doomed)
             shutil.rmtree(doomed, ignore_errors=True)
     log.info("saved checkpoint %s", final)
+
+
+def _check_owner_or_abort(tmp: Path, final: Path) -> None:
+    try:
+        rundir.check_owner(final.parent)
+    except rundir.RunDirTakenOver:
+        abort(tmp)
+        raise
 
 
 def rank_state_path(directory: Path, rank: int) -> Path:

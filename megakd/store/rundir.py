@@ -7,6 +7,12 @@ process holds an exclusive `fcntl.flock` on `<run.dir>/.lock`, so a second job o
 directory stops at once and names the holder. The kernel drops the lock when the process dies,
 however it dies, so a stale lock file never blocks a resume.
 
+A flock cannot stop someone from deleting or replacing `.lock` while its holder runs, after which a
+second job takes a fresh lock on the same directory. So the holder checks, at every commit (a
+checkpoint's publish, the end-of-run export's), that `.lock` is still the file it locked (same
+device and inode) and still names this job (host, pid and a random token written at `announce`);
+if not, the commit refuses with `RunDirTakenOver` and nothing more is written (`check_owner`).
+
 At resume the checkpoint's config is compared with the current one key by key (see
 `state_changes`): steering keys change freely; a state-bearing key must be named with
 `--allow-change KEY`, and then the run directory keeps the earlier config as
@@ -18,10 +24,13 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import secrets
 import shutil
 import socket
 import stat
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,12 +60,22 @@ FIXED = ("model.", "electra.decoupled", "train.seed", "train.precision", "data.m
          "backend.zero_stage", "backend.pipeline_stages")
 
 
+class RunDirTakenOver(StoreError):
+    """`.lock` was removed, replaced or rewritten while this job held it: another job may own the run now."""
+
+
+# The locks this process holds, by resolved run directory: `check_owner` finds the one a commit is under.
+_HELD: dict[Path, RunDirLock] = {}
+
+
 class RunDirLock:
     """An exclusive flock on `<run_dir>/.lock`, held for the run's life by the writing process."""
 
     def __init__(self, run_dir: Path):
         self.path = Path(run_dir) / LOCK_FILE
         self._fd: int | None = None
+        self._file_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the file this job locked
+        self._identity: bytes | None = None  # what `announce` wrote into it
 
     def acquire(self) -> None:
         """Take the lock or raise naming the holder. Nothing is written yet (see `announce`)."""
@@ -70,6 +89,9 @@ class RunDirLock:
             raise StoreError(f"{self.path.parent}: in use by another megakd job ({holder}); wait for it to end "
                              "or pick another run.dir") from None
         self._fd = fd
+        st = os.fstat(fd)
+        self._file_id, self._identity = (st.st_dev, st.st_ino), None
+        _HELD[self.path.parent.resolve()] = self
 
     def _open(self) -> int:
         """Open (or create) the lock as a regular file inside the run directory, never through a link.
@@ -96,9 +118,42 @@ class RunDirLock:
 
         Kept apart from `acquire` so a refused start leaves the run directory byte-identical.
         """
+        identity = f"host {socket.gethostname()}, pid {os.getpid()}, job {secrets.token_hex(8)}\n".encode()
         os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, f"host {socket.gethostname()}, pid {os.getpid()}\n".encode(), 0)
+        os.pwrite(self._fd, identity, 0)
         os.fsync(self._fd)
+        self._identity = identity
+
+    def ownership_error(self) -> RunDirTakenOver | None:
+        """Why this job no longer owns the run directory, or None while `.lock` is still its file.
+
+        Nothing to check where the lock is not held (ranks other than 0, or after `release`).
+        """
+        if self._fd is None:
+            return None
+        try:
+            st = os.stat(self.path, follow_symlinks=False)
+        except FileNotFoundError:
+            return self._taken("was removed")
+        if (st.st_dev, st.st_ino) != self._file_id:
+            holder = _read_holder(self.path)
+            return self._taken("was replaced by another file" + (f" naming {holder}" if holder else ""))
+        if self._identity is not None:
+            found = os.pread(self._fd, 4096, 0)
+            if found != self._identity:
+                holder = found.decode(errors="replace").strip()[:200]
+                return self._taken(f"was rewritten to name {holder or 'nobody'}")
+        return None
+
+    def check(self) -> None:
+        """Raise `RunDirTakenOver` unless this job still owns the run directory (see `ownership_error`)."""
+        error = self.ownership_error()
+        if error is not None:
+            raise error
+
+    def _taken(self, what: str) -> RunDirTakenOver:
+        return RunDirTakenOver(f"another job took over {self.path.parent} (lock {self.path} {what}): stopping "
+                               "without writing")
 
     def __enter__(self) -> RunDirLock:
         self.acquire()
@@ -109,9 +164,71 @@ class RunDirLock:
 
     def release(self) -> None:
         if self._fd is not None:
+            if _HELD.get(self.path.parent.resolve()) is self:
+                del _HELD[self.path.parent.resolve()]
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
+
+
+def _read_holder(path: Path) -> str:
+    """The first line of a `.lock` that replaced ours, if it is a readable regular file (never through a link)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return ""
+    try:
+        return os.read(fd, 200).decode(errors="replace").strip() if stat.S_ISREG(os.fstat(fd).st_mode) else ""
+    except OSError:
+        return ""
+    finally:
+        os.close(fd)
+
+
+def ownership_error(path: str | Path) -> RunDirTakenOver | None:
+    """`RunDirLock.ownership_error` of the lock this process holds on a run directory containing `path`."""
+    path = Path(path).resolve()
+    for run_dir, lock in list(_HELD.items()):
+        if path == run_dir or run_dir in path.parents:
+            error = lock.ownership_error()
+            if error is not None:
+                return error
+    return None
+
+
+def check_owner(path: str | Path) -> None:
+    """Before writing or publishing `path`: raise `RunDirTakenOver` if this process locked the run
+    directory `path` is in and no longer owns it. A path under no lock this process holds passes."""
+    error = ownership_error(path)
+    if error is not None:
+        raise error
+
+
+def publish_export(run_dir: Path, export: Callable[[Path, Path], object], name: str = "hf") -> Path:
+    """The end-of-run export, published as `run_dir/name` only while this job owns `run_dir`.
+
+    `export(run_dir, out)` writes into `.<name>.partial-*/<name>` inside the run directory (removed on
+    any failure or signal; a killed job's is removed at the next start, `checkpoint.remove_stale_temp_dirs`);
+    ownership is checked before it starts and again just before the publishing rename.
+    """
+    out = run_dir / name
+    check_owner(run_dir)
+    if out.exists() and not out.is_dir():
+        raise StoreError(f"{out}: exists and is not a directory")
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}.partial-", dir=run_dir))
+    try:
+        export(run_dir, staging / name)
+        check_owner(run_dir)
+        old = None
+        if out.exists():
+            old = run_dir / f".{name}.old-{os.getpid()}"
+            out.rename(old)
+        (staging / name).rename(out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return out
 
 
 def used_entries(run_dir: Path) -> list[str]:

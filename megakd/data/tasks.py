@@ -21,10 +21,13 @@ Built-in tasks (fixed splits: the same on every machine and run, independent of 
 from __future__ import annotations
 
 import csv
+import gzip
 import hashlib
 import json
+import math
 import random
 import re
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,46 +98,188 @@ def _corpus_pair_examples() -> tuple[list[Example], list[Example]]:
     return train, dev
 
 
-def _read_rows(path: Path) -> list[dict]:
+MAX_FIELD_BYTES = 128 * 1024  # a text or label field of a task file, in UTF-8 bytes
+MAX_LINE_CHARS = 8 * 1024 * 1024  # a whole line of a task file (its unused columns or fields included)
+_DECIMAL = re.compile(r"[0-9]{1,18}")  # a class id in a TSV cell: digits only (no sign, space, 1.0 or 1_0)
+_NUMBER = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]{1,4})?")  # a regression target in a TSV cell
+GZIP_ERRORS = (EOFError, zlib.error, gzip.BadGzipFile)  # a truncated or damaged .gz
+_JSON_TYPES = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number",
+               float: "a number", type(None): "null"}
+
+
+@dataclass(frozen=True)
+class _Row:
+    line: int  # 1-based line of the file (a TSV header is line 1)
+    fields: dict
+
+
+def _bad(path: Path, n: int, line: int, subject: str, expected: str, where: str = "") -> ConfigError:
+    """One line: the file, the data row, what is wrong in it, its line (and column or field), what was expected."""
+    return ConfigError(f"{path}: row {n}: {subject} (line {line}{where}): expected {expected}")
+
+
+def _lines(path: Path):
+    """(line number, line without its newline) of a UTF-8 text file, gzip-compressed if it ends in .gz;
+    a line over MAX_LINE_CHARS, bytes that are not UTF-8 or a damaged gzip stream are refused in one line."""
+    n = 0
+    try:
+        with open_text(path) as f:
+            while line := f.readline(MAX_LINE_CHARS + 2):
+                n += 1
+                line = line.removesuffix("\n")
+                if len(line) > MAX_LINE_CHARS:
+                    raise ConfigError(f"{path}: line {n} is longer than {MAX_LINE_CHARS // 2**20} MiB "
+                                      f"(expected task rows with fields of at most {MAX_FIELD_BYTES // 1024} KiB)")
+                yield n, line
+    except UnicodeDecodeError:
+        try:
+            where = _not_utf8(path)
+        except GZIP_ERRORS:
+            where = f"{path}: not UTF-8 text: expected a UTF-8 text file"
+        raise ConfigError(where) from None
+    except GZIP_ERRORS as err:
+        raise ConfigError(f"{path}: not a readable gzip file ({err}); expected a .gz task file "
+                          "written whole") from None
+
+
+def _not_utf8(path: Path) -> str:
+    """Where the first byte that is not UTF-8 is: the row, line, byte and (in a TSV) column; the text
+    decoder reports only a position in its buffer."""
+    tsv = path.name.removesuffix(".gz").endswith(".tsv")
+    header: list[str] = []
+    rows = 0
+    with (gzip.open if path.name.endswith(".gz") else open)(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8").rstrip("\r\n")
+            except UnicodeDecodeError as err:
+                where = f"line {n}, byte {err.start + 1}"
+                if tsv and n > 1:
+                    col = raw[:err.start].count(b"\t")
+                    where += f", column {header[col]!r}" if col < len(header) else f", cell {col + 1}"
+                subject = "header" if tsv and n == 1 else f"row {rows + 1}"
+                return (f"{path}: {subject}: byte {raw[err.start:err.start + 1]!r} is not UTF-8 ({where}): "
+                        "expected a UTF-8 text file")
+            if tsv and n == 1:
+                header = line.split("\t")
+            elif line.strip() if not tsv else line:
+                rows += 1
+    return f"{path}: not UTF-8 text: expected a UTF-8 text file"
+
+
+def _read_rows(path: Path) -> list[_Row]:
+    """The data rows of a task file: a .tsv (header row, tab-separated, no quoting) or .jsonl (one JSON
+    object per line), each optionally .gz. Blank lines are skipped. Values are checked by `_file_examples`."""
     if not path.is_file():
         raise ConfigError(f"{path}: no such file")
     name = path.name.removesuffix(".gz")
-    with open_text(path) as f:
-        if name.endswith(".jsonl"):
-            rows = []
-            for n, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        rows.append(json.loads(line))
-                    except json.JSONDecodeError:
-                        raise ConfigError(f"{path}:{n}: not valid JSON") from None
-            return rows
-        if name.endswith(".tsv"):
-            return list(csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
+    if name.endswith(".jsonl"):
+        rows = []
+        for n, line in _lines(path):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except (ValueError, RecursionError) as err:  # ValueError: also an integer of > 4300 digits
+                raise _bad(path, len(rows) + 1, n, f"not valid JSON ({' '.join(str(err).split())[:200]})",
+                           "one JSON object per line") from None
+            if not isinstance(value, dict):
+                raise _bad(path, len(rows) + 1, n, _JSON_TYPES.get(type(value), type(value).__name__),
+                           "a JSON object with the task's fields")
+            rows.append(_Row(n, value))
+        return rows
+    if name.endswith(".tsv"):
+        # As csv.DictReader(delimiter="\t", quoting=csv.QUOTE_NONE) reads it (empty lines skipped; a
+        # repeated column name: the later column), but a row must have the header's number of columns.
+        rows, header = [], None
+        for n, line in _lines(path):
+            if header is None:
+                header = line.split("\t") if line else []
+                continue
+            if not line:
+                continue
+            cells = line.split("\t")
+            if len(cells) != len(header):
+                problem = (f"no cell for column {header[len(cells)]!r}" if len(cells) < len(header) else
+                           f"a cell after the last column {header[-1] if header else ''!r} (a tab inside a text?)")
+                raise _bad(path, len(rows) + 1, n, f"{len(cells)} tab-separated cells",
+                           f"the header's {len(header)} columns; {problem}")
+            rows.append(_Row(n, dict(zip(header, cells))))
+        return rows
     raise ConfigError(f"{path}: expected a .tsv, .tsv.gz, .jsonl or .jsonl.gz file")
+
+
+def _shown(value, tsv: bool) -> str:
+    text = repr(value) if tsv else json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= 40 else f"{text[:18]}...{text[-18:]}"
+
+
+def _check_size(path: Path, n: int, row: _Row, kind: str, key: str, value: str) -> None:
+    if len(value) > MAX_FIELD_BYTES // 4 and len(value.encode("utf-8")) > MAX_FIELD_BYTES:
+        raise _bad(path, n, row.line, f"{kind} {key!r} of {len(value.encode('utf-8'))} bytes",
+                   f"at most {MAX_FIELD_BYTES // 1024} KiB ({MAX_FIELD_BYTES} bytes) of UTF-8 per field")
+
+
+def _label(path: Path, n: int, row: _Row, task: TaskConfig, tsv: bool) -> float | int:
+    """The label of one row, strictly typed: a TSV cell is text, a JSONL value has its JSON type."""
+    raw = row.fields[task.label]
+    if tsv:
+        _check_size(path, n, row, "column", task.label, raw)
+    elif isinstance(raw, str):
+        _check_size(path, n, row, "field", task.label, raw)
+    label: float | int | None = None
+    if task.num_labels == 1:
+        expected, keys = "a finite number" if tsv else "a finite JSON number", "task.num_labels=1: regression"
+        if tsv and _NUMBER.fullmatch(raw):
+            label = float(raw)
+        elif not tsv and isinstance(raw, (int, float)) and not isinstance(raw, bool):
+            label = float(raw)
+        if label is not None and not math.isfinite(label):
+            label = None
+    elif task.labels:
+        expected, keys = f"one of {', '.join(map(repr, task.labels))}", "task.labels"
+        expected += "" if tsv else " as a JSON string"
+        if isinstance(raw, str) and raw in task.labels:
+            label = task.labels.index(raw)
+    else:
+        expected, keys = f"{'an' if tsv else 'a JSON'} integer in [0, {task.num_labels})", "task.num_labels"
+        if tsv and _DECIMAL.fullmatch(raw):
+            label = int(raw)
+        elif not tsv and type(raw) is int:
+            label = raw
+        if label is not None and not 0 <= label < task.num_labels:
+            label = None
+    if label is None:
+        where = f"column {task.label!r}" if tsv else f"field {task.label!r}"
+        raise _bad(path, n, row.line, f"label {_shown(raw, tsv)}", f"{expected} ({keys})", f", {where}")
+    return label
+
+
+def _text(path: Path, n: int, row: _Row, key: str, config_key: str, tsv: bool) -> str:
+    value = row.fields[key]
+    kind = "column" if tsv else "field"
+    if not isinstance(value, str):
+        raise _bad(path, n, row.line, f"text {_shown(value, tsv)}", f"a JSON string ({config_key})",
+                   f", {kind} {key!r}")
+    _check_size(path, n, row, kind, key, value)
+    return value
 
 
 def _file_examples(path: Path, task: TaskConfig, start: int) -> list[Example]:
     out = []
-    for n, row in enumerate(_read_rows(path)):
-        for key in filter(None, (task.text_a, task.text_b, task.label)):
-            if key not in row:
-                raise ConfigError(f"{path}: row {n + 1} has no field {key!r} (task.text_a / text_b / label)")
-        raw = row[task.label]
-        try:
-            if task.num_labels == 1:
-                label: float | int = float(raw)
-            elif task.labels:
-                label = task.labels.index(str(raw))
-            else:
-                label = int(raw)
-                if not 0 <= label < task.num_labels:
-                    raise ValueError
-        except ValueError:
-            expected = task.labels or f"an integer in [0, {task.num_labels})" if task.num_labels > 1 else "a number"
-            raise ConfigError(f"{path}: row {n + 1}: label {raw!r}: expected {expected} (task.labels / "
-                              "task.num_labels)") from None
-        out.append(Example(start + n, str(row[task.text_a]), str(row[task.text_b]) if task.text_b else None, label))
+    tsv = path.name.removesuffix(".gz").endswith(".tsv")
+    keys = {"task.text_a": task.text_a, "task.text_b": task.text_b, "task.label": task.label}
+    for n, row in enumerate(_read_rows(path), 1):
+        for config_key, key in keys.items():
+            if key and key not in row.fields:
+                if tsv:
+                    raise ConfigError(f"{path}: the header (line 1) has no field {key!r} ({config_key}); its "
+                                      f"columns: {_shown(', '.join(row.fields), True)}")
+                raise _bad(path, n, row.line, f"no field {key!r}", f"the field {config_key} names")
+        label = _label(path, n, row, task, tsv)
+        text_a = _text(path, n, row, task.text_a, "task.text_a", tsv)
+        text_b = _text(path, n, row, task.text_b, "task.text_b", tsv) if task.text_b else None
+        out.append(Example(start + n - 1, text_a, text_b, label))
     return out
 
 

@@ -2,7 +2,8 @@
 
 One `Runtime` per command: it joins the process group (torchrun, the deepspeed launcher or Slurm
 variables, through the pretraining backends), owns `run.dir` for the command's life (the same
-refusal, `run.overwrite` and lock as pretraining, megakd/store/rundir.py), catches SIGTERM,
+refusal, `run.overwrite` and lock as pretraining, megakd/store/rundir.py; a new run that ends before
+writing anything but its config.yaml removes it, leaving run.dir unused), catches SIGTERM,
 SIGUSR1 and SIGINT so that the training in progress checkpoints and stops, and splits every global
 batch over the data-parallel ranks.
 
@@ -98,6 +99,7 @@ class Runtime:
         self._lock = rundir.RunDirLock(self.run_dir)
         self._stop_signal: int | None = None
         self._previous_handlers: dict = {}
+        self._fresh = False  # this command wrote config.yaml into an empty run.dir (see close)
 
     # -- who and where ---------------------------------------------------------------------------
     @property
@@ -140,6 +142,7 @@ class Runtime:
             raise error if error is not None else StoreError(f"{self.run_dir}: refused on rank 0 (see its message)")
         if self.is_main:
             self._lock.announce()
+            self._fresh = not rundir.used_entries(self.run_dir)
             save_config(self.cfg, self.run_dir / "config.yaml")
         self._previous_handlers = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
         return self.run_dir
@@ -157,8 +160,28 @@ class Runtime:
         for sig, handler in self._previous_handlers.items():
             signal.signal(sig, handler)
         self._previous_handlers = {}
+        self._release_unused_run_dir()
         self._lock.release()
         self.backend.close()
+
+    def _release_unused_run_dir(self) -> None:
+        """A new run that stopped before writing anything but its config.yaml (a task file refused, a model
+        or teacher that does not fit, a traceback while reading them: before its first step) leaves run.dir
+        as it found it, so the corrected command starts there without run.overwrite. Only the config.yaml
+        this command wrote into an empty run.dir is removed, under the lock; a run that wrote anything
+        else (a trial, a seed, a checkpoint) keeps it all."""
+        if not self._fresh:
+            return
+        self._fresh = False
+        config = self.run_dir / "config.yaml"
+        if rundir.used_entries(self.run_dir) == [config.name] and config.is_file() and not config.is_symlink():
+            try:
+                config.unlink()
+            except OSError as err:  # never hide the error that ended the run
+                log.warning("%s: could not remove config.yaml (%s)", self.run_dir, err)
+                return
+            log.info("%s: nothing was written but config.yaml; removed it, so run.dir is unused again",
+                     self.run_dir)
 
     # -- stop signals ----------------------------------------------------------------------------
     def _on_signal(self, signum, _frame) -> None:

@@ -167,10 +167,8 @@ def test_tokenizer_mismatch(small_shards, tokenizer, corpus_jsonl, tmp_path):
     PretrainingLoader(small_shards, other, micro_batch_size=4, check_tokenizer=False)
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_skip_bad_shards_counts_and_skips_only_them(v1_shards, tokenizer, workers):
-    shards = v1_shards
-    manifest = read_manifest(shards)
+def skipping_loader_over_two_bad_shards(shards, tokenizer, workers: int) -> PretrainingLoader:
+    """shard-000005 deleted, bytes 2048..2560 of shard-000002 overwritten; a loader with skip_bad_shards."""
     (shards / "shard-000005.tar").unlink()
     corrupt = shards / "shard-000002.tar"
     data = bytearray(corrupt.read_bytes())
@@ -178,6 +176,14 @@ def test_skip_bad_shards_counts_and_skips_only_them(v1_shards, tokenizer, worker
     corrupt.write_bytes(bytes(data))
     loader = PretrainingLoader(shards, tokenizer, micro_batch_size=4, num_workers=workers, skip_bad_shards=True)
     assert loader.skipped_shards == 1  # the missing one is known up front, the corrupt one when read
+    return loader
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_skip_bad_shards_counts_and_skips_only_them(v1_shards, tokenizer, workers):
+    shards = v1_shards
+    manifest = read_manifest(shards)
+    loader = skipping_loader_over_two_bad_shards(shards, tokenizer, workers)
     seen = []
     for b in loader:
         seen += [int(i) for i, e in zip(b["index"], b["epoch"]) if e == 0]
@@ -194,14 +200,8 @@ def test_skip_bad_shards_with_index_skips_only_damaged_members(shards, small_sha
     (worker) whose members of it are intact still uses them. Every sample used is the intact one."""
     manifest = read_manifest(shards)
     clean = [s for e in manifest["shards"] for s in read_shard(small_shards / e["file"], e, manifest["dtype"])]
-    (shards / "shard-000005.tar").unlink()
-    corrupt = shards / "shard-000002.tar"
-    key, _, _ = damaged_member(shards, corrupt.name, 2048)
-    data = bytearray(corrupt.read_bytes())
-    data[2048:2560] = b"\xff" * 512
-    corrupt.write_bytes(bytes(data))
-    loader = PretrainingLoader(shards, tokenizer, micro_batch_size=4, num_workers=workers, skip_bad_shards=True)
-    assert loader.skipped_shards == 1  # the missing one is known up front, the corrupt one when read
+    key, _, _ = damaged_member(shards, "shard-000002.tar", 2048)
+    loader = skipping_loader_over_two_bad_shards(shards, tokenizer, workers)
     seen = []
     for b in loader:
         for i, e, ids, attn in zip(b["index"], b["epoch"], b["input_ids"], b["attention_mask"]):

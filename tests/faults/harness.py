@@ -68,3 +68,26 @@ def megakd_peak(*args: str, env: dict[str, str] | None = None, timeout: float = 
     found = re.search(r"\npeak_kib=(\d+)\n$", proc.stdout)
     assert found, proc.stdout[-500:]
     return Outcome(proc.returncode, proc.stdout[: found.start()], proc.stderr), int(found.group(1)) * 1024
+
+
+def two_step_run(tiny_data, root: Path, *, version1: bool = False) -> Path:
+    """`root/run`: a 2-step tiny pretraining run with its checkpoint, what fault rows resume from.
+
+    `version1` runs it on an unindexed (manifest version 1) copy of the shards in `root/shards`: the
+    manifest is part of the data fingerprint, so rows about version-1 shards resume from this one.
+    """
+    import shutil
+
+    from tests.data.conftest import unindexed
+    from tests.helpers import tiny_overrides
+
+    tokenizer_dir, shards = tiny_data
+    if version1:
+        shards = root / "shards"
+        shutil.copytree(tiny_data[1], shards)
+        unindexed(shards)
+    run = root / "run"
+    out = megakd("pretrain", "-c", "configs/electra-tiny.yaml",
+                 *tiny_overrides((tokenizer_dir, shards), run, **{"train.max_steps": 2, "run.export_hf": "false"}))
+    assert out.code == 0, out.stderr
+    return run

@@ -25,7 +25,7 @@ from megakd.models.electra import MaskedLM
 from megakd.models.encoder import EncoderConfig
 from megakd.store.model_dir import save_model_dir
 from tests.data.conftest import forge_member, member_spans, unindexed
-from tests.faults.harness import megakd, megakd_peak, snapshot
+from tests.faults.harness import megakd, megakd_peak, snapshot, two_step_run
 from tests.faults.test_data_faults import first_key, first_shard
 from tests.helpers import TINY_SEQ_LEN, TINY_VOCAB, tiny_overrides
 
@@ -173,26 +173,14 @@ INDEXED_SHARD_FAULTS = [
 
 @pytest.fixture(scope="module")
 def run_with_checkpoint(tiny_data, tmp_path_factory) -> Path:
-    """A 2-step run with its checkpoint (shared read-only: rows work on copies)."""
-    run = tmp_path_factory.mktemp("bounded") / "run"
-    out = megakd("pretrain", "-c", CONFIG,
-                 *tiny_overrides(tiny_data, run, **{"train.max_steps": 2, "run.export_hf": "false"}))
-    assert out.code == 0, out.stderr
-    return run
+    """A 2-step run with its checkpoint: what every row resumes from (and must leave untouched)."""
+    return two_step_run(tiny_data, tmp_path_factory.mktemp("bounded"))
 
 
 @pytest.fixture(scope="module")
 def run_with_checkpoint_v1(tiny_data, tmp_path_factory) -> Path:
-    """The same on a version-1 copy of the shards (the manifest is part of the data fingerprint)."""
-    root = tmp_path_factory.mktemp("bounded_v1")
-    shards = root / "shards"
-    shutil.copytree(tiny_data[1], shards)
-    unindexed(shards)
-    run = root / "run"
-    out = megakd("pretrain", "-c", CONFIG,
-                 *tiny_overrides((tiny_data[0], shards), run, **{"train.max_steps": 2, "run.export_hf": "false"}))
-    assert out.code == 0, out.stderr
-    return run
+    """The same on a version-1 copy of the shards."""
+    return two_step_run(tiny_data, tmp_path_factory.mktemp("bounded_v1"), version1=True)
 
 
 @pytest.mark.parametrize(("fmt", "damage", "pattern"),

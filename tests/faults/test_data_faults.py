@@ -20,7 +20,7 @@ import pytest
 from megakd.data.shards import MANIFEST, read_manifest
 from megakd.data.stream import epoch_shard_order
 from tests.data.conftest import forge_member, member_spans, unindexed
-from tests.faults.harness import megakd, snapshot
+from tests.faults.harness import megakd, snapshot, two_step_run
 from tests.helpers import TINY_VOCAB, tiny_overrides
 
 TAR_HEADER, NPY_HEADER = 512, 128  # bytes before a shard's first token: tar header, .npy header
@@ -134,25 +134,13 @@ def first_key(shards: Path, name: str) -> str:
 @pytest.fixture(scope="module")
 def run_with_checkpoint(tiny_data, tmp_path_factory) -> Path:
     """A 2-step run with its checkpoint: what every row resumes from (and must leave untouched)."""
-    run = tmp_path_factory.mktemp("faults") / "run"
-    out = megakd("pretrain", "-c", "configs/electra-tiny.yaml",
-                 *tiny_overrides(tiny_data, run, **{"train.max_steps": 2, "run.export_hf": "false"}))
-    assert out.code == 0, out.stderr
-    return run
+    return two_step_run(tiny_data, tmp_path_factory.mktemp("faults"))
 
 
 @pytest.fixture(scope="module")
 def run_with_checkpoint_v1(tiny_data, tmp_path_factory) -> Path:
-    """The same on a version-1 copy of the shards (the manifest is part of the data fingerprint)."""
-    root = tmp_path_factory.mktemp("faults_v1")
-    shards = root / "shards"
-    shutil.copytree(tiny_data[1], shards)
-    unindexed(shards)
-    run = root / "run"
-    out = megakd("pretrain", "-c", "configs/electra-tiny.yaml",
-                 *tiny_overrides((tiny_data[0], shards), run, **{"train.max_steps": 2, "run.export_hf": "false"}))
-    assert out.code == 0, out.stderr
-    return run
+    """The same on a version-1 copy of the shards."""
+    return two_step_run(tiny_data, tmp_path_factory.mktemp("faults_v1"), version1=True)
 
 
 @pytest.mark.parametrize(("damage", "pattern"), [f[1:] for f in FAULTS], ids=[f[0] for f in FAULTS])

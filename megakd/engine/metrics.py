@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
 import secrets
+import threading
 from pathlib import Path
 
-from megakd.store.files import StoreError
+from megakd.store.files import StoreError, human_bytes, is_disk_full
 
 log = logging.getLogger(__name__)
 
@@ -20,13 +22,18 @@ class MetricsWriter:
     def __init__(self, run_dir: Path, *, tensorboard: bool, wandb: bool, wandb_project: str,
                  wandb_mode: str, config: dict, resume_step: int = 0):
         self.path = run_dir / "metrics.jsonl"
-        if self.path.exists():  # only a resumed run finds one (a new run starts in an unused run dir)
-            self._truncate_after(resume_step)
+        # A full disk on a write here is recorded, not raised: the trainer reads `failure` as a stop
+        # request, every rank stops at the next step's agreement, and the run ends with this one line
+        # without saving (the last checkpoint is intact; --resume auto repeats the steps after it).
+        self.failure: StoreError | None = None
         self.tb = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=resume_step or None)
+        self._tb_file: Path | None = None
+        if self.path.exists():  # only a resumed run finds one (a new run starts in an unused run dir)
+            self._guard(self.path, f"rewriting it to resume at step {resume_step}",
+                        lambda: self._truncate_after(resume_step))
+        if tensorboard and self.failure is None:
+            self._guard(run_dir / "tb", "creating its TensorBoard event file",
+                        lambda: self._open_tensorboard(run_dir / "tb", resume_step))
         self.wandb = None
         if wandb:
             import wandb as wandb_lib
@@ -35,6 +42,20 @@ class MetricsWriter:
             self.wandb = wandb_lib.init(project=wandb_project, dir=str(run_dir), config=config,
                                         id=wandb_run_id(run_dir), resume="allow", name=run_dir.name,
                                         mode=os.environ.get("WANDB_MODE", wandb_mode))
+
+    def _open_tensorboard(self, tb_dir: Path, resume_step: int) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        _quiet_tensorboard_thread()
+        before = set(tb_dir.glob("events.out.tfevents.*"))
+        try:
+            self.tb = SummaryWriter(log_dir=str(tb_dir), purge_step=resume_step or None)
+        except Exception:
+            for new in set(tb_dir.glob("events.out.tfevents.*")) - before:  # its empty or torn event file
+                new.unlink(missing_ok=True)
+            raise
+        name = getattr(self.tb.file_writer.event_writer, "_file_name", None)
+        self._tb_file = Path(name) if name else None
 
     def _truncate_after(self, step: int) -> None:
         """On resume, drop lines logged after the checkpoint so the file has no duplicated steps.
@@ -54,25 +75,100 @@ class MetricsWriter:
                 raise StoreError(f"{self.path}: line {number} is not JSON; repair or remove the line to resume") from None
         kept = [line for line, record in records if record.get("step", 0) <= step]
         tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(ln + "\n" for ln in kept))
-        tmp.replace(self.path)
+        try:
+            tmp.write_text("".join(ln + "\n" for ln in kept))
+            tmp.replace(self.path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _guard(self, path: Path, what: str, action) -> bool:
+        """Run `action()`; if the disk is full, set `failure` (one line naming `path`) and return False."""
+        try:
+            action()
+            return True
+        except Exception as err:
+            if not is_disk_full(err):
+                raise
+            self.failure = StoreError(
+                f"{path}: no space left on device while {what}; stopped without saving, the checkpoints and "
+                "every earlier metrics line are intact: free some space and continue with --resume auto")
+            return False
 
     def write(self, record: dict) -> None:
-        with self.path.open("a") as f:
-            f.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
+        """Append one line, whole or not at all, then mirror it to TensorBoard / wandb.
+
+        After a full disk (`failure`) nothing more is written: the run is stopping.
+        """
+        if self.failure is not None:
+            return
         step = record["step"]
-        for key, value in record.items():
-            if key != "step" and isinstance(value, (int, float)):
-                if self.tb is not None:
-                    self.tb.add_scalar(key, value, step)
+        line = (json.dumps(strict_json(record), allow_nan=False) + "\n").encode()
+        if not self._guard(self.path, f"appending the {human_bytes(len(line))} line of step {step}",
+                           lambda: append_whole(self.path, line)):
+            return
+        if self.tb is not None:
+            size = _size(self._tb_file)
+            if not self._guard(self._tb_file or self.path.parent / "tb", f"writing the events of step {step}",
+                               lambda: self._tensorboard(record, step)):
+                self.tb = None  # its writer thread is dead; closing it would only retry the failed write
+                if size is not None:
+                    with contextlib.suppress(OSError):  # drop the torn record: the file ends at the last step
+                        os.truncate(self._tb_file, size)
+                return
         if self.wandb is not None:
             self.wandb.log(record, step=step)
 
+    def _tensorboard(self, record: dict, step: int) -> None:
+        for key, value in record.items():
+            if key != "step" and isinstance(value, (int, float)):
+                self.tb.add_scalar(key, value, step)
+        self.tb.flush()  # on disk now, so a full disk shows here rather than in the writer's thread
+
     def close(self) -> None:
         if self.tb is not None:
-            self.tb.close()
+            self._guard(self._tb_file or self.path.parent / "tb", "closing the TensorBoard event file", self.tb.close)
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def append_whole(path: Path, data: bytes) -> None:
+    """Append `data` to `path` in one `os.write`; if it fails (a full disk part-way through included) the
+    file is cut back to its old length, so a reader never finds half of it."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            done = os.write(fd, data)
+            while done < len(data):  # a short write: the next one says why (ENOSPC) or finishes it
+                done += os.write(fd, data[done:])
+        except BaseException:
+            os.ftruncate(fd, size)
+            raise
+    finally:
+        os.close(fd)
+
+
+def _quiet_tensorboard_thread() -> None:
+    """TensorBoard's writer thread dies on a full disk and prints the traceback; the same error reaches
+    `MetricsWriter.write` through `flush`, which reports it in one line, so the thread's copy is dropped."""
+    previous = threading.excepthook
+    if getattr(previous, "megakd_quiet", False):
+        return
+
+    def hook(args):
+        if type(args.thread).__name__ == "_AsyncWriterThread" and is_disk_full(args.exc_value):
+            return
+        previous(args)
+
+    hook.megakd_quiet = True
+    threading.excepthook = hook
+
+
+def _size(path: Path | None) -> int | None:
+    try:
+        return path.stat().st_size if path is not None else None
+    except OSError:
+        return None
 
 
 def strict_json(record: dict) -> dict:

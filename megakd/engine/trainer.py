@@ -82,6 +82,7 @@ class Trainer:
         self._config_changes: dict = {}
         self._opened = False
         self._stop_signal: int | None = None  # the first stop signal received, if any
+        self._metrics: MetricsWriter | None = None  # rank 0's, while `_train` runs (its `failure` stops the run)
         self._probe: Probe | None = None  # built at the first probe step (loading and tokenizing the task)
 
     def run_probe(self) -> dict | None:
@@ -155,6 +156,7 @@ class Trainer:
         Every rank reaches the same collectives whether or not its own writes failed, so a full
         disk on one rank ends every rank with an error instead of a hang.
         """
+        self._stop_if_metrics_failed()
         main = self.backend.is_main
         error: BaseException | None = None
         tmp, final = checkpoint.temp_dir(self.run_dir, self.step), None
@@ -181,6 +183,21 @@ class Trainer:
                 error = err
         self._agree_or_abort(error, tmp)
         return final
+
+    def _stop_if_metrics_failed(self) -> None:
+        """Before any save: if rank 0's metrics writes hit a full disk, every rank stops here without saving.
+
+        Its `failure` was already a stop request (`_local_stop_flags`), so the ranks got here together
+        at the next step (or at the end of the run); the newest checkpoint stays the one to resume from,
+        and its metrics.jsonl lines are all intact.
+        """
+        failure = self._metrics.failure if self._metrics is not None else None
+        if self.backend.all_reduce_sum(torch.tensor(float(failure is not None))).item() == 0:
+            return
+        if failure is not None:
+            raise failure
+        raise StoreError(f"{self.run_dir}: rank 0 could not write the run's metrics (see its message); stopped "
+                         "without saving")
 
     def _agree_or_abort(self, error: BaseException | None, tmp: Path) -> None:
         """All ranks learn whether any rank failed; then rank 0 removes the temp dir and all raise."""
@@ -420,7 +437,8 @@ class Trainer:
         A signal may reach one rank only (or one rank first); each step's agreement all-reduce
         makes every rank stop after the same step, so the checkpoint holds one consistent step.
         """
-        return self._stop_signal is not None, self._stop_signal == signal.SIGINT
+        metrics_failed = self._metrics is not None and self._metrics.failure is not None
+        return self._stop_signal is not None or metrics_failed, self._stop_signal == signal.SIGINT
 
     def train(self, keep_lock: bool = False) -> TrainResult:
         """Train to train.max_steps (a new run unless `open_run` resumed one); the run dir is locked until the end.
@@ -445,7 +463,7 @@ class Trainer:
             if self._config_changes:
                 rundir.record_history(self.run_dir, self._saved_config, self.step)
             save_config(cfg, self.run_dir / "config.yaml")
-            writer = MetricsWriter(
+            writer = self._metrics = MetricsWriter(
                 self.run_dir, tensorboard=cfg.run.tensorboard, wandb=cfg.run.wandb,
                 wandb_project=cfg.run.wandb_project, wandb_mode=cfg.run.wandb_mode,
                 config=config_to_dict(cfg), resume_step=self.step,

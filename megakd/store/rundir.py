@@ -36,7 +36,7 @@ from typing import Any
 
 import yaml
 
-from megakd.store.files import StoreError
+from megakd.store.files import StoreError, human_bytes, is_disk_full
 
 LOCK_FILE = ".lock"
 LOCK_EXPECTED = "expected a regular file (the run directory's lock), remove it"
@@ -217,7 +217,17 @@ def publish_export(run_dir: Path, export: Callable[[Path, Path], object], name: 
         raise StoreError(f"{out}: exists and is not a directory")
     staging = Path(tempfile.mkdtemp(prefix=f".{name}.partial-", dir=run_dir))
     try:
-        export(run_dir, staging / name)
+        try:
+            export(run_dir, staging / name)
+        except Exception as err:
+            if not is_disk_full(err):
+                raise
+            newest = sorted((run_dir / "checkpoints").glob("step_*"))[-1:]
+            needed = sum(f.stat().st_size for d in newest for f in d.glob("*.safetensors"))
+            raise StoreError(f"{out}: no space left on device while writing the HuggingFace export (about "
+                             f"{human_bytes(needed)} needed); the partial export was removed, the checkpoints are "
+                             f"intact: free some space and run the same command with --resume auto, or megakd "
+                             f"convert to-hf {run_dir} {out} --force") from None
         check_owner(run_dir)
         old = None
         if out.exists():
@@ -316,10 +326,26 @@ def record_history(run_dir: Path, saved: dict, step: int) -> Path:
     in force from the newest recorded step on.
     """
     history = run_dir / HISTORY_DIR
+    created = not history.is_dir()
     history.mkdir(exist_ok=True)
     earlier = sorted(int(p.stem.split("_")[1]) for p in history.glob("step_*.yaml"))
     start = max((s for s in earlier if s < step), default=0)
     path = history / f"step_{step:08d}.yaml"
-    path.write_text(yaml.safe_dump({"applied_from_step": start, "applied_until_step": step, **saved},
-                                   sort_keys=False))
+    text = yaml.safe_dump({"applied_from_step": start, "applied_until_step": step, **saved}, sort_keys=False)
+    tmp = history / f".{path.name}.tmp"
+    try:  # whole or absent: written aside, then renamed into place
+        tmp.write_text(text)
+        tmp.replace(path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        if created:
+            try:
+                history.rmdir()
+            except OSError:
+                pass
+        if not is_disk_full(err):
+            raise
+        raise StoreError(f"{path}: no space left on device while keeping the config that applied until step {step} "
+                         f"({human_bytes(len(text.encode()))}); nothing was changed, the checkpoints are intact: free "
+                         "some space and resume again") from None
     return path

@@ -358,14 +358,27 @@ def test_pickle_payload_never_runs(entry, tiny_data, base_run, tmp_path):
 # -- a full disk ------------------------------------------------------------------------------------
 
 @pytest.fixture
-def tiny_disk(tmp_path):
-    """A 160 KiB tmpfs: room for config and metrics, not for a checkpoint (needs root to mount)."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    if os.geteuid() != 0 or os.system(f"mount -t tmpfs -o size=160k tmpfs {mount} 2>/dev/null") != 0:
-        pytest.skip("mounting a tmpfs needs root")
+def small_disk(tmp_path):
+    """mount(name, size) -> a fresh tmpfs of `size` under tmp_path (needs root), unmounted at the end."""
+    mounted = []
+
+    def mount(name: str = "disk", size: str = "160k") -> Path:
+        path = tmp_path / name
+        path.mkdir()
+        if os.geteuid() != 0 or os.system(f"mount -t tmpfs -o size={size} tmpfs {path} 2>/dev/null") != 0:
+            pytest.skip("mounting a tmpfs needs root")
+        mounted.append(path)
+        return path
+
     yield mount
-    os.system(f"umount {mount}")
+    for path in reversed(mounted):
+        os.system(f"umount {path}")
+
+
+@pytest.fixture
+def tiny_disk(small_disk):
+    """A 160 KiB tmpfs: room for config and metrics, not for a checkpoint (needs root to mount)."""
+    return small_disk()
 
 
 @pytest.mark.slow
@@ -377,3 +390,91 @@ def test_disk_full_during_save_names_the_directory_and_cleans_up(tiny_data, tiny
     assert "KiB" in line or " B " in line
     assert not any((run / "checkpoints").iterdir())  # the partial checkpoint is gone
     assert (run / "metrics.jsonl").is_file()
+
+
+# Where else a full disk can strike a run: each writes into the run directory on a 160 KiB tmpfs whose
+# `checkpoints/` is a link to a roomy disk, so the write named here is the first to fail. A filler file
+# sizes the free space (tmpfs counts whole 4 KiB pages: .lock and config.yaml take one each).
+
+def _fill(disk: Path, leave: int) -> None:
+    st = os.statvfs(disk)
+    (disk / "filler").write_bytes(b"x" * max(0, st.f_bavail * st.f_frsize - leave))
+
+
+def _run_two_steps_then_fill(tiny_data, run: Path, disk: Path, **extra) -> None:
+    assert pretrain(tiny_data, run, "--resume", "auto", **{"train.max_steps": 2, "train.save_every": 2}).code == 0
+    _fill(disk, 0)
+
+
+DISK_FULL = {
+    # case: (prepare(tiny_data, run, disk), flags, overrides, fragments of the error line after the path)
+    "metrics.jsonl append": (
+        lambda data, run, disk: _fill(disk, 3 * 4096), ["--resume", "auto"],
+        {"train.max_steps": 16, "train.save_every": 4},
+        ("metrics.jsonl", "no space left on device while appending the", "stopped without saving",
+         "--resume auto")),
+    "TensorBoard event file (on by default)": (
+        lambda data, run, disk: _fill(disk, 4 * 4096), ["--resume", "auto"],
+        {"train.max_steps": 16, "train.save_every": 4, "run.tensorboard": "true"},
+        ("tb/events.out.tfevents.", "no space left on device while writing the events of step",
+         "stopped without saving")),
+    "config_history/ at a resume with a changed key": (
+        _run_two_steps_then_fill, ["--resume", "auto", "--allow-change", "optim.discriminator.lr"],
+        {"train.max_steps": 4, "optim.discriminator.lr": 1e-3},
+        ("config_history/step_00000002.yaml", "no space left on device while keeping the config",
+         "nothing was changed")),
+    "end-of-run HF export": (
+        lambda data, run, disk: _fill(disk, 3 * 4096), ["--resume", "auto"],
+        {"train.max_steps": 2, "train.save_every": 2, "run.export_hf": "true"},
+        ("/hf: no space left on device while writing the HuggingFace export", "needed",
+         "the partial export was removed")),
+}
+
+
+def _steps(run: Path) -> list[int]:
+    text = (run / "metrics.jsonl").read_text()
+    assert text == "" or text.endswith("\n"), "a torn last metrics line"
+    return [r["step"] for r in metrics_without_speed(run)]  # every line whole JSON
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(DISK_FULL))
+def test_disk_full_elsewhere_stops_with_one_line_and_resumes(case, tiny_data, small_disk, tmp_path):
+    from megakd.store import checkpoint
+
+    prepare, flags, overrides, fragments = DISK_FULL[case]
+    disk, roomy = small_disk(), tmp_path / "checkpoints"
+    run = disk / "run"
+    roomy.mkdir()
+    run.mkdir()
+    (run / "checkpoints").symlink_to(roomy)
+    prepare(tiny_data, run, disk)
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file() and p.name != ".lock"}
+    saved_before = {p.name: snapshot(p) for p in roomy.iterdir()}
+
+    out = pretrain(tiny_data, run, *flags, **overrides)
+    line = assert_one_line_error(out, str(run), *fragments)
+    leftovers = [p.name for p in run.rglob("*") if ".partial-" in p.name or p.name.endswith(".tmp")]
+    assert not leftovers, leftovers
+    assert not (run / "hf").exists() and not (run / "config_history").exists()
+    steps = _steps(run)
+    assert steps == list(range(1, len(steps) + 1)), steps  # earlier lines intact, none torn or repeated
+    for name, files in saved_before.items():  # checkpoints saved before this command are untouched
+        assert snapshot(roomy / name) == files
+    for ckpt in checkpoint.list_checkpoints(run):
+        checkpoint.verify(ckpt)
+    if "config_history" in case:  # refused before anything was written
+        assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file() and p.name != ".lock"} == before
+    elif "metrics" in case or "TensorBoard" in case:
+        newest = checkpoint.step_of(checkpoint.list_checkpoints(run)[-1])
+        assert len(steps) >= newest and f"step {steps[-1] + ('metrics' in case)}" in line
+
+    (disk / "filler").unlink()  # space freed (and the disk grown, for the export): the same command continues
+    assert os.system(f"mount -o remount,size=4m {disk}") == 0
+    out = pretrain(tiny_data, run, *flags, **overrides)
+    assert out.code == 0, out.stderr[-2000:]
+    assert _steps(run) == list(range(1, overrides["train.max_steps"] + 1))
+    if "export" in case:
+        assert (run / "hf" / "discriminator" / "config.json").is_file()
+    if "config_history" in case:
+        assert "applied_until_step: 2" in (run / "config_history" / "step_00000002.yaml").read_text()

@@ -689,10 +689,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=cmd_bench)
 
     pl = command(sub, "plan", "memory/throughput planner: layouts that fit, best first", _examples(
-        "megakd plan configs/electra-base.yaml --gpus 8 --gpu-mem 80 --gpu h100",
+        "megakd plan configs/electra-base.yaml --gpus 64 --gpu-mem 80 --gpu h100 --storage-gbps 10",
         "megakd plan configs/electra-large.yaml --gpus 32 --gpu-mem 40 --zero 2 train.precision=bf16",
-        "megakd plan configs/electra-base.yaml --gpus 8 --gpu-mem 80 --bench bench/bench_w8.json",
-        "megakd plan configs/electra-base.yaml --gpus 64 --gpu-mem 80 --storage-gbps 10"))
+        "megakd plan configs/electra-base.yaml --gpus 8 --gpu-mem 80 --bench bench/bench_w8.json"))
     pl.add_argument("config", help="pretraining recipe, e.g. configs/electra-base.yaml")
     pl.add_argument("--gpus", type=int, required=True, help="GPUs in all")
     pl.add_argument("--gpu-mem", type=float, required=True, help="memory per GPU in GB (GiB), e.g. 40 or 80")

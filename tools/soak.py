@@ -5,7 +5,8 @@ and the step time must stay flat; the first and last 10 % of the run are printed
 The run is `megakd pretrain -c configs/electra-tiny.yaml` (the bundled corpus) with a smaller batch
 so that many steps fit in little time, checkpoints, validation and the probe every `--every` steps
 and `run.keep_last=2`, the probe every `--probe-every`. A sampler reads /proc/<pid> (Linux) of the
-training process once a second. The checkpoint size of the first window is 0 until the first save.
+training process once a second (all samples are left in OUT/soak_samples.jsonl). The checkpoint
+size of the first window is 0 until the first save.
 
     python tools/soak.py [--steps 20000] [--every 500] [--probe-every 2000] [--batch 8] [--out runs/soak]
 """
@@ -130,6 +131,8 @@ def main() -> None:
         if codes[-1] != 0:
             sys.exit(f"soak: megakd pretrain exited with {codes[-1]}")
     sampler.stopped.set()
+    samples = args.out / "soak_samples.jsonl"  # every sample, to see a trend inside the windows
+    samples.write_text("".join(json.dumps(row) + "\n" for row in sampler.rows))
     final = last_step(args.out / "metrics.jsonl")
     print(f"{args.steps} steps (reached {final}) in {(time.monotonic() - started) / 60:.1f} min, exit codes {codes} "
           f"(SIGTERM at {args.steps // 3} and {2 * args.steps // 3}, then --resume auto)")

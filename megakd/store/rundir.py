@@ -36,7 +36,7 @@ from typing import Any
 
 import yaml
 
-from megakd.store.files import StoreError, human_bytes, is_disk_full
+from megakd.store.files import StoreError, first_line, human_bytes, is_disk_full
 
 LOCK_FILE = ".lock"
 LOCK_EXPECTED = "expected a regular file (the run directory's lock), remove it"
@@ -119,9 +119,15 @@ class RunDirLock:
         Kept apart from `acquire` so a refused start leaves the run directory byte-identical.
         """
         identity = f"host {socket.gethostname()}, pid {os.getpid()}, job {secrets.token_hex(8)}\n".encode()
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, identity, 0)
-        os.fsync(self._fd)
+        try:
+            os.ftruncate(self._fd, 0)
+            os.pwrite(self._fd, identity, 0)
+            os.fsync(self._fd)
+        except OSError as error:
+            os.ftruncate(self._fd, 0)  # an empty lock, as before: the run never started
+            what = "no space left on device" if is_disk_full(error) else first_line(error)
+            raise StoreError(f"{self.path}: {what} while recording this job as the run's holder; the run did not "
+                             "start and nothing else was written") from None
         self._identity = identity
 
     def ownership_error(self) -> RunDirTakenOver | None:

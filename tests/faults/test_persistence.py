@@ -392,6 +392,22 @@ def test_disk_full_during_save_names_the_directory_and_cleans_up(tiny_data, tiny
     assert (run / "metrics.jsonl").is_file()
 
 
+def test_disk_full_at_the_locks_first_write_is_one_line_and_starts_nothing(tiny_data, tiny_disk):
+    """The lock file is created empty (an inode, no page); recording the holder is the first byte
+    the run writes. On a full disk that is one line, and the dir holds nothing but the empty lock."""
+    run = tiny_disk / "run"
+    run.mkdir()
+    _fill(tiny_disk, 0)
+    out = pretrain(tiny_data, run, **{"train.max_steps": 2})
+    assert_one_line_error(out, f"{run / '.lock'}: no space left on device while recording this job",
+                          "nothing else was written")
+    assert sorted(p.name for p in run.iterdir()) == [".lock"] and (run / ".lock").stat().st_size == 0
+    (tiny_disk / "filler").unlink()  # room again (and for a checkpoint): the same command runs
+    assert os.system(f"mount -o remount,size=4m {tiny_disk}") == 0
+    out = pretrain(tiny_data, run, **{"train.max_steps": 2})
+    assert out.code == 0, out.stderr[-2000:]
+
+
 # Where else a full disk can strike a run: each writes into the run directory on a 160 KiB tmpfs whose
 # `checkpoints/` is a link to a roomy disk, so the write named here is the first to fail. A filler file
 # sizes the free space (tmpfs counts whole 4 KiB pages: .lock and config.yaml take one each).

@@ -1,16 +1,30 @@
 """Real object-store servers over a socket for the remote-shard tests: a moto S3 server and a small
 HTTP server with Range support that can fail on purpose (5xx answers, or down for a while).
 
+Two ways to run each. In a thread of the test process (``MotoS3``, ``RangeHTTPServer``: cheap,
+inspectable counters, ``fail(n)``), or in a child process of their own (``S3Process``,
+``HTTPProcess``: ``stop()`` kills it, so every connection, kept-alive ones included, drops at once,
+and no DataLoader worker forked by the test holds a copy of its listening socket). Outages are
+tested with the child processes: a thread-served "stopped" server still answers the connections
+already open (werkzeug) or, with workers, still accepts on the inherited socket.
+
 Fixtures live here and are imported explicitly by the test modules that use them
-(``from tests.remote_servers import s3, s3_server, http_server``).
+(``from tests.remote_servers import s3, s3_server, http_server, s3_process, http_process``).
+The child processes run this module: ``python -m tests.remote_servers {s3,http} --port P ...``.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import logging
+import os
+import select
+import shutil
 import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -231,17 +245,18 @@ class RangeHTTPServer:
     """Serves ``root`` over HTTP/1.1 with ``Range: bytes=a-b`` (206 + Content-Range) and HEAD sizes.
 
     ``fail(n, status)`` answers the next ``n`` requests with ``status``; ``stop()`` / ``start()``
-    take it down and bring it back on the same port; ``restart_after(seconds)`` does both, later.
+    take it down and bring it back on the same port (in this process: DataLoader workers forked
+    meanwhile keep its listening socket open, so test outages with :class:`HTTPProcess`).
     """
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, port: int = 0) -> None:
         self.root = Path(root)
         self.lock = threading.Lock()
         self.fail_next = 0
         self.fail_status = 503
         self.requests = self.failed = self.ranged = 0
         self.connections: set[socket.socket] = set()  # open (keep-alive) connections, closed by stop()
-        self.port = 0
+        self.port = port
         self._server: _FileServer | None = None
         self.start()
 
@@ -279,12 +294,6 @@ class RangeHTTPServer:
                         pass
                 self.connections.clear()
 
-    def restart_after(self, seconds: float) -> threading.Thread:
-        self.stop()
-        thread = threading.Timer(seconds, self.start)
-        thread.start()
-        return thread
-
     def fail(self, n: int, status: int = 503) -> None:
         with self.lock:
             self.fail_next, self.fail_status = n, status
@@ -307,3 +316,314 @@ def http_server(tmp_path):
     for server in servers:
         server.stop()
 
+
+
+# -- the same servers in a child process each ---------------------------------------------------------
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Restart(threading.Thread):
+    """``server._listen(spare, at)`` in a thread; ``join()`` raises what it raised."""
+
+    def __init__(self, server: ServerProcess, spare: subprocess.Popen, at: float) -> None:
+        super().__init__(daemon=True)
+        self.server, self.spare, self.at, self.error = server, spare, at, None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.server._listen(self.spare, self.at)
+        except BaseException as error:  # raised by join(), in the test's thread
+            self.error = error
+
+    def join(self, timeout: float | None = None) -> None:
+        super().join(timeout)
+        if self.error is not None:
+            raise self.error
+
+
+class ServerProcess:
+    """A server in a child process on a fixed port: ``stop()`` kills the process (SIGKILL: every
+    connection is reset by the kernel, none is answered again), ``start()`` runs a new one on the same
+    port and returns once it accepts connections. ``outages`` holds each stop-to-accepting time (s).
+
+    A child first gets ready (imports; for S3, its objects loaded), says so on stdout, then waits
+    for a line on stdin before it binds the port: ``restart_after`` readies the new server before
+    it kills the old one, so an outage lasts as long as asked, not as long as a start takes.
+    """
+
+    kind = ""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+        self.outages: list[float] = []
+        self._stopped_at: float | None = None
+        self._spare: subprocess.Popen | None = None  # readied by restart_after, listening soon
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None
+
+    def _args(self) -> list[str]:
+        return []
+
+    def _spawn(self) -> subprocess.Popen:
+        """A child that is ready to listen (and waits to be told)."""
+        proc = subprocess.Popen([sys.executable, "-m", "tests.remote_servers", self.kind, "--port", str(self.port),
+                                 *self._args()], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE)
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        if not ready or proc.stdout.readline() != b"ready\n":  # EOF: it died
+            proc.kill()
+            proc.wait()
+            raise RuntimeError(f"{self.kind} server exited {proc.returncode}: "
+                               f"{proc.stderr.read().decode(errors='replace')[-2000:]}")
+        return proc
+
+    def _listen(self, proc: subprocess.Popen, at: float | None = None, timeout: float = 30.0) -> None:
+        """Tell the ready child ``proc`` to listen, from ``at`` (a ``time.monotonic()``) on; return once
+        it accepts connections."""
+        deadline = time.monotonic() + timeout
+        if at is not None:
+            time.sleep(max(0.0, at - time.monotonic()))
+        while True:
+            with contextlib.suppress(BrokenPipeError):  # a child that died: its stderr says why
+                proc.stdin.write(b"listen\n")
+                proc.stdin.close()
+            while proc.poll() is None:
+                with socket.socket() as s:
+                    if s.connect_ex(("127.0.0.1", self.port)) == 0:
+                        break
+                if time.monotonic() > deadline:
+                    proc.kill()
+                    proc.wait()
+                    raise TimeoutError(f"{self.kind} server on port {self.port} not up after {timeout:.0f} s")
+                time.sleep(0.01)
+            if proc.poll() is None:
+                break
+            error = proc.stderr.read().decode(errors="replace")
+            if "Address already in use" not in error or time.monotonic() > deadline:  # the old one may linger
+                raise RuntimeError(f"{self.kind} server on port {self.port} exited {proc.returncode}: {error[-2000:]}")
+            time.sleep(0.05)
+            proc = self._spawn()
+        for pipe in (proc.stdout, proc.stderr):  # nothing reads them from now on: a full pipe must never block it
+            pipe.close()
+        self.proc, self._spare = proc, None
+        if self._stopped_at is not None:
+            self.outages.append(time.monotonic() - self._stopped_at)
+            self._stopped_at = None
+
+    def start(self) -> None:
+        if self.proc is None:
+            self._listen(self._spawn())
+
+    def _save(self) -> None:
+        """Keep what the running server holds for the next one (S3)."""
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self._save()
+            self._kill()
+
+    def _kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+            self._stopped_at = time.monotonic()
+
+    def restart_after(self, seconds: float) -> _Restart:
+        """Kill the server now; a new one (same port, same objects) listens ``seconds`` later. Returns
+        the thread that starts it."""
+        self._save()
+        self._spare = self._spawn()
+        self._kill()
+        return _Restart(self, self._spare, time.monotonic() + seconds)
+
+    def close(self) -> None:
+        self._kill()
+        self._stopped_at = None
+        if self._spare is not None:  # a restart still under way (the test failed before it ended)
+            self._spare.kill()
+            self._spare.wait()
+            self._spare = None
+
+
+class S3Process(ServerProcess):
+    """moto's S3 server in a child process. moto keeps its objects in memory, so the objects are
+    copied to ``state`` before a stop and a new server loads them back before it listens on the
+    port: it comes back with the same objects (the same bytes), as a real store does."""
+
+    kind = "s3"
+
+    def __init__(self, state: Path) -> None:
+        super().__init__()
+        self.state = Path(state)
+        self.state.mkdir(parents=True, exist_ok=True)
+        self.start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def env(self) -> dict[str, str]:
+        return {**AWS_ENV, "AWS_ENDPOINT_URL": self.endpoint, "AWS_MAX_ATTEMPTS": "1"}  # see MotoS3.env
+
+    def _args(self) -> list[str]:
+        return ["--state", str(self.state)]
+
+    def client(self):
+        return _client(self.endpoint)
+
+    def upload(self, local_dir: Path, url: str) -> None:
+        """Every file under ``local_dir`` to the ``s3://bucket/prefix`` ``url`` (the bucket made if new)."""
+        bucket, _, prefix = url.removeprefix("s3://").partition("/")
+        client = self.client()
+        with contextlib.suppress(client.exceptions.BucketAlreadyOwnedByYou):
+            client.create_bucket(Bucket=bucket)
+        for path in sorted(p for p in Path(local_dir).rglob("*") if p.is_file()):
+            key = f"{prefix}/{path.relative_to(local_dir).as_posix()}".lstrip("/")
+            client.put_object(Bucket=bucket, Key=key, Body=path.read_bytes())
+
+    def _save(self) -> None:
+        if self.proc is not None:
+            _dump(self.client(), self.state)
+
+    def close(self) -> None:
+        super().close()
+        shutil.rmtree(self.state, ignore_errors=True)
+
+
+class HTTPProcess(ServerProcess):
+    """:class:`RangeHTTPServer` on ``root`` in a child process."""
+
+    kind = "http"
+
+    def __init__(self, root: Path) -> None:
+        super().__init__()
+        self.root = Path(root)
+        self.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _args(self) -> list[str]:
+        return ["--root", str(self.root)]
+
+
+def _client(endpoint: str):
+    import boto3
+
+    return boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                        aws_access_key_id="test", aws_secret_access_key="test")
+
+
+def _dump(client, state: Path) -> None:
+    """Every object of every bucket to ``state/<bucket>/<key>`` (what was there before is replaced)."""
+    shutil.rmtree(state, ignore_errors=True)
+    state.mkdir(parents=True)
+    for bucket in client.list_buckets()["Buckets"]:
+        (state / bucket["Name"]).mkdir()
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket["Name"]):
+            for obj in page.get("Contents", []):
+                path = state / bucket["Name"] / obj["Key"]
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(client.get_object(Bucket=bucket["Name"], Key=obj["Key"])["Body"].read())
+
+
+def _load(client, state: Path) -> None:
+    for bucket in sorted(p for p in state.iterdir() if p.is_dir()):
+        client.create_bucket(Bucket=bucket.name)
+        for path in sorted(p for p in bucket.rglob("*") if p.is_file()):
+            client.put_object(Bucket=bucket.name, Key=path.relative_to(bucket).as_posix(), Body=path.read_bytes())
+
+
+def _wait_for_listen() -> None:
+    """Say "ready", then wait for ServerProcess._listen's "listen" line; exit if the test process goes
+    away first (stdin closed without it) or at any time later (a server never outlives its test run)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True).start()
+    print("ready", flush=True)
+    if sys.stdin.readline() != "listen\n":
+        sys.exit(0)
+
+
+def _serve_s3(port: int, state: Path) -> None:
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    loader = None
+    if state.is_dir() and any(state.iterdir()):
+        # Load the objects through a server on another port first: the server on `port` starts
+        # with them, so a reader never sees the bucket empty or missing (moto's backend is shared
+        # by the servers of a process).
+        loader = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        loader.start()
+        host, loader_port = loader.get_host_and_port()
+        _load(_client(f"http://{host}:{loader_port}"), state)
+    if loader is not None:
+        loader.stop()
+    _wait_for_listen()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    threading.Event().wait()
+
+
+def _serve_http(port: int, root: Path) -> None:
+    _wait_for_listen()
+    RangeHTTPServer(root, port=port)
+    threading.Event().wait()
+
+
+@pytest.fixture
+def s3_process(tmp_path):
+    """An :class:`S3Process` (empty), with the AWS_* variables that reach it set for the test."""
+    server = S3Process(tmp_path / "s3_state")
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            for k, v in server.env().items():
+                mp.setenv(k, v)
+            yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def http_process():
+    """``serve(root)`` → a running :class:`HTTPProcess` on ``root``; every one is killed at the end."""
+    servers: list[HTTPProcess] = []
+
+    def serve(root: Path) -> HTTPProcess:
+        servers.append(HTTPProcess(root))
+        return servers[-1]
+
+    yield serve
+    for server in servers:
+        server.close()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="a test server in this process (see ServerProcess)")
+    parser.add_argument("kind", choices=["s3", "http"])
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--state", type=Path, help="s3: the objects to start with, as <bucket>/<key> files")
+    parser.add_argument("--root", type=Path, help="http: the directory served")
+    args = parser.parse_args()
+    if args.kind == "s3":
+        _serve_s3(args.port, args.state)
+    else:
+        _serve_http(args.port, args.root)

@@ -33,6 +33,7 @@ from megakd.config import (
 )
 from megakd.errors import LaunchError, UserError
 from megakd.repro import FINDINGS
+from megakd.signals import STOP_SIGNALS
 
 log = logging.getLogger("megakd")
 
@@ -126,7 +127,7 @@ def _stop_signals_raise():
     def stop(signum, _frame):
         raise _StoppedDuringExport(signum)
 
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    previous = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
     try:
         yield
     finally:
@@ -136,7 +137,7 @@ def _stop_signals_raise():
 
 def cmd_finetune(args: argparse.Namespace) -> int:
     """Fine-tune on the configured backend; exit codes as for pretraining (0 also when stopped by
-    SIGTERM/SIGUSR1 after a checkpoint, 130 on SIGINT, 1 after too many non-finite losses)."""
+    SIGTERM/SIGUSR1 after a checkpoint, 130 on SIGINT, 2 after too many non-finite steps)."""
     from megakd.finetune.config import FinetuneConfig
     from megakd.finetune.jobs import job_for
     from megakd.finetune.runtime import Runtime, Stopped, describe
@@ -157,9 +158,6 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     except Stopped as stop:
         log.warning("stopped on a signal after a checkpoint; run the same command with --resume auto to continue")
         return EXIT_INTERRUPTED if stop.interrupted else 0
-    except FloatingPointError as err:
-        print(f"megakd: error: {err}", file=sys.stderr)
-        return 1
     finally:
         runtime.close()
     log.info("fine-tuning finished; summary in %s/summary.json", cfg.run.dir)

@@ -15,7 +15,7 @@ ROOT = Path(__file__).parents[1]
 
 # Bottom to top. `kernels` (installed as megakd.kernels) knows nothing of megakd.
 LAYERS: list[set[str]] = [
-    {"kernels", "errors", "fsutil"},
+    {"kernels", "errors", "fsutil", "signals"},
     {"models", "objectives"},
     {"config"},
     {"data"},

@@ -58,6 +58,7 @@ from megakd.data.shards import INDEX_DTYPE, MANIFEST, member_digest, read_manife
 from megakd.data.storage import ContentCache, ShardStore, StorageError, transient
 from megakd.data.tokenizer import Tokenizer
 from megakd.errors import UserError
+from megakd.signals import STOP_SIGNALS
 
 logger = logging.getLogger(__name__)
 
@@ -590,16 +591,11 @@ class _RankDataset(IterableDataset):
             yield {"_error": e}
 
 
-# Signals that stop a run (preemption, Ctrl-C). The training process decides what they mean (a
-# checkpoint at the next step boundary); a DataLoader worker that died of one first would take
-# the run down without a checkpoint when the signal goes to the whole process group (Slurm,
-# `timeout`, a terminal's Ctrl-C). So workers ignore them.
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-
-
 @contextlib.contextmanager
 def _stop_signals_blocked() -> Iterator[None]:
-    """Hold the stop signals back while DataLoader workers are forked: a child inherits the mask,
+    """A DataLoader worker that died of a stop signal first would take the run down without a
+    checkpoint when the signal goes to the whole process group (Slurm, `timeout`, a terminal's
+    Ctrl-C), so workers ignore them. Hold the stop signals back while DataLoader workers are forked: a child inherits the mask,
     so none can die of one before `_ignore_stop_signals` runs. Held signals reach the training
     process (its handlers) when the block ends."""
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)

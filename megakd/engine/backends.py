@@ -181,7 +181,7 @@ class StepContext:
     """
 
     index: int  # the 0-based optimizer step being computed (DWT's α_s(t) depends on it)
-    rng: torch.Generator  # this rank's replacement-sampling stream
+    rng: torch.Generator | None = None  # this rank's replacement-sampling stream (pretraining's layouts)
     stop_flags: Callable[[], tuple[bool, bool]] = no_stop
     held: Callable[[], bool] = never
     timer: Callable[[str], contextlib.AbstractContextManager] = untimed

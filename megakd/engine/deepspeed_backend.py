@@ -41,9 +41,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megakd.config import Config, ConfigError
+from megakd.config import BackendConfig, Config, ConfigError
 from megakd.engine.backends import DDPBackend, Unit, create_process_group, init_distributed
-from megakd.engine.optim import build_scheduler
 from megakd.errors import UserError
 from megakd.store.checkpoint import DEEPSPEED_TAG
 from megakd.store.checkpoint_models import WEIGHTS_SUFFIX
@@ -116,6 +115,9 @@ def offloads_optimizer(ds_config: dict) -> bool:
 
 def cpu_adam_like(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """DeepSpeed's CPU Adam with `optimizer`'s parameter groups and AdamW hyperparameters."""
+    if type(optimizer) not in (torch.optim.AdamW, torch.optim.Adam):
+        raise ConfigError(f"backend.deepspeed_config: offload_optimizer replaces the optimizer by DeepSpeed's CPU "
+                          f"AdamW, which is not this run's {type(optimizer).__name__}; remove offload_optimizer")
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
     d = optimizer.defaults
@@ -146,20 +148,26 @@ def init_deepspeed(dist_backend: str) -> tuple[int, int, int]:
 
 
 class EngineConfigs:
-    """DeepSpeed engine configs from megakd's config, merged with backend.deepspeed_config."""
+    """DeepSpeed engine configs from the `backend` section, precision and micro-batch size, merged with
+    backend.deepspeed_config (pretraining and fine-tuning build it from their own settings)."""
 
-    def __init__(self, cfg: Config):
-        self.cfg = cfg
-        self.user_config = read_user_config(cfg.backend.deepspeed_config) if cfg.backend.deepspeed_config else {}
+    def __init__(self, backend: BackendConfig, precision: str, micro_batch_size: int):
+        self.backend, self.precision, self.micro_batch_size = backend, precision, micro_batch_size
+        self.user_config = read_user_config(backend.deepspeed_config) if backend.deepspeed_config else {}
         self.warned = False  # the low-precision accumulation warning, once per run, not per engine
+
+    @classmethod
+    def of(cls, cfg: Config) -> EngineConfigs:
+        """The engine configs of a pretraining config."""
+        return cls(cfg.backend, cfg.train.precision, cfg.train.micro_batch_size)
 
     def for_engine(self, gradient_clipping: float, accumulation_steps: int, data_world_size: int) -> dict:
         """The config of one engine: what megakd derives, merged with the user's file."""
         derived = self.derived(gradient_clipping, accumulation_steps, data_world_size)
-        merged = merge_user_config(derived, self.user_config, f"backend.deepspeed_config={self.cfg.backend.deepspeed_config}")
+        merged = merge_user_config(derived, self.user_config, f"backend.deepspeed_config={self.backend.deepspeed_config}")
         accum_dtype = merged.get("data_types", {}).get("grad_accum_dtype")
-        precision = self.cfg.train.precision
-        if self.cfg.backend.zero_stage == 0 and accum_dtype not in (None, precision):
+        precision = self.precision
+        if self.backend.zero_stage == 0 and accum_dtype not in (None, precision):
             raise ConfigError(f"backend.deepspeed_config: data_types.grad_accum_dtype={accum_dtype!r} needs "
                               f"backend.zero_stage >= 1 (DeepSpeed 0.19 accumulates in the model's dtype without ZeRO)")
         if precision != "fp32" and accumulation_steps > 1 and accum_dtype != "fp32" and not self.warned:
@@ -171,13 +179,13 @@ class EngineConfigs:
 
     def derived(self, gradient_clipping: float, accumulation_steps: int, data_world_size: int) -> dict:
         """Batch layout, ZeRO stage, precision and explicit clipping, from megakd's config."""
-        micro_batch_size, precision = self.cfg.train.micro_batch_size, self.cfg.train.precision
+        micro_batch_size, precision = self.micro_batch_size, self.precision
         config = {
             "train_micro_batch_size_per_gpu": micro_batch_size,
             "gradient_accumulation_steps": accumulation_steps,
             "train_batch_size": micro_batch_size * accumulation_steps * data_world_size,
             "gradient_clipping": gradient_clipping,  # DeepSpeed: 0.0 = off (max_grad_norm's inf)
-            "zero_optimization": {"stage": self.cfg.backend.zero_stage},
+            "zero_optimization": {"stage": self.backend.zero_stage},
             "zero_allow_untested_optimizer": True,
             "steps_per_print": 2**31 - 1,  # the trainer logs; keep DeepSpeed's progress lines out
         }
@@ -187,7 +195,7 @@ class EngineConfigs:
         config["fp16"] = {"enabled": precision == "fp16"}
         if precision == "fp16":
             config["fp16"]["loss_scale"] = 0  # 0 = dynamic loss scaling
-        if precision != "fp32" and self.cfg.backend.zero_stage > 0:
+        if precision != "fp32" and self.backend.zero_stage > 0:
             # DeepSpeed sums the micro-batches' gradients in the model's dtype unless told otherwise
             # (grad_accum_dtype None): under bf16 each add keeps 8 significant bits. fp32 turns ZeRO-1 +
             # bf16 into DeepSpeed's BF16_Optimizer (fp32 gradient buffers) and gives ZeRO-2/3 fp32
@@ -201,10 +209,10 @@ class DeepSpeedBackend(DDPBackend):
 
     name = "deepspeed"
 
-    def __init__(self, cfg: Config):
-        super().__init__(cfg.train.precision, cfg.backend.dist_backend)
-        self.cfg = cfg
-        self.engine_configs = EngineConfigs(cfg)
+    def __init__(self, engine_configs: EngineConfigs):
+        super().__init__(engine_configs.precision, engine_configs.backend.dist_backend)
+        self.zero_stage = engine_configs.backend.zero_stage
+        self.engine_configs = engine_configs
 
     @staticmethod
     def join(dist_backend: str) -> tuple[int, int, int]:
@@ -220,7 +228,8 @@ class DeepSpeedBackend(DDPBackend):
                                                        self.world_size)
             if offloads_optimizer(ds_config):
                 unit.optimizer = cpu_adam_like(unit.optimizer)
-                unit.scheduler = build_scheduler(unit.optimizer, self.cfg.optim.schedule, self.cfg.train.max_steps)
+                # the same schedule, now driving the CPU optimizer
+                unit.scheduler = torch.optim.lr_scheduler.LambdaLR(unit.optimizer, unit.scheduler.lr_lambdas)
             # The torch optimizer and LambdaLR go in as client objects: DeepSpeed's ZeRO wrapper
             # steps this very optimizer (so `unit.lr` reads the live LR) and the engine steps the
             # schedule only when an update was applied. No DeepSpeed Adam is compiled.
@@ -256,7 +265,7 @@ class DeepSpeedBackend(DDPBackend):
         for unit in units:
             if not unit.wrapped.is_gradient_accumulation_boundary():
                 raise RuntimeError(f"{unit.name}: optimizer step requested before the last micro-batch")
-        if self.precision == "fp32" and self.cfg.backend.zero_stage == 0:
+        if self.precision == "fp32" and self.zero_stage == 0:
             # the engine steps the bare torch optimizer (a wrapper's `_global_grad_norm` cannot tell:
             # BF16_Optimizer sets it only in its first step)
             norms = {u.name: _grad_norm(u.wrapped.module) for u in units}

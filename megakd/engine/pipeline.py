@@ -403,7 +403,7 @@ class PipelineBackend(TrainingBackend):
         self.num_stages = cfg.backend.pipeline_stages
         self.rank, self.world_size, self.local_rank = init_deepspeed(cfg.backend.dist_backend)
         self.device = default_device(self.local_rank)
-        self.engine_configs = EngineConfigs(cfg)
+        self.engine_configs = EngineConfigs.of(cfg)
         if self.world_size % self.num_stages:
             raise ConfigError(f"backend.pipeline_stages={self.num_stages} does not divide the world size "
                               f"{self.world_size}")

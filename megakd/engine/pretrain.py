@@ -46,9 +46,9 @@ def build_backend(cfg: Config) -> TrainingBackend:
         from megakd.engine.pipeline import PipelineBackend
 
         return PipelineBackend(cfg)
-    from megakd.engine.deepspeed_backend import DeepSpeedBackend
+    from megakd.engine.deepspeed_backend import DeepSpeedBackend, EngineConfigs
 
-    return DeepSpeedBackend(cfg)
+    return DeepSpeedBackend(EngineConfigs.of(cfg))
 
 
 def cache_root(cfg: Config) -> Path:

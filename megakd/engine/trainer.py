@@ -8,21 +8,17 @@ metrics.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import random
-import signal
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from megakd.config import Config, config_to_dict, read_yaml_file, save_config
 from megakd.data.storage import StorageError as DataStorageError
-from megakd.data.stream import STOP_SIGNALS
 from megakd.data.tokenizer import copy_tokenizer
 from megakd.engine.backends import (
     STORAGE_FAILED,
@@ -36,10 +32,11 @@ from megakd.engine.backends import (
 from megakd.engine.layouts import Layout
 from megakd.engine.metrics import MetricsWriter, plot_metrics
 from megakd.engine.probe import Probe
+from megakd.engine.session import RunSession, rng_state, seed_rng, set_rng_state
 from megakd.engine.validation import Validator
 from megakd.errors import UserError
 from megakd.store import checkpoint, rundir
-from megakd.store.files import StoreError, first_line, human_bytes, is_disk_full, tree_bytes
+from megakd.store.files import StoreError
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +52,21 @@ class TrainResult:
     lock: rundir.RunDirLock | None = None
 
 
-class TooManyBadSteps(UserError):
-    """`train.max_bad_steps` non-finite steps in a row: the run stops, its last checkpoint intact."""
+@dataclass
+class StepHook:
+    """Periodic work after an optimizer step (validation, the probe; add one with `Trainer.add_hook`).
+
+    Every `period` steps (0: never) `run(step)` returns values for metrics.jsonl (None: nothing),
+    joined to the step's log line or, with `own_line`, written as a line of their own. It runs on
+    every rank (it may use collectives); its time does not count as training time in tokens_per_s.
+    """
+
+    period: int
+    run: Callable[[int], dict | None]
+    own_line: bool = False
+
+    def due(self, step: int) -> bool:
+        return self.period > 0 and step % self.period == 0
 
 
 class Trainer:
@@ -75,15 +85,37 @@ class Trainer:
         # statistics without waiting for the GPU; they are copied to the host once per log line.
         self.interval: dict[str, torch.Tensor] = stat_sums(backend.device)
         self.rng = torch.Generator().manual_seed(cfg.train.seed * 100_003 + backend.data_rank)
-        self._lock = rundir.RunDirLock(self.run_dir)
-        # Holds the lock (on rank 0) from a successful `open_run` until `train` ends or `close`.
-        self._holding_run_dir = contextlib.ExitStack()
+        self.session = RunSession(self.run_dir, backend)  # the run dir's lock, stop signals, saving
         self._saved_config: dict = {}  # the resumed checkpoint's config, kept in config_history/ if it changed
         self._config_changes: dict = {}
         self._opened = False
-        self._stop_signal: int | None = None  # the first stop signal received, if any
         self._metrics: MetricsWriter | None = None  # rank 0's, while `_train` runs (its `failure` stops the run)
         self._probe: Probe | None = None  # built at the first probe step (loading and tokenizing the task)
+        self.hooks: list[StepHook] = []
+        if validator is not None:
+            self.add_hook(StepHook(cfg.train.eval_every, validator.evaluate))
+        self.add_hook(StepHook(cfg.train.probe_every, self._probe_line, own_line=True))
+
+    def add_hook(self, hook: StepHook) -> None:
+        """Run `hook` after the steps it is due at, in the order hooks were added."""
+        self.hooks.append(hook)
+
+    def _run_hooks(self, rec: dict) -> list[dict]:
+        """This step's metrics.jsonl lines: its log line `rec` (empty: none) with the due hooks' values."""
+        lines = [rec]
+        for hook in self.hooks:
+            values = hook.run(self.step) if hook.due(self.step) else None
+            if values is not None and hook.own_line:
+                lines.append({"step": self.step, **values})
+            elif values is not None:
+                lines[0] = {**lines[0], "step": self.step, **values}
+        return [line for line in lines if line]
+
+    def _probe_line(self, step: int) -> dict | None:
+        rec = self.run_probe()
+        if rec is not None:
+            log.info("step %d: probe_acc %.4f (%.1f s)", step, rec["probe_acc"], rec["probe_seconds"])
+        return rec
 
     def run_probe(self) -> dict | None:
         """probe_acc and probe_seconds on rank 0 (None elsewhere, or where the probe cannot run)."""
@@ -124,15 +156,7 @@ class Trainer:
         }
 
     def _rng_state(self) -> dict:
-        """Every random stream of this rank (host-side copies: no device sync)."""
-        return {
-            "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-            "sampling": self.rng.get_state(),
-            "python": random.getstate(),
-            # numpy's state holds an ndarray, which a weights-only load refuses: store it as a tensor
-            "numpy": _numpy_state_to_plain(np.random.get_state()),
-        }
+        return rng_state(self.rng)
 
     def load_rank_state(self, state: dict) -> None:
         self.step = state["step"]
@@ -143,46 +167,21 @@ class Trainer:
         self._set_rng_state(state["rng"])
 
     def _set_rng_state(self, rng: dict) -> None:
-        torch.set_rng_state(rng["torch"])
-        if rng["cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
-        self.rng.set_state(rng["sampling"])
-        random.setstate(rng["python"])
-        np.random.set_state(_numpy_state_from_plain(rng["numpy"]))
+        set_rng_state(rng, self.rng)
 
     def save(self) -> Path:
-        """Write a checkpoint on every rank and publish it atomically; a failed save leaves no trace.
-
-        Every rank reaches the same collectives whether or not its own writes failed, so a full
-        disk on one rank ends every rank with an error instead of a hang.
-        """
+        """Write a checkpoint on every rank and publish it atomically; a failed save leaves no trace."""
         self._stop_if_metrics_failed()
-        main = self.backend.is_main
-        error: BaseException | None = None
-        tmp, final = checkpoint.temp_dir(self.run_dir, self.step), None
-        try:
-            tmp, final = checkpoint.begin(self.run_dir, self.step, main)  # checks run-dir ownership on rank 0
-        except (OSError, StoreError) as err:
-            error = err
-        self.backend.barrier()
-        if error is None:
-            try:
-                if main:
-                    save_config(self.cfg, tmp / "config.yaml")
-                    # A checkpoint is self-contained: conversion and resumption need no external paths.
-                    copy_tokenizer(self.tokenizer_dir, tmp / "tokenizer")
-                self.backend.save_units(list(self.units.values()), tmp)
-                checkpoint.save_rank_state(tmp, self.backend.rank, self.rank_state())
-            except (OSError, RuntimeError) as err:
-                error = err
-        self._agree_or_abort(error, tmp)
-        if main:
-            try:
-                checkpoint.commit(tmp, final, self.step, self.cfg.run.keep_last)  # checks run-dir ownership
-            except (OSError, RuntimeError, StoreError) as err:
-                error = err
-        self._agree_or_abort(error, tmp)
-        return final
+
+        def write(tmp: Path) -> None:
+            if self.backend.is_main:
+                save_config(self.cfg, tmp / "config.yaml")
+                # A checkpoint is self-contained: conversion and resumption need no external paths.
+                copy_tokenizer(self.tokenizer_dir, tmp / "tokenizer")
+            self.backend.save_units(list(self.units.values()), tmp)
+            checkpoint.save_rank_state(tmp, self.backend.rank, self.rank_state())
+
+        return self.session.save(self.run_dir, self.step, write, self.cfg.run.keep_last)
 
     def _stop_if_metrics_failed(self) -> None:
         """Before any save: if rank 0's metrics writes hit a full disk, every rank stops here without saving.
@@ -199,28 +198,6 @@ class Trainer:
         raise StoreError(f"{self.run_dir}: rank 0 could not write the run's metrics (see its message); stopped "
                          "without saving")
 
-    def _agree_or_abort(self, error: BaseException | None, tmp: Path) -> None:
-        """All ranks learn whether any rank failed; then rank 0 removes the temp dir and all raise."""
-        failed = self.backend.all_reduce_sum(torch.tensor(float(error is not None))).item() > 0
-        if not failed:
-            return
-        written = tree_bytes(tmp) if tmp.is_dir() else 0
-        self.backend.barrier()  # every rank has measured the partial checkpoint before it goes
-        if self.backend.is_main:
-            checkpoint.abort(tmp)
-            # A lost run directory explains any failure (another job may have removed the temp dir).
-            taken = error if isinstance(error, rundir.RunDirTakenOver) else self._lock.ownership_error()
-            if taken is not None:
-                raise taken from None
-        if error is None:
-            raise StoreError(f"{tmp.parent}: saving step {self.step} failed on another rank; the partial checkpoint "
-                             "was removed, older checkpoints are intact")
-        previous = checkpoint.latest_checkpoint(self.run_dir)
-        needed = f", about {human_bytes(tree_bytes(previous))} needed" if previous is not None else ""
-        what = "no space left on device" if is_disk_full(error) else first_line(error)
-        raise StoreError(f"{tmp.parent}: {what} while saving step {self.step} ({human_bytes(written)} written"
-                         f"{needed}); the partial checkpoint was removed, older checkpoints are intact") from None
-
     # -- owning the run directory, resuming --------------------------------------------------------
     def open_run(self, resume: str | None, allow_change: tuple[str, ...] = ()) -> None:
         """Own run.dir, then resume from a verified checkpoint if asked.
@@ -230,49 +207,32 @@ class Trainer:
         skipped), or step 0 if there is none; a path = that checkpoint, which must verify (one
         from another run directory starts run.dir as a new run, so run.dir must be unused).
         """
-        with contextlib.ExitStack() as holding:  # releases the lock if opening fails anywhere below
-            self._open_run(resume, allow_change, holding)
-            self._holding_run_dir = holding.pop_all()
-        if self.backend.is_main:
-            self._lock.announce()
-
-    def _open_run(self, resume: str | None, allow_change: tuple[str, ...], holding: contextlib.ExitStack) -> None:
-        main = self.backend.is_main
-        error: BaseException | None = None
-        chosen = -1  # step of the checkpoint to resume from, decided on rank 0
-        if main:
-            try:
-                holding.enter_context(self._lock)
-                if resume is None or self._starts_new_run_dir(resume):
-                    aside = rundir.claim_for_new_run(self.run_dir, self.cfg.run.overwrite)
-                    if aside is not None:
-                        log.warning("run.overwrite: moved the old contents of %s to %s", self.run_dir, aside)
-                checkpoint.remove_stale_temp_dirs(self.run_dir)
-                if resume == "auto":
-                    found = checkpoint.newest_intact(self.run_dir)
-                    if found is None and checkpoint.list_checkpoints(self.run_dir):
-                        raise StoreError(f"{checkpoint.checkpoints_root(self.run_dir)}: no intact checkpoint to "
-                                         "resume from (every one failed verification; see the warnings above)")
-                    chosen = checkpoint.step_of(found) if found is not None else -1
-                elif resume is not None:
-                    checkpoint.verify(self._explicit_checkpoint(resume))
-            except (StoreError, OSError) as err:
-                error = err
-        flags = torch.tensor([float(error is not None), float(chosen + 1 if main else 0)], dtype=torch.float64)
-        failed, chosen_plus_one = self.backend.all_reduce_sum(flags).tolist()
-        if failed:
-            raise error if error is not None else StoreError(f"{self.run_dir}: refused on rank 0 (see its message)")
+        chosen = int(self.session.own(lambda: self._decide(resume))) - 1
         self._opened = True
-        if resume is None:
-            return
+        if resume == "auto" and chosen < 0:
+            log.info("no checkpoint in %s: starting from step 0", self.run_dir)
+        elif resume is not None:
+            self._resume_from(checkpoint.step_dir(self.run_dir, chosen) if resume == "auto"
+                              else self._explicit_checkpoint(resume), allow_change)
+        self.session.announce()  # only now: a refused resume leaves the run dir byte-identical
+
+    def _decide(self, resume: str | None) -> int:
+        """On rank 0, under the lock: claim run.dir for a new run, or find and verify the checkpoint to
+        resume; 1 + the step of `--resume auto`'s checkpoint (0: none)."""
+        if resume is None or self._starts_new_run_dir(resume):
+            aside = rundir.claim_for_new_run(self.run_dir, self.cfg.run.overwrite)
+            if aside is not None:
+                log.warning("run.overwrite: moved the old contents of %s to %s", self.run_dir, aside)
+        checkpoint.remove_stale_temp_dirs(self.run_dir)
         if resume == "auto":
-            if chosen_plus_one == 0:
-                log.info("no checkpoint in %s: starting from step 0", self.run_dir)
-                return
-            path = checkpoint.step_dir(self.run_dir, int(chosen_plus_one) - 1)
-        else:
-            path = self._explicit_checkpoint(resume)
-        self._resume_from(path, allow_change)
+            found = checkpoint.newest_intact(self.run_dir)
+            if found is None and checkpoint.list_checkpoints(self.run_dir):
+                raise StoreError(f"{checkpoint.checkpoints_root(self.run_dir)}: no intact checkpoint to "
+                                 "resume from (every one failed verification; see the warnings above)")
+            return checkpoint.step_of(found) + 1 if found is not None else 0
+        if resume is not None:
+            checkpoint.verify(self._explicit_checkpoint(resume))
+        return 0
 
     def _starts_new_run_dir(self, resume: str) -> bool:
         """`--resume PATH` with a checkpoint from another run directory starts run.dir afresh (so it must be unused)."""
@@ -311,7 +271,7 @@ class Trainer:
             log.info("resumed from %s at step %d", path, self.step)
 
     def close(self) -> None:
-        self._holding_run_dir.close()
+        self.session.release()
         self.backend.close()
 
     def _elastic_resume(self, path: Path, saved_world: int) -> None:
@@ -348,11 +308,7 @@ class Trainer:
                     interval[key] += value
         rng = mine["rng"]
         if rng is None:
-            seed = self.cfg.train.seed * 1_000_003 + b.rank + 104_729 * mine["step"]
-            torch.manual_seed(seed)
-            self.rng.manual_seed(seed)
-            random.seed(seed)
-            np.random.seed(seed % 2**32)
+            seed_rng(self.cfg.train.seed * 1_000_003 + b.rank + 104_729 * mine["step"], self.rng)
             rng = self.rank_state()["rng"]
         self.load_rank_state({**mine, "interval": dict(interval), "rng": rng})
         log.warning("elastic resume: %d -> %d processes at step %d, global sample position %d",
@@ -397,13 +353,9 @@ class Trainer:
     def _skipped(self, what: str) -> None:
         """Count a skipped update; `train.max_bad_steps` of them in a row stop the run unsaved."""
         self.bad_steps += 1
-        log.warning("%s at step %d: update skipped (%d in a row)", what, self.step + 1, self.bad_steps)
-        if self.bad_steps >= self.cfg.train.max_bad_steps:
-            raise TooManyBadSteps(
-                f"train.max_bad_steps={self.cfg.train.max_bad_steps}: {self.bad_steps} steps in a row had a "
-                f"non-finite loss or gradient norm (last: {what}); stopped at step {self.step} without saving, "
-                f"the checkpoints in {self.run_dir / 'checkpoints'} are untouched"
-            )
+        limit = self.cfg.train.max_bad_steps
+        self.session.skipped_update(self.bad_steps, what, self.step + 1, limit, f"train.max_bad_steps={limit}",
+                                    self.run_dir)
 
     # -- metrics ---------------------------------------------------------------------------------
     def _record(self, norms_sum: dict[str, float], steps: int, seconds: float) -> dict:
@@ -420,25 +372,11 @@ class Trainer:
         return rec
 
     # -- the loop ----------------------------------------------------------------------------------
-    def _on_signal(self, signum, _frame) -> None:
-        if signum == signal.SIGINT and self._stop_signal == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C: abort now, without a checkpoint
-        name = signal.Signals(signum).name
-        if self._stop_signal is None:
-            log.warning("received %s: will save a checkpoint and stop after this step%s", name,
-                        " (a second SIGINT aborts at once)" if signum == signal.SIGINT else "")
-            self._stop_signal = signum
-        elif signum == signal.SIGINT:
-            self._stop_signal = signum  # already stopping; the next SIGINT aborts
-
     def _local_stop_flags(self) -> tuple[bool, bool]:
-        """(stop requested, a SIGINT was among the signals) on this rank.
-
-        A signal may reach one rank only (or one rank first); each step's agreement all-reduce
-        makes every rank stop after the same step, so the checkpoint holds one consistent step.
-        """
+        """The session's stop flags (`RunSession.stop_flags`); a failed metrics write on rank 0 asks for a stop too."""
+        stop, interrupted = self.session.stop_flags()
         metrics_failed = self._metrics is not None and self._metrics.failure is not None
-        return self._stop_signal is not None or metrics_failed, self._stop_signal == signal.SIGINT
+        return stop or metrics_failed, interrupted
 
     def train(self, keep_lock: bool = False) -> TrainResult:
         """Train to train.max_steps (a new run unless `open_run` resumed one); the run dir is locked until the end.
@@ -448,12 +386,13 @@ class Trainer:
         """
         if not self._opened:
             self.open_run(None)
-        with self._holding_run_dir:
+        try:
             result = self._train()
             if keep_lock:
-                self._holding_run_dir.pop_all()  # not released on leaving: handed to the caller
-                result.lock = self._lock
+                result.lock = self.session.hand_over_lock()
             return result
+        finally:
+            self.session.release()
 
     def _train(self) -> TrainResult:
         cfg = self.cfg
@@ -468,7 +407,6 @@ class Trainer:
                 wandb_project=cfg.run.wandb_project, wandb_mode=cfg.run.wandb_mode,
                 config=config_to_dict(cfg), resume_step=self.step,
             )
-        previous = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
         bar = None
         if self.backend.is_main and cfg.run.progress_bar:
             from tqdm import tqdm
@@ -477,57 +415,48 @@ class Trainer:
         preempted = interrupted = False
         last_saved = self.step
         try:
-            self.layout.train()
-            batches = StepBatches(iter(self.loader), can_hold=self.backend.holds_steps)
-            norms_sum: dict[str, float] = defaultdict(float)
-            steps_in_interval, t0 = 0, time.perf_counter()
-            while self.step < cfg.train.max_steps:
-                step_start = self.loader.state_dict(), self._rng_state()
-                result = self._step(batches)
-                if result.skipped == STORAGE_FAILED:
-                    self._stop_on_storage_failure(batches, *step_start)
-                norms, stop, interrupted = result.norms, result.stop, result.interrupted
-                if norms is not None:
-                    for k, v in norms.items():
-                        norms_sum[k] += v
-                    steps_in_interval += 1
-                    if bar is not None:
-                        bar.update(1)
-                    rec = {}
-                    if self.step % cfg.train.log_every == 0 or self.step == cfg.train.max_steps:
-                        rec = self._record(norms_sum, steps_in_interval, time.perf_counter() - t0)
+            with self.session.stop_signals():
+                self.layout.train()
+                batches = StepBatches(iter(self.loader), can_hold=self.backend.holds_steps)
+                norms_sum: dict[str, float] = defaultdict(float)
+                steps_in_interval, t0 = 0, time.perf_counter()
+                while self.step < cfg.train.max_steps:
+                    step_start = self.loader.state_dict(), self._rng_state()
+                    result = self._step(batches)
+                    if result.skipped == STORAGE_FAILED:
+                        self._stop_on_storage_failure(batches, *step_start)
+                    norms, stop, interrupted = result.norms, result.stop, result.interrupted
+                    if norms is not None:
+                        for k, v in norms.items():
+                            norms_sum[k] += v
+                        steps_in_interval += 1
                         if bar is not None:
-                            bar.set_postfix({k: f"{rec[k]:.3g}" for k in ("gen_loss", "disc_loss", "rtd_f1",
-                                                                             "tokens_per_s") if k in rec})
-                        norms_sum.clear()
-                        steps_in_interval, t0 = 0, time.perf_counter()
-                    if self.validator is not None and self.step % cfg.train.eval_every == 0:
+                            bar.update(1)
+                        rec = {}
+                        if self.step % cfg.train.log_every == 0 or self.step == cfg.train.max_steps:
+                            rec = self._record(norms_sum, steps_in_interval, time.perf_counter() - t0)
+                            if bar is not None:
+                                bar.set_postfix({k: f"{rec[k]:.3g}" for k in ("gen_loss", "disc_loss", "rtd_f1",
+                                                                                 "tokens_per_s") if k in rec})
+                            norms_sum.clear()
+                            steps_in_interval, t0 = 0, time.perf_counter()
                         started = time.perf_counter()
-                        rec = {**rec, "step": self.step, **self.validator.evaluate(self.step)}
+                        records = self._run_hooks(rec)
                         t0 += time.perf_counter() - started  # tokens_per_s counts training time only
-                    if rec and writer is not None:
-                        writer.write(rec)
-                    if cfg.train.probe_every and self.step % cfg.train.probe_every == 0:
-                        probe_start = time.perf_counter()
-                        rec = self.run_probe()
-                        if rec is not None:
-                            log.info("step %d: probe_acc %.4f (%.1f s)", self.step, rec["probe_acc"],
-                                     rec["probe_seconds"])
-                            writer.write(rec)
-                        t0 += time.perf_counter() - probe_start  # tokens_per_s measures training only
-                if stop:
+                        if writer is not None:
+                            for record in records:
+                                writer.write(record)
+                    if stop:
+                        self.save()
+                        preempted = True
+                        log.warning("stopped at step %d on a signal; continue with --resume auto", self.step)
+                        break
+                    if norms is not None and cfg.train.save_every and self.step % cfg.train.save_every == 0:
+                        self.save()
+                        last_saved = self.step
+                if not preempted and last_saved != self.step:
                     self.save()
-                    preempted = True
-                    log.warning("stopped at step %d on a signal; continue with --resume auto", self.step)
-                    break
-                if norms is not None and cfg.train.save_every and self.step % cfg.train.save_every == 0:
-                    self.save()
-                    last_saved = self.step
-            if not preempted and last_saved != self.step:
-                self.save()
         finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
             if bar is not None:
                 bar.close()
             if writer is not None:
@@ -569,16 +498,6 @@ class StepBatches:
 
     def held(self) -> bool:
         return self.failure is not None
-
-
-def _numpy_state_to_plain(state: tuple) -> tuple:
-    name, keys, pos, has_gauss, cached = state
-    return name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)
-
-
-def _numpy_state_from_plain(state: tuple) -> tuple:
-    name, keys, pos, has_gauss, cached = state
-    return name, keys.numpy().astype(np.uint32), pos, has_gauss, cached
 
 
 _HYPERPARAMETERS = ("lr", "initial_lr", "betas", "eps", "weight_decay")

@@ -16,22 +16,24 @@ with weight 0.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import signal
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from megakd.config import Config, TrainConfig, config_to_dict, read_yaml_file, save_config
-from megakd.data.stream import STOP_SIGNALS
+from megakd.config import ConfigError, config_to_dict, read_yaml_file, save_config
 from megakd.engine.backends import (
     Backend,
     DDPBackend,
+    launched_world_size,
     require_launcher,
     resolve_backend_name,
     single_process_backend,
 )
+from megakd.engine.session import RunSession
+from megakd.errors import UserError
 from megakd.finetune.config import FinetuneConfig
 from megakd.store import rundir
 from megakd.store.files import StoreError
@@ -64,12 +66,11 @@ def build_backend(cfg: FinetuneConfig) -> Backend:
         if b.name == "ddp":
             backend = DDPBackend(f.precision, b.dist_backend)
         else:
-            from megakd.engine.deepspeed_backend import DeepSpeedBackend
+            from megakd.engine.deepspeed_backend import DeepSpeedBackend, EngineConfigs
 
-            # The engine config comes from a pretraining config (precision, ZeRO stage); its batch
-            # layout is one micro-batch per step, this rank's share of the global batch.
-            backend = DeepSpeedBackend(Config(train=TrainConfig(precision=f.precision), backend=b))
-            backend.cfg.train.micro_batch_size = f.batch_size // backend.world_size
+            # One micro-batch per step: this rank's share of the global batch.
+            world = launched_world_size()
+            backend = DeepSpeedBackend(EngineConfigs(b, f.precision, f.batch_size // world))
     backend.device = _device(f.device, backend.local_rank)
     return backend
 
@@ -78,7 +79,7 @@ def _device(setting: str, local_rank: int) -> torch.device:
     if setting == "cpu" or (setting == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise StoreError("finetune.device=cuda: no CUDA device is visible to this process")
+        raise ConfigError("finetune.device=cuda: no CUDA device is visible to this process")
     return torch.device("cuda", local_rank)
 
 
@@ -87,18 +88,17 @@ class Runtime:
 
     def __init__(self, cfg: FinetuneConfig, resume: str | None = None, backend: Backend | None = None):
         if resume not in (None, "auto"):
-            raise StoreError(f"--resume {resume}: megakd finetune resumes with --resume auto (each seed continues "
+            raise UserError(f"--resume {resume}: megakd finetune resumes with --resume auto (each seed continues "
                              "from its newest intact checkpoint in run.dir)")
         self.cfg = cfg
         self.resume = resume == "auto"
         self.backend = backend or build_backend(cfg)
         if cfg.finetune.batch_size % self.world_size:
-            raise StoreError(f"finetune.batch_size={cfg.finetune.batch_size} (the global batch) is not divisible by "
+            raise ConfigError(f"finetune.batch_size={cfg.finetune.batch_size} (the global batch) is not divisible by "
                              f"the world size {self.world_size}")
         self.run_dir = Path(cfg.run.dir)
-        self._lock = rundir.RunDirLock(self.run_dir)
-        self._stop_signal: int | None = None
-        self._previous_handlers: dict = {}
+        self.session = RunSession(self.run_dir, self.backend)  # the run dir's lock, stop signals, saving
+        self._signals = contextlib.ExitStack()  # the session's stop-signal handlers, from `open` to `close`
         self._fresh = False  # this command wrote config.yaml into an empty run.dir (see close)
 
     # -- who and where ---------------------------------------------------------------------------
@@ -124,28 +124,24 @@ class Runtime:
 
         Rank 0 decides; every rank learns the outcome, so a refusal stops all of them with its message.
         """
-        error: BaseException | None = None
+        self.session.own(self._claim)
+        self.session.announce()
         if self.is_main:
-            try:
-                self._lock.acquire()
-                saved = self.run_dir / "config.yaml"
-                if self.resume and saved.is_file():
-                    self._check_same_config(saved)
-                elif not self.resume:
-                    aside = rundir.claim_for_new_run(self.run_dir, self.cfg.run.overwrite)
-                    if aside is not None:
-                        log.warning("run.overwrite: moved the old contents of %s to %s", self.run_dir, aside)
-            except (StoreError, OSError) as err:
-                error = err
-                self._lock.release()
-        if self.sum(torch.tensor([float(error is not None)], dtype=torch.float64)).item():
-            raise error if error is not None else StoreError(f"{self.run_dir}: refused on rank 0 (see its message)")
-        if self.is_main:
-            self._lock.announce()
             self._fresh = not rundir.used_entries(self.run_dir)
             save_config(self.cfg, self.run_dir / "config.yaml")
-        self._previous_handlers = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
+        self._signals.enter_context(self.session.stop_signals())
         return self.run_dir
+
+    def _claim(self) -> float:
+        """On rank 0, under the lock: `--resume auto` needs the saved config's values, a new run an unused run.dir."""
+        saved = self.run_dir / "config.yaml"
+        if self.resume and saved.is_file():
+            self._check_same_config(saved)
+        elif not self.resume:
+            aside = rundir.claim_for_new_run(self.run_dir, self.cfg.run.overwrite)
+            if aside is not None:
+                log.warning("run.overwrite: moved the old contents of %s to %s", self.run_dir, aside)
+        return 0.0
 
     def _check_same_config(self, saved_file: Path) -> None:
         saved = read_yaml_file(saved_file)
@@ -157,11 +153,9 @@ class Runtime:
                              "were made with the saved values; start a new run.dir instead)")
 
     def close(self) -> None:
-        for sig, handler in self._previous_handlers.items():
-            signal.signal(sig, handler)
-        self._previous_handlers = {}
+        self._signals.close()
         self._release_unused_run_dir()
-        self._lock.release()
+        self.session.release()
         self.backend.close()
 
     def _release_unused_run_dir(self) -> None:
@@ -184,17 +178,9 @@ class Runtime:
                      self.run_dir)
 
     # -- stop signals ----------------------------------------------------------------------------
-    def _on_signal(self, signum, _frame) -> None:
-        if signum == signal.SIGINT and self._stop_signal == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C: stop at once, without a checkpoint
-        if self._stop_signal is None:
-            log.warning("received %s: will save a checkpoint and stop after this step", signal.Signals(signum).name)
-        if self._stop_signal is None or signum == signal.SIGINT:
-            self._stop_signal = signum
-
     def stop_flags(self) -> list[float]:
         """[stop requested, by SIGINT] on this rank, to be summed with the step's other flags."""
-        return [float(self._stop_signal is not None), float(self._stop_signal == signal.SIGINT)]
+        return [float(flag) for flag in self.session.stop_flags()]
 
     # -- collectives -------------------------------------------------------------------------------
     def sum(self, tensor: Tensor) -> Tensor:

@@ -50,9 +50,11 @@ from tqdm import tqdm
 from megakd.config import ConfigError, ScheduleConfig, config_to_dict, save_config
 from megakd.data.tasks import EncodedTask, load_split
 from megakd.data.tokenizer import Tokenizer
-from megakd.engine.backends import Unit
+from megakd.engine.backends import StepContext, Unit
+from megakd.engine.layouts import Layout, MicroStepOutput
 from megakd.engine.metrics import MetricsWriter
 from megakd.engine.optim import build_scheduler, param_groups
+from megakd.engine.session import rng_state, set_rng_state
 from megakd.finetune.config import FinetuneConfig, LabelRegConfig, ModelInitConfig, auto_lr
 from megakd.finetune.metrics import mean_std, task_metrics
 from megakd.finetune.models import Pretrained, build_classifier, load_pretrained
@@ -90,6 +92,35 @@ class ClassifierTask(nn.Module):
     def forward(self, batch: dict[str, Tensor], epoch: int) -> dict:
         loss, logits, logs = self.objective.loss(self.model, batch, epoch)
         return {"loss": loss, "logits": logits, "logs": logs}
+
+
+class ClassifierLayout(Layout):
+    """Fine-tuning as a training layout: one unit (the classifier), one micro-batch per step.
+
+    So a fine-tuning step goes through the same `backend.train_step` as pretraining (one agreement
+    all-reduce on finiteness and stop signals, all-or-nothing update). The micro-batch is this
+    rank's rows of the global batch; its loss is weighted by its share (`Runtime.local_rows`). The
+    statistics are the logs' contributions to the global-batch means, in float64.
+    """
+
+    name = "classifier"
+
+    def __init__(self, unit: Unit):
+        super().__init__([unit], kd=None)
+        self.unit = unit
+        self.epoch = 0  # the loop sets it: objectives' schedules (AKD, SoTeacher) depend on it
+
+    def micro_step(self, run, batch, step):
+        out = run.forward(self.unit, batch, self.epoch)
+        weight = float(batch["weight"])
+        run.backward(self.unit, out["loss"] * weight)
+        share = weight / float(batch["world_size"])  # this rank's part of a global-batch mean
+        logs = {"loss": out["loss"].detach(), **out["logs"]}
+        return MicroStepOutput([out["loss"].detach()], {k: torch.as_tensor(v, dtype=torch.float64).detach() * share
+                                                        for k, v in logs.items()})
+
+    def tasks(self):
+        return []
 
 
 @torch.no_grad()
@@ -215,29 +246,27 @@ class SeedTraining:
         self.unit = Unit(name=UNIT, task=ClassifierTask(model, objective), model=model, optimizer=optimizer,
                          scheduler=build_scheduler(optimizer, schedule, self.total), clip_norm=f.clip_norm)
         runtime.backend.wrap_units([self.unit], 1)
+        self.layout = ClassifierLayout(self.unit)
         self.progress = Progress()
         # Dropout: rank 0 draws the seed's one-process stream, other ranks their own.
         torch.manual_seed(seed + 1_000_003 * runtime.rank)
 
     # -- checkpoints -------------------------------------------------------------------------------
     def rank_state(self) -> dict:
-        return {"progress": vars(self.progress).copy(), "torch_rng": torch.get_rng_state(),
-                "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        return {"progress": vars(self.progress).copy(), "rng": rng_state(),
                 "objective": self.objective.state_dict() if hasattr(self.objective, "state_dict") else {}}
 
     def save(self) -> None:
-        """Every rank writes its part into a temporary step directory; rank 0 publishes it atomically."""
+        """Every rank writes its part of the checkpoint; the run session publishes it once all agree."""
         rt = self.runtime
-        tmp, final = checkpoint.begin(self.out_dir, self.progress.step, rt.is_main)
-        rt.barrier()
-        if rt.is_main:
-            save_config(self.cfg, tmp / "config.yaml")
-        rt.backend.save_units([self.unit], tmp)
-        checkpoint.save_rank_state(tmp, rt.rank, self.rank_state())
-        rt.barrier()
-        if rt.is_main:
-            checkpoint.commit(tmp, final, self.progress.step, self.cfg.run.keep_last)
-        rt.barrier()
+
+        def write(tmp: Path) -> None:
+            if rt.is_main:
+                save_config(self.cfg, tmp / "config.yaml")
+            rt.backend.save_units([self.unit], tmp)
+            checkpoint.save_rank_state(tmp, rt.rank, self.rank_state())
+
+        rt.session.save(self.out_dir, self.progress.step, write, self.cfg.run.keep_last)
 
     def resume(self) -> None:
         """Continue from the newest intact checkpoint of this training, if `--resume auto` and there is one."""
@@ -258,48 +287,33 @@ class SeedTraining:
         rt.backend.load_units([self.unit], path)
         state = checkpoint.load_rank_state(path, rt.rank)
         self.progress = Progress(**state["progress"])
-        torch.set_rng_state(state["torch_rng"])
-        if state["cuda_rng"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda_rng"])
+        set_rng_state(state["rng"])
         if state["objective"]:
             self.objective.load_state_dict(state["objective"])
         log.info("%s: resumed at step %d of %d", self.out_dir, step, self.total)
 
     # -- one step ----------------------------------------------------------------------------------
     def step(self, train: EncodedTask, rows: Tensor, epoch: int) -> tuple[dict[str, float] | None, bool, bool]:
-        """One optimizer step on the global batch `rows`: (global-batch means of the logs, or None if the
-        update was skipped; stop requested; by SIGINT)."""
-        rt, backend, unit = self.runtime, self.runtime.backend, self.unit
+        """One optimizer step on the global batch `rows` through `backend.train_step`: (global-batch means
+        of the logs, or None if the update was skipped; stop requested; by SIGINT)."""
+        rt = self.runtime
         local, offset, real, weight = rt.local_rows(rows)
         batch = {**train.batch(local), "row": local, "offset": torch.tensor(offset), "real": torch.tensor(real),
-                 "batch_rows": torch.tensor(len(rows))}
-        batch = {k: v.to(rt.device) for k, v in batch.items()}
-        out = backend.forward(unit, batch, epoch)
-        backend.backward(unit, out["loss"] * weight)
-        logs = {"loss": out["loss"].detach(), **out["logs"]}
-        keys = sorted(logs)
-        share = weight / rt.world_size  # this rank's part of a global-batch mean
-        flags = [float(torch.isfinite(out["loss"]).item()), *rt.stop_flags(),
-                 *(share * float(logs[k]) if share else 0.0 for k in keys)]
-        totals = rt.sum(torch.tensor(flags, dtype=torch.float64)).tolist()
-        finite, stop, interrupted = totals[0] == rt.world_size, totals[1] > 0, totals[2] > 0
-        norms = None
-        if finite:
-            norms = backend.step([unit])
-        else:
-            backend.skip_step(unit)
+                 "batch_rows": torch.tensor(len(rows)), "weight": torch.tensor(weight, dtype=torch.float64),
+                 "world_size": torch.tensor(rt.world_size)}
+        self.layout.epoch = epoch
+        context = StepContext(index=self.progress.step, stop_flags=rt.session.stop_flags)
+        result = rt.backend.train_step(self.layout, iter([batch]), context)
         self.progress.step += 1
-        if norms is None:
-            p = self.progress
-            p.bad_steps += 1
-            log.warning("seed %d step %d: non-finite %s, update skipped", self.seed, p.step,
-                        "loss" if not finite else "gradient norm")
-            if p.bad_steps >= MAX_BAD_STEPS:
-                raise FloatingPointError(f"seed {self.seed}: {p.bad_steps} non-finite losses in a row at step "
-                                         f"{p.step}; lower finetune.lr or check the data")
-            return None, stop, interrupted
+        if result.norms is None:
+            self.progress.bad_steps += 1
+            rt.session.skipped_update(self.progress.bad_steps, f"seed {self.seed}: {result.skipped}", self.progress.step,
+                                      MAX_BAD_STEPS, f"fine-tuning's limit of {MAX_BAD_STEPS}", self.out_dir)
+            return None, result.stop, result.interrupted
         self.progress.bad_steps = 0
-        return {**dict(zip(keys, totals[3:])), "grad_norm": norms[UNIT]}, stop, interrupted
+        keys = sorted(k for k in result.stats if k != "tokens")
+        totals = rt.sum(torch.stack([result.stats[k].cpu() for k in keys])).tolist()
+        return {**dict(zip(keys, totals)), "grad_norm": result.norms[UNIT]}, result.stop, result.interrupted
 
     # -- the loop ----------------------------------------------------------------------------------
     def run(self, train: EncodedTask, dev: EncodedTask, eval_split: str) -> np.ndarray | None:

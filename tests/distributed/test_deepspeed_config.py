@@ -9,7 +9,7 @@ import torch
 
 from megakd.cli import main
 from megakd.config import ConfigError, load_config
-from megakd.engine.deepspeed_backend import EngineConfigs, merge_user_config
+from megakd.engine.deepspeed_backend import EngineConfigs, cpu_adam_like, merge_user_config
 from megakd.engine.pretrain import build_trainer
 from tests.distributed.harness import (
     CONFIG,
@@ -92,12 +92,12 @@ def test_low_precision_accumulates_in_fp32_unless_the_user_says_otherwise(tiny_d
                                                                           accum):
     overrides = {"backend.name": "deepspeed", "backend.zero_stage": stage, "train.precision": precision}
     cfg = load_config(CONFIG, tiny_overrides(tiny_data, tmp_path / "run", **overrides))
-    assert EngineConfigs(cfg).for_engine(1.0, 8, 1).get("data_types", {}).get("grad_accum_dtype") == accum
+    assert EngineConfigs.of(cfg).for_engine(1.0, 8, 1).get("data_types", {}).get("grad_accum_dtype") == accum
     user = tmp_path / "ds.json"
     user.write_text(json.dumps({"data_types": {"grad_accum_dtype": "bf16"}}))
     cfg = load_config(CONFIG, tiny_overrides(tiny_data, tmp_path / "run", **overrides,
                                              **{"backend.deepspeed_config": str(user)}))
-    assert EngineConfigs(cfg).for_engine(1.0, 8, 1)["data_types"] == {"grad_accum_dtype": "bf16"}
+    assert EngineConfigs.of(cfg).for_engine(1.0, 8, 1)["data_types"] == {"grad_accum_dtype": "bf16"}
 
 
 def test_fp32_accumulation_without_zero_is_refused_in_one_line(tiny_data, tmp_path):
@@ -107,7 +107,7 @@ def test_fp32_accumulation_without_zero_is_refused_in_one_line(tiny_data, tmp_pa
         "backend.name": "deepspeed", "backend.zero_stage": 0, "train.precision": "bf16",
         "backend.deepspeed_config": str(user)}))
     with pytest.raises(ConfigError, match="grad_accum_dtype='fp32' needs backend.zero_stage >= 1"):
-        EngineConfigs(cfg).for_engine(1.0, 8, 1)
+        EngineConfigs.of(cfg).for_engine(1.0, 8, 1)
 
 
 @pytest.mark.slow
@@ -137,3 +137,11 @@ def test_zero2_cpu_offload_matches_the_run_without_offload(tiny_data, tmp_path):
         for file in files:
             groups = torch.load(file, weights_only=False)["optimizer_state_dict"]["base_optimizer_state"]["param_groups"]
             assert ("bias_correction" in groups[0]) == cpu_adam, file
+
+
+def test_offload_refuses_an_optimizer_it_would_silently_replace():
+    """Fine-tuning's Adamax is not DeepSpeed's CPU AdamW: offloading it would change the method, so it is
+    refused naming the optimizer (pretraining's AdamW offloads; the test above)."""
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match="not this run's Adamax; remove offload_optimizer"):
+        cpu_adam_like(torch.optim.Adamax(model.parameters(), lr=1e-3))

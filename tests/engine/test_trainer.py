@@ -13,7 +13,7 @@ import torch
 
 from megakd.config import ConfigError, load_config
 from megakd.engine.pretrain import build_trainer
-from megakd.engine.trainer import TooManyBadSteps
+from megakd.engine.session import TooManyBadSteps
 from megakd.errors import UserError
 from megakd.store import StoreError
 from tests.helpers import tiny_overrides as tiny_overrides_for

@@ -14,6 +14,7 @@ from megakd.config import ConfigError, load_config
 from megakd.data.default_corpus import CORPUS_DIR
 from megakd.data.tasks import EncodedTask, Example
 from megakd.data.tokenizer import Tokenizer, train_tokenizer
+from megakd.engine.session import TooManyBadSteps
 from megakd.finetune.config import FinetuneConfig, ModelInitConfig, auto_lr
 from megakd.finetune.models import build_classifier, load_pretrained
 from megakd.finetune.trainer import MAX_BAD_STEPS, train_seed
@@ -155,7 +156,7 @@ def test_non_finite_losses_skip_updates_then_stop(tiny_data, tmp_path):
     model = SequenceClassifier(EncoderConfig(vocab_size=512, hidden_size=8, num_layers=1, num_heads=2,
                                              intermediate_size=16), 2)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(FloatingPointError, match=f"{MAX_BAD_STEPS} non-finite losses in a row"):
+    with pytest.raises(TooManyBadSteps, match=f"limit of {MAX_BAD_STEPS}: {MAX_BAD_STEPS} steps in a row"):
         train_seed(cfg, 0, model, tok, task, task, _NaNObjective(), tmp_path, lr=1e-3)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 

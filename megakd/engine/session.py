@@ -1,0 +1,231 @@
+"""The run session: the mechanics every training command shares, whatever its loop.
+
+Pretraining (`engine/trainer.py`) and fine-tuning (`finetune/trainer.py`) each own their steps,
+their batches and what they log. What must behave the same in every job lives here, once:
+
+- **ownership**: rank 0 takes `<run.dir>/.lock` and decides (claim a new run dir, find the
+  checkpoint to resume); every rank learns the outcome, so a refusal stops all of them;
+- **stop signals**: SIGTERM, SIGUSR1 and SIGINT ask for a checkpoint after the current step, a
+  second SIGINT aborts at once; each step's agreement all-reduce carries `stop_flags()`;
+- **saving**: every rank writes its part into a temporary step directory, all ranks agree on
+  any failure before rank 0 publishes it, and again after (a full disk on one rank ends every
+  rank with one line instead of a hang);
+- **random streams**: every stream a rank draws from, captured and restored as one state;
+- **non-finite steps**: a skipped update is counted, `limit` in a row stop the run.
+
+docs/architecture.md § The run session shows how the two loops use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import signal
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from megakd.engine.backends import TrainingBackend
+from megakd.errors import UserError
+from megakd.signals import STOP_SIGNALS
+from megakd.store import checkpoint, rundir
+from megakd.store.files import StoreError, first_line, human_bytes, is_disk_full, tree_bytes
+
+log = logging.getLogger(__name__)
+
+class TooManyBadSteps(UserError):
+    """Too many non-finite steps in a row: the run stops, its last checkpoint intact."""
+
+
+class RunSession:
+    """Ownership of one run directory, stop signals and the all-ranks-agree save, on one backend."""
+
+    def __init__(self, run_dir: Path, backend: TrainingBackend):
+        self.run_dir = Path(run_dir)
+        self.backend = backend
+        self.lock = rundir.RunDirLock(self.run_dir)
+        self._holding = contextlib.ExitStack()  # the lock (rank 0), from `own` until `release`
+        self._stop_signal: int | None = None  # the first stop signal received, if any
+
+    # -- ownership ---------------------------------------------------------------------------------
+    def own(self, decide: Callable[[], float] = lambda: 0.0) -> float:
+        """Take the run directory: rank 0 locks it and runs `decide` under the lock (claim it for a new
+        run, check what a resume needs); every rank gets `decide`'s number, or the refusal raised.
+
+        The caller calls `announce` once nothing can refuse the run any more, so a refused start leaves
+        the run directory byte-identical.
+        """
+        main = self.backend.is_main
+        error: BaseException | None = None
+        value = 0.0
+        with contextlib.ExitStack() as holding:  # releases the lock if anything below fails
+            if main:
+                try:
+                    holding.enter_context(self.lock)
+                    value = float(decide())
+                except (StoreError, OSError) as err:
+                    error = err
+            flags = torch.tensor([float(error is not None), value if main else 0.0], dtype=torch.float64)
+            failed, value = self.backend.all_reduce_sum(flags).tolist()
+            if failed:
+                raise error if error is not None else StoreError(f"{self.run_dir}: refused on rank 0 (see its "
+                                                                 "message)")
+            self._holding = holding.pop_all()
+        return value
+
+    def announce(self) -> None:
+        """Record this job as the run directory's holder (rank 0): the run starts."""
+        if self.backend.is_main:
+            self.lock.announce()
+
+    def release(self) -> None:
+        """Give the run directory up (rank 0's lock); nothing to do where it is not held."""
+        self._holding.close()
+
+    def hand_over_lock(self) -> rundir.RunDirLock:
+        """Keep the lock past `release`, for an end-of-run export written under it; the caller releases it."""
+        self._holding.pop_all()
+        return self.lock
+
+    # -- stop signals ------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def stop_signals(self) -> Iterator[None]:
+        """Within: a stop signal is recorded for the next step's agreement instead of ending the process."""
+        previous = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def _on_signal(self, signum, _frame) -> None:
+        if signum == signal.SIGINT and self._stop_signal == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: abort now, without a checkpoint
+        name = signal.Signals(signum).name
+        if self._stop_signal is None:
+            log.warning("received %s: will save a checkpoint and stop after this step%s", name,
+                        " (a second SIGINT aborts at once)" if signum == signal.SIGINT else "")
+            self._stop_signal = signum
+        elif signum == signal.SIGINT:
+            self._stop_signal = signum  # already stopping; the next SIGINT aborts
+
+    def stop_flags(self) -> tuple[bool, bool]:
+        """(a stop was asked for, a SIGINT was among the signals) on this rank.
+
+        A signal may reach one rank only (or one rank first); each step's agreement all-reduce makes
+        every rank stop after the same step, so the checkpoint holds one consistent step.
+        """
+        return self._stop_signal is not None, self._stop_signal == signal.SIGINT
+
+    # -- saving ------------------------------------------------------------------------------------
+    def save(self, root: Path, step: int, write: Callable[[Path], None], keep_last: int) -> Path:
+        """Checkpoint `step` into `root/checkpoints/`: every rank's `write(tmp)`, then rank 0 publishes
+        atomically (megakd.store.checkpoint). A failed save leaves no trace and raises on every rank.
+
+        Every rank reaches the same collectives whether or not its own writes failed, so a failure on
+        one rank ends every rank with its error instead of a hang.
+        """
+        main = self.backend.is_main
+        error: BaseException | None = None
+        tmp, final = checkpoint.temp_dir(root, step), checkpoint.step_dir(root, step)
+        try:
+            tmp, final = checkpoint.begin(root, step, main)  # checks run-dir ownership on rank 0
+        except (OSError, StoreError) as err:
+            error = err
+        self.backend.barrier()
+        if error is None:
+            try:
+                write(tmp)
+            except (OSError, RuntimeError) as err:
+                error = err
+        self._agree_or_abort(error, tmp, step)
+        if main:
+            try:
+                checkpoint.commit(tmp, final, step, keep_last)  # checks run-dir ownership
+            except (OSError, RuntimeError, StoreError) as err:
+                error = err
+        self._agree_or_abort(error, tmp, step)
+        return final
+
+    def _agree_or_abort(self, error: BaseException | None, tmp: Path, step: int) -> None:
+        """All ranks learn whether any rank failed; then rank 0 removes the temp dir and all raise."""
+        failed = self.backend.all_reduce_sum(torch.tensor(float(error is not None))).item() > 0
+        if not failed:
+            return
+        written = tree_bytes(tmp) if tmp.is_dir() else 0
+        self.backend.barrier()  # every rank has measured the partial checkpoint before it goes
+        if self.backend.is_main:
+            checkpoint.abort(tmp)
+            # A lost run directory explains any failure (another job may have removed the temp dir).
+            taken = error if isinstance(error, rundir.RunDirTakenOver) else self.lock.ownership_error()
+            if taken is not None:
+                raise taken from None
+        if error is None:
+            raise StoreError(f"{tmp.parent}: saving step {step} failed on another rank; the partial checkpoint "
+                             "was removed, older checkpoints are intact")
+        previous = checkpoint.latest_checkpoint(tmp.parent.parent)
+        needed = f", about {human_bytes(tree_bytes(previous))} needed" if previous is not None else ""
+        what = "no space left on device" if is_disk_full(error) else first_line(error)
+        raise StoreError(f"{tmp.parent}: {what} while saving step {step} ({human_bytes(written)} written"
+                         f"{needed}); the partial checkpoint was removed, older checkpoints are intact") from None
+
+    # -- non-finite steps --------------------------------------------------------------------------
+    @staticmethod
+    def skipped_update(in_a_row: int, what: str, step: int, limit: int, limit_text: str, where: Path) -> None:
+        """Report an update skipped at `step` because of `what`, the `in_a_row`-th in a row (the loop keeps
+        the count in its checkpointed state); raise `TooManyBadSteps` at `limit`.
+
+        `limit_text` says where the limit comes from; `where` holds the checkpoints left untouched.
+        """
+        log.warning("%s at step %d: update skipped (%d in a row)", what, step, in_a_row)
+        if in_a_row >= limit:
+            raise TooManyBadSteps(f"{limit_text}: {in_a_row} steps in a row had a non-finite loss or gradient norm "
+                                  f"(last: {what}); stopped at step {step - 1} without saving, the checkpoints in "
+                                  f"{where / 'checkpoints'} are untouched")
+
+
+# -- random streams -------------------------------------------------------------------------------
+
+def rng_state(sampling: torch.Generator | None = None) -> dict:
+    """Every random stream of this rank (host-side copies: no device sync); `sampling` is the loop's own."""
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        "sampling": sampling.get_state() if sampling is not None else None,
+        "python": random.getstate(),
+        # numpy's state holds an ndarray, which a weights-only load refuses: store it as a tensor
+        "numpy": _numpy_state_to_plain(np.random.get_state()),
+    }
+
+
+def set_rng_state(state: dict, sampling: torch.Generator | None = None) -> None:
+    """Restore what `rng_state` captured."""
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if sampling is not None:
+        sampling.set_state(state["sampling"])
+    random.setstate(state["python"])
+    np.random.set_state(_numpy_state_from_plain(state["numpy"]))
+
+
+def seed_rng(seed: int, sampling: torch.Generator | None = None) -> None:
+    """Seed every stream `rng_state` captures (a rank that has no saved state to continue from)."""
+    torch.manual_seed(seed)
+    if sampling is not None:
+        sampling.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+
+
+def _numpy_state_to_plain(state: tuple) -> tuple:
+    name, keys, pos, has_gauss, cached = state
+    return name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)
+
+
+def _numpy_state_from_plain(state: tuple) -> tuple:
+    name, keys, pos, has_gauss, cached = state
+    return name, keys.numpy().astype(np.uint32), pos, has_gauss, cached

@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megakd.config import Config, config_to_dict, read_yaml_file, save_config
+from megakd.config import Config
+from megakd.configio import config_to_dict, read_yaml_file, save_config
 from megakd.data.storage import StorageError as DataStorageError
 from megakd.data.stream import STOP_SIGNALS
 from megakd.data.tokenizer import copy_tokenizer

@@ -23,16 +23,17 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from megakd.config import Config, TrainConfig, config_to_dict, read_yaml_file, save_config
+from megakd.config import Config, TrainConfig
+from megakd.configio import config_to_dict, read_yaml_file, save_config
 from megakd.data.stream import STOP_SIGNALS
 from megakd.engine.backends import (
     Backend,
     DDPBackend,
     require_launcher,
-    resolve_backend_name,
     single_process_backend,
 )
 from megakd.finetune.config import FinetuneConfig
+from megakd.finish import resolve_backend_name
 from megakd.store import rundir
 from megakd.store.files import StoreError
 

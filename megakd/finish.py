@@ -68,8 +68,9 @@ def resolve_vocab_sizes(cfg: Config, tokenizer_size: int, tokenizer_name: str, p
         if model.vocab_size == "auto":
             model.vocab_size = tokenizer_size
         elif model.vocab_size != tokenizer_size:
-            raise ConfigError(f"model.{name}.vocab_size={model.vocab_size} but the tokenizer at {tokenizer_name} "
-                              f"has {tokenizer_size} pieces (leave it at auto to take the tokenizer's size)")
+            raise ConfigError(f"model.{name}.vocab_size={model.vocab_size} but the tokenizer at "
+                              f"{tokenizer_name} has {tokenizer_size} pieces (leave it at auto to take the "
+                              f"tokenizer's size)")
         if model.pad_token_id != pad_id:
             if model.pad_token_id != default_pad:
                 raise ConfigError(f"model.{name}.pad_token_id={model.pad_token_id} but the tokenizer at "

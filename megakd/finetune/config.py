@@ -1,7 +1,8 @@
 """The `megakd finetune` config tree: task, model initialisation, optimisation, and the methods on top.
 
 Loaded with `megakd.config.load_config(path, overrides, cls=FinetuneConfig)` (the strict loader of
-`megakd.configio`), so unknown keys and bad values fail with a one-line error naming the key, as for pretraining recipes.
+`megakd.configio`), so unknown keys and bad values fail with a one-line error naming the key, as for
+pretraining recipes.
 """
 
 from __future__ import annotations

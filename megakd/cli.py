@@ -19,15 +19,13 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from megakd.config import (
-    Config,
-    ConfigError,
+from megakd.config import Config, ConfigError, load_config
+from megakd.configio import (
     KeyDoc,
     config_key,
     config_keys,
     config_sections,
     config_to_dict,
-    load_config,
     read_recipe,
     value_text,
 )
@@ -56,30 +54,30 @@ def setup_logging(level: str = "INFO") -> None:
 
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
-    from megakd.engine.pretrain import run_pretraining
-
-    return _train(args, run_pretraining)
+    return _train(args, "run_pretraining")
 
 
 def cmd_distill(args: argparse.Namespace) -> int:
-    from megakd.engine.pretrain import run_distill
-
-    return _train(args, run_distill)
+    return _train(args, "run_distill")
 
 
-def _train(args: argparse.Namespace, run) -> int:
-    """Train, then (rank 0, unless stopped early) export the newest checkpoint to run.dir/hf.
+def _train(args: argparse.Namespace, entry: str) -> int:
+    """Train with `megakd.engine.pretrain.<entry>`, then (rank 0, unless stopped early) export the newest
+    checkpoint to run.dir/hf. `--print-config` prints the finished config without importing the engine.
 
     Exit 0 when finished or stopped by SIGTERM/SIGUSR1 (preemption: a scheduler requeues the
     job); 130 (128 + SIGINT, the shell's code for Ctrl-C) when stopped by SIGINT, so a script or
     loop around the command stops too. Either way the checkpoint of the last step was written."""
     cfg = load_config(args.config, args.overrides)
     if args.print_config:
-        from megakd.engine.pretrain import resolve_config
+        from megakd.finish import finish_config
 
-        print_config(resolve_config(cfg))
+        print_config(finish_config(cfg))
         return 0
+    from megakd.engine import pretrain
+
     # The run directory stays locked (rank 0) until the export below is published.
+    run = getattr(pretrain, entry)
     result = run(cfg, resume=args.resume, allow_change=tuple(args.allow_change), keep_lock=True)
     try:
         return _finish(cfg, result)
@@ -139,16 +137,17 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     """Fine-tune on the configured backend; exit codes as for pretraining (0 also when stopped by
     SIGTERM/SIGUSR1 after a checkpoint, 130 on SIGINT, 2 after too many non-finite steps)."""
     from megakd.finetune.config import FinetuneConfig
-    from megakd.finetune.jobs import job_for
-    from megakd.finetune.runtime import Runtime, Stopped, describe
 
     cfg = load_config(args.config, args.overrides, cls=FinetuneConfig)
-    if args.print_config:
-        from megakd.engine.backends import resolve_backend_name
+    if args.print_config:  # without importing the engine, as for pretraining
+        from megakd.finish import resolve_backend_name
 
         cfg.backend.name = resolve_backend_name(cfg.backend.name)
         print_config(cfg)
         return 0
+    from megakd.finetune.jobs import job_for
+    from megakd.finetune.runtime import Runtime, Stopped, describe
+
     run = job_for(cfg)
     runtime = Runtime(cfg, resume=args.resume)
     try:
@@ -458,9 +457,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from megakd.bench.memory import parameter_counts
     from megakd.bench.planner import GPUS, hardware_from_bench, model_flops, plan, storage_io
     from megakd.bench.report import format_plan
-    from megakd.engine.pretrain import resolve_config
+    from megakd.finish import finish_config
 
-    cfg = resolve_config(load_config(args.config, [*args.overrides, *args.set_overrides]))
+    cfg = finish_config(load_config(args.config, [*args.overrides, *args.set_overrides]))
     hw = hardware_from_bench(args.bench) if args.bench else GPUS[args.gpu]
     storage = storage_io(cfg, hw, args.gpus, storage_gbps=args.storage_gbps,
                          corpus_samples=args.corpus_samples)
@@ -774,7 +773,7 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
-_OVERRIDE = re.compile(r"^[A-Za-z_][\w.]*=")  # key=value, as megakd.config.parse_override reads it
+_OVERRIDE = re.compile(r"^[A-Za-z_][\w.]*=")  # key=value, as megakd.configio.parse_override reads it
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:

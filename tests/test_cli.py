@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from megakd.cli import build_parser, main, parse_args
 from megakd.data.default_corpus import CORPUS_DIR
 from tests.helpers import tiny_overrides
+
+REPO = Path(__file__).parents[1]
 
 
 def test_pretrain_writes_the_documented_run_directory(tiny_data, tmp_path):
@@ -83,3 +89,30 @@ def test_unknown_arguments_exit_2_naming_them(argv, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert f"unrecognized arguments: {argv[-1]}" in err
+
+
+def test_printing_or_planning_a_config_imports_no_engine(tmp_path):
+    """`--print-config` and `megakd plan` finish the config through `megakd.finish`, not the engine: a
+    subprocess runs them and lists the `megakd.engine` modules they loaded (plan's report names the step
+    phases of `megakd.engine.profiling`, a module of constants, and may load that one)."""
+    script = """if True:
+        import contextlib, io, json, sys
+        from megakd.cli import main
+        def engine():
+            return sorted(m for m in sys.modules if m.startswith("megakd.engine"))
+        seen = {}
+        for argv in (["pretrain", "-c", "configs/electra-tiny.yaml", "--print-config"],
+                     ["distill", "-c", "configs/dwt-tiny.yaml", "--print-config"],
+                     ["finetune", "-c", "configs/finetune-rt.yaml", "--print-config"],
+                     ["plan", "configs/electra-base.yaml", "--gpus", "8", "--gpu-mem", "80"]):
+            with contextlib.redirect_stdout(io.StringIO()):
+                assert main(argv) == 0, argv
+            seen[argv[0]] = engine()
+        print(json.dumps(seen))
+    """
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
+                         check=True).stdout
+    seen = json.loads(out.splitlines()[-1])
+    assert seen["pretrain"] == seen["distill"] == seen["finetune"] == [], seen
+    assert set(seen["plan"]) <= {"megakd.engine", "megakd.engine.profiling"}, seen["plan"]

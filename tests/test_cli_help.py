@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from megakd.cli import build_parser, main, parse_args
-from megakd.config import Config, ConfigError, config_to_dict, load_config
+from megakd.config import Config, ConfigError, load_config
+from megakd.configio import config_to_dict
 from megakd.finetune.config import FinetuneConfig
 from megakd.store.rundir import flatten
 

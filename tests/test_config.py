@@ -2,8 +2,9 @@ from dataclasses import asdict
 
 import pytest
 
-from megakd.config import Config, ConfigError, load_config, parse_override, save_config
-from megakd.engine.pretrain import resolve_config
+from megakd.config import Config, ConfigError, load_config
+from megakd.configio import parse_override, save_config
+from megakd.finish import finish_config
 from megakd.store.rundir import flatten
 
 CONFIGS = ["configs/electra-tiny.yaml", "configs/electra-base.yaml", "configs/electra-large.yaml"]
@@ -17,7 +18,7 @@ def test_recipes_load_and_roundtrip(path, tmp_path):
 
 
 def test_table_a1_values():
-    base, large = (resolve_config(load_config(f"configs/electra-{size}.yaml")) for size in ("base", "large"))
+    base, large = (finish_config(load_config(f"configs/electra-{size}.yaml")) for size in ("base", "large"))
     for cfg in (base, large):
         assert cfg.train.max_steps == 125_000 and cfg.train.global_batch_size == 2048
         assert cfg.optim.generator.lr == 2e-4 and cfg.optim.discriminator.lr == 1.5e-3

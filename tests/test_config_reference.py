@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from megakd.cli import main
-from megakd.config import Config, OptimizerConfig, RunConfig, config_keys, field_meanings
+from megakd.config import Config, OptimizerConfig, RunConfig
+from megakd.configio import config_keys, field_meanings
 from megakd.finetune.config import FinetuneConfig
 
 REFERENCE = Path(__file__).parents[1] / "docs" / "configuration.md"
@@ -83,6 +84,6 @@ def test_a_changed_default_or_comment_makes_the_reference_stale(capsys, monkeypa
     assert "| `run.dir` | `str` | `runs/elsewhere` |" in text and text != REFERENCE.read_text()
     monkeypatch.undo()
     meanings = field_meanings(RunConfig)
-    monkeypatch.setattr("megakd.config.field_meanings",
+    monkeypatch.setattr("megakd.configio.field_meanings",
                         lambda cls: {**meanings, "dir": "moved"} if cls is RunConfig else field_meanings(cls))
     assert "| `run.dir` | `str` | `runs/electra-tiny` | moved |" in _generated(capsys)

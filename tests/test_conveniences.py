@@ -9,9 +9,10 @@ import pytest
 import yaml
 
 from megakd.cli import main
-from megakd.config import ConfigError, config_to_dict, load_config
+from megakd.config import ConfigError, load_config
+from megakd.configio import config_to_dict
 from megakd.data.tokenizer import Tokenizer
-from megakd.engine.pretrain import resolve_config
+from megakd.finish import finish_config
 from megakd.store.checkpoint import latest_checkpoint
 from megakd.store.files import load_weights
 from megakd.store.rundir import flatten
@@ -46,10 +47,10 @@ def test_explicit_vocab_size_that_differs_is_refused(tiny_data, tmp_path, capsys
 
 
 def test_bundled_corpus_size_follows_an_explicit_model_size():
-    cfg = resolve_config(load_config("configs/electra-tiny.yaml", ["model.generator.vocab_size=4000",
+    cfg = finish_config(load_config("configs/electra-tiny.yaml", ["model.generator.vocab_size=4000",
                                                                    "data.vocab_size=auto"]))
     assert cfg.model.generator.vocab_size == cfg.model.discriminator.vocab_size == 4000
-    assert resolve_config(load_config(None)).model.generator.vocab_size == 8000  # the bundled default
+    assert finish_config(load_config(None)).model.generator.vocab_size == 8000  # the bundled default
 
 
 def test_print_config_prints_the_resolved_config_and_writes_nothing(tiny_data, tmp_path, capsys):

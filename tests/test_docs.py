@@ -41,7 +41,8 @@ from urllib.parse import unquote
 import pytest
 
 from megakd.cli import build_parser
-from megakd.config import Config, config_key
+from megakd.config import Config
+from megakd.configio import config_key
 from megakd.finetune.config import FinetuneConfig
 
 ROOT = Path(__file__).parents[1]

@@ -16,9 +16,11 @@ ROOT = Path(__file__).parents[1]
 # Bottom to top. `kernels` (installed as megakd.kernels) knows nothing of megakd.
 LAYERS: list[set[str]] = [
     {"kernels", "errors", "fsutil", "signals"},
+    {"configio"},
     {"models", "objectives"},
     {"config"},
     {"data"},
+    {"finish"},
     {"store"},
     {"engine"},
     {"finetune", "eval", "convert", "bench", "repro"},

@@ -96,11 +96,12 @@ def loader_throughput(cfg: Config, batches: int, rank: int, world_size: int) -> 
     """Samples/s of the real PretrainingLoader (shards, decoding, masking): this rank's, and all ranks'
     (every rank reads the same number of batches; the slowest rank sets the pace)."""
     from megakd.data.tokenizer import Tokenizer
-    from megakd.engine.pretrain import build_loader, check_vocab, resolve_data
+    from megakd.engine.pretrain import build_loader, resolve_data
+    from megakd.finish import finish_config
 
     tokenizer_dir, shards_dir = resolve_data(cfg)
     tokenizer = Tokenizer.load(tokenizer_dir)
-    check_vocab(cfg, tokenizer)
+    finish_config(cfg, tokenizer)
     loader = build_loader(cfg, tokenizer, shards_dir, cfg.train.micro_batch_size, rank, world_size)
     it = iter(loader)
     next(it)  # worker start-up is not throughput

@@ -31,6 +31,7 @@ from torch import nn
 
 from megakd.engine.profiling import phase
 from megakd.errors import LaunchError, UserError
+from megakd.finish import launched_world_size, srun_task
 from megakd.store.checkpoint_models import OPTIM_SUFFIX, WEIGHTS_SUFFIX, load_state_checked
 from megakd.store.files import load_state, load_weights, save_state, save_weights
 
@@ -67,7 +68,7 @@ def init_distributed(dist_backend: str = "auto") -> tuple[int, int, int]:
 
     Returns (rank, world_size, local_rank); a no-op returning (0, 1, 0) without a launcher.
     """
-    if "RANK" not in os.environ and _srun_task():
+    if "RANK" not in os.environ and srun_task():
         os.environ.setdefault("RANK", os.environ["SLURM_PROCID"])
         os.environ.setdefault("WORLD_SIZE", os.environ["SLURM_NTASKS"])
         os.environ.setdefault("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
@@ -84,28 +85,6 @@ def init_distributed(dist_backend: str = "auto") -> tuple[int, int, int]:
     return rank, world, local_rank
 
 
-def _srun_task() -> bool:
-    """A Slurm task of srun: SLURM_PROCID and SLURM_NTASKS both set (the batch shell has only the second)."""
-    return {"SLURM_PROCID", "SLURM_NTASKS"} <= os.environ.keys()
-
-
-def launched_world_size() -> int:
-    """The ranks the launcher started, as `init_distributed` reads them: WORLD_SIZE (torchrun, deepspeed),
-    else SLURM_NTASKS when SLURM_PROCID is set too (srun), else 1."""
-    if "WORLD_SIZE" in os.environ:
-        return int(os.environ["WORLD_SIZE"])
-    if _srun_task():
-        return int(os.environ["SLURM_NTASKS"])
-    return 1
-
-
-def resolve_backend_name(name: str) -> str:
-    """`backend.name` with `auto` made concrete: ddp when a launcher started several ranks, else single."""
-    if name != "auto":
-        return name
-    return "ddp" if launched_world_size() > 1 else "single"
-
-
 def require_launcher(name: str) -> None:
     """Refuse a multi-rank backend started as one bare process on a CUDA machine.
 
@@ -114,7 +93,7 @@ def require_launcher(name: str) -> None:
     run that looks distributed and is not. On CPU that lone process is the reference run the tests
     compare against, so it stays.
     """
-    if "RANK" in os.environ or _srun_task() or not torch.cuda.is_available():
+    if "RANK" in os.environ or srun_task() or not torch.cuda.is_available():
         return
     gpus = max(torch.cuda.device_count(), 1)
     raise UserError(f"backend.name={name} on a CUDA machine needs a launcher, not a bare process: "

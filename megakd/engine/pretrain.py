@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from megakd.config import Config, ConfigError, bundled_vocab_size, resolve_vocab_sizes
+from megakd.config import Config, ConfigError
 from megakd.data.shards import MANIFEST, read_manifest
 from megakd.data.storage import ShardStore
 from megakd.data.stream import PretrainingLoader
@@ -18,7 +18,6 @@ from megakd.engine.backends import (
     TrainingBackend,
     Unit,
     require_launcher,
-    resolve_backend_name,
     single_process_backend,
 )
 from megakd.engine.layouts import Layout, build_layout
@@ -26,6 +25,7 @@ from megakd.engine.tasks import TeacherKD
 from megakd.engine.trainer import Trainer, TrainResult
 from megakd.engine.validation import VALID_SEED, Validator
 from megakd.engine.warm_start import warm_start
+from megakd.finish import bundled_vocab_size, finish_config, resolve_backend_name
 from megakd.models.admin import admin_initialize
 from megakd.models.electra import Discriminator, MaskedLM
 from megakd.models.remap import remap_masked_lm
@@ -69,27 +69,6 @@ def resolve_data(cfg: Config) -> tuple[Path, ShardStore]:
     tokenizer_dir, shards_dir = prepare_default_data(cache_root(cfg), vocab_size=bundled_vocab_size(cfg),
                                                      seq_len=d.seq_len, corpus=d.corpus)
     return tokenizer_dir, ShardStore(shards_dir, retries=d.read_retries)
-
-
-def expected_vocab_size(cfg: Config) -> tuple[int, str, int]:
-    """(size, where from, pad id) of the tokenizer this config trains with, without building any data."""
-    if cfg.data.tokenizer:
-        tokenizer = Tokenizer.load(cfg.data.tokenizer)
-        return tokenizer.vocab_size, str(tokenizer.path), tokenizer.pad_id
-    return bundled_vocab_size(cfg), "the bundled corpus", 0
-
-
-def resolve_config(cfg: Config) -> Config:
-    """The config as the run will use it: every `vocab_size: auto` replaced by the tokenizer's size and
-    `backend.name: auto` by the backend this process's launch gets."""
-    resolve_vocab_sizes(cfg, *expected_vocab_size(cfg))
-    cfg.backend.name = resolve_backend_name(cfg.backend.name)
-    return cfg
-
-
-def check_vocab(cfg: Config, tokenizer: Tokenizer) -> None:
-    """Fill `vocab_size: auto` (and the pad id) from the tokenizer in use; refuse an explicit size that differs."""
-    resolve_vocab_sizes(cfg, tokenizer.vocab_size, str(tokenizer.path), tokenizer.pad_id)
 
 
 def build_units(cfg: Config, generator: MaskedLM, discriminator: Discriminator | None,
@@ -179,7 +158,7 @@ def _build_trainer(cfg: Config, backend: TrainingBackend, resume: str | None = N
     micro_batch, accumulation = cfg.batch_layout(backend.data_world_size)
     tokenizer_dir, shards_dir = resolve_data(cfg)
     tokenizer = Tokenizer.load(tokenizer_dir)
-    check_vocab(cfg, tokenizer)
+    finish_config(cfg, tokenizer)  # the tokenizer in use fills `vocab_size: auto` and the pad id
     manifest = read_manifest(shards_dir)
     if manifest.get("packed") and cfg.backend.pipeline_stages > 1:
         raise ConfigError(f"data.shards={shards_dir}: packed shards are not supported with "

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from megakd.config import Config, config_to_dict, read_yaml_file, save_config
+from megakd.config import Config
+from megakd.configio import config_to_dict, read_yaml_file, save_config
 from megakd.data.storage import StorageError as DataStorageError
 from megakd.data.tokenizer import copy_tokenizer
 from megakd.engine.backends import (

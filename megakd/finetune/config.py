@@ -1,7 +1,8 @@
 """The `megakd finetune` config tree: task, model initialisation, optimisation, and the methods on top.
 
-Loaded with `megakd.config.load_config(path, overrides, cls=FinetuneConfig)`, so unknown keys and
-bad values fail with a one-line error naming the key, as for pretraining recipes.
+Loaded with `megakd.config.load_config(path, overrides, cls=FinetuneConfig)` (the strict loader of
+`megakd.configio`), so unknown keys and bad values fail with a one-line error naming the key, as for
+pretraining recipes.
 """
 
 from __future__ import annotations
@@ -10,17 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from megakd.config import (
-    COUNT_LIMIT,
-    BackendConfig,
-    ConfigError,
-    KernelsConfig,
-    TaskConfig,
-    check_count,
-    check_literals,
-    check_seed,
-    shown,
-)
+from megakd.config import COUNT_LIMIT, BackendConfig, KernelsConfig, TaskConfig, check_count, check_seed
+from megakd.configio import ConfigError, check_literals, shown
 from megakd.models.encoder import EncoderConfig
 from megakd.objectives.label_reg import TARGETS
 from megakd.objectives.soteacher import CR_SCHEDULES

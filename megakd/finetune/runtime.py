@@ -23,18 +23,18 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from megakd.config import ConfigError, config_to_dict, read_yaml_file, save_config
+from megakd.config import ConfigError
+from megakd.configio import config_to_dict, read_yaml_file, save_config
 from megakd.engine.backends import (
     Backend,
     DDPBackend,
-    launched_world_size,
     require_launcher,
-    resolve_backend_name,
     single_process_backend,
 )
 from megakd.engine.session import RunSession
 from megakd.errors import UserError
 from megakd.finetune.config import FinetuneConfig
+from megakd.finish import launched_world_size, resolve_backend_name
 from megakd.store import rundir
 from megakd.store.files import StoreError
 

@@ -47,7 +47,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from megakd.config import ConfigError, ScheduleConfig, config_to_dict, save_config
+from megakd.config import ConfigError, ScheduleConfig
+from megakd.configio import config_to_dict, save_config
 from megakd.data.tasks import EncodedTask, load_split
 from megakd.data.tokenizer import Tokenizer
 from megakd.engine.backends import StepContext, Unit

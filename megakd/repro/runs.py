@@ -36,9 +36,10 @@ import torch
 from megakd.bench.flops import StepFlops, encoder_flops_per_token, step_flops
 from megakd.config import Config, load_config
 from megakd.engine.metrics import read_metrics
-from megakd.engine.pretrain import resolve_config, run_distill, run_pretraining
+from megakd.engine.pretrain import run_distill, run_pretraining
 from megakd.finetune.config import FinetuneConfig
 from megakd.finetune.jobs import run_job
+from megakd.finish import finish_config
 from megakd.repro.report import FindingReport
 
 log = logging.getLogger(__name__)
@@ -128,13 +129,13 @@ def _reference_recipe() -> Config:
 
 
 def _step_flops(cfg: Config) -> StepFlops:
-    cfg = resolve_config(cfg)
+    cfg = finish_config(cfg)
     return step_flops(cfg, cfg.train.global_batch_size)
 
 
 def _encoder_flops(cfg: Config) -> float:
     """Forward FLOPs per token of the encoder a pretraining config hands to fine-tuning."""
-    cfg = resolve_config(cfg)
+    cfg = finish_config(cfg)
     encoder = cfg.model.discriminator if cfg.model.objective == "electra" else cfg.model.generator
     return encoder_flops_per_token(encoder, cfg.data.seq_len)
 

@@ -10,7 +10,7 @@ import torch
 
 from megakd.bench.memory import layer_activation_bytes, model_blocks, model_state_bytes, parameter_counts
 from megakd.config import load_config
-from megakd.engine.pretrain import resolve_config
+from megakd.finish import finish_config
 from megakd.models.electra import Discriminator, MaskedLM
 from megakd.models.encoder import Encoder, EncoderConfig
 
@@ -21,7 +21,7 @@ ds_stage3 = pytest.importorskip("deepspeed.runtime.zero.stage3")
 @pytest.fixture(scope="module")
 def base_models():
     """The real electra-base generator and discriminator (370M parameters, on CPU)."""
-    cfg = resolve_config(load_config("configs/electra-base.yaml"))
+    cfg = finish_config(load_config("configs/electra-base.yaml"))
     return cfg, {"generator": MaskedLM(cfg.model.generator), "discriminator": Discriminator(cfg.model.discriminator)}
 
 
@@ -67,7 +67,7 @@ def test_stages_order_and_fp32():
 @pytest.mark.parametrize("size,expected", [("base", 370e6), ("large", 665e6)])
 def test_parameter_counts_match_spec(size, expected):
     # docs/methods.md § Pretraining recipes: two 128K x hidden embedding tables (DecoupledOptim), ≈370M / ≈665M.
-    counts = parameter_counts(resolve_config(load_config(f"configs/electra-{size}.yaml")))
+    counts = parameter_counts(finish_config(load_config(f"configs/electra-{size}.yaml")))
     assert counts["total"] == pytest.approx(expected, rel=0.01)
     assert counts["total"] == counts["generator"] + counts["discriminator"]
 

@@ -23,12 +23,12 @@ from megakd.bench.planner import (
 from megakd.bench.report import format_plan
 from megakd.cli import main
 from megakd.config import ConfigError, load_config
-from megakd.engine.pretrain import resolve_config
+from megakd.finish import finish_config
 
 
 @pytest.fixture(scope="module")
 def base():
-    return resolve_config(load_config("configs/electra-base.yaml"))
+    return finish_config(load_config("configs/electra-base.yaml"))
 
 
 def test_partition_minimises_the_largest_stage():
@@ -127,7 +127,7 @@ def test_storage_reads_by_hand(base, tmp_path):
     # The corpus size: the shards' manifest when data.shards has one, else one pass of the run.
     assert storage_io(base, GPUS["a100"], 8).corpus_samples == 125000 * 2048
     (tmp_path / "manifest.json").write_text(json.dumps({"num_samples": 777}))
-    cfg = resolve_config(load_config("configs/electra-base.yaml", [f"data.shards={tmp_path}"]))
+    cfg = finish_config(load_config("configs/electra-base.yaml", [f"data.shards={tmp_path}"]))
     assert storage_io(cfg, GPUS["a100"], 8).index_bytes_per_node == 12 * 777
 
 

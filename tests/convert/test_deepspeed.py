@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from megakd.config import load_config, save_config
+from megakd.config import load_config
+from megakd.configio import save_config
 from megakd.convert import ConversionError, to_hf
 from megakd.models.electra import MaskedLM
 from megakd.store.checkpoint import write_manifest

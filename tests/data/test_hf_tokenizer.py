@@ -148,9 +148,9 @@ def test_bpe_tokenizer_json_pads_and_builds_models_with_its_pad_id(tmp_path):
     ids, attn = batch["input_ids"].numpy(), batch["attention_mask"].numpy()
     assert (ids[~attn] == 1).all() and (ids[:, 0] == 0).all()
     from megakd.config import load_config
-    from megakd.engine.pretrain import resolve_config
+    from megakd.finish import finish_config
 
-    cfg = resolve_config(load_config("configs/electra-tiny.yaml", [f"data.tokenizer={tokenizer_dir}",
+    cfg = finish_config(load_config("configs/electra-tiny.yaml", [f"data.tokenizer={tokenizer_dir}",
                                                                     f"data.shards={tmp_path / 'shards'}"]))
     assert cfg.model.generator.pad_token_id == cfg.model.discriminator.pad_token_id == 1
     assert cfg.model.generator.vocab_size == tok.vocab_size

@@ -16,8 +16,9 @@ from megakd.cli import main as cli_main
 from megakd.config import ConfigError, load_config
 from megakd.convert import from_hf, save_model_dir, to_hf
 from megakd.data.tokenizer import Tokenizer, train_tokenizer
-from megakd.engine.pretrain import build_models, build_trainer, resolve_config, run_distill, run_pretraining
+from megakd.engine.pretrain import build_models, build_trainer, run_distill, run_pretraining
 from megakd.engine.tasks import GeneratorTask, TeacherKD
+from megakd.finish import finish_config
 from megakd.models.electra import MaskedLM
 from megakd.models.encoder import EncoderConfig
 from megakd.objectives.distill import alpha_schedule, kd_loss
@@ -292,7 +293,7 @@ def test_dwt_weak_long_is_dwt_weak_on_its_teachers_budget():
 def test_dwt_mini_teacher_ratios_are_the_ones_its_recipes_state():
     """The parameter ratios in the recipes' comments are those of the built models (0.77x / 0.54x / 0.43x)."""
     def parameters(layers: int) -> int:
-        cfg = resolve_config(load_config("configs/dwt-mini.yaml", [f"model.generator.num_layers={layers}"]))
+        cfg = finish_config(load_config("configs/dwt-mini.yaml", [f"model.generator.num_layers={layers}"]))
         return sum(p.numel() for p in build_models(cfg)[0].parameters())
 
     student = parameters(6)

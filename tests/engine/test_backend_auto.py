@@ -7,8 +7,8 @@ import yaml
 
 from megakd.cli import main
 from megakd.config import Config, load_config
-from megakd.engine.backends import resolve_backend_name
 from megakd.finetune.config import FinetuneConfig
+from megakd.finish import resolve_backend_name
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
 

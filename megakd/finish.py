@@ -1,0 +1,102 @@
+"""Finishing a loaded config: every value that is `auto` until the tokenizer and the launch are known.
+
+A recipe leaves the models' `vocab_size` at `auto` (the tokenizer's size), their `pad_token_id` at
+its default (the tokenizer's pad id) and `backend.name` at `auto` (single, or ddp when a launcher
+started several ranks). `finish_config` fills them in, in this one place, before anyone reads the
+config: `megakd pretrain`/`distill` (`megakd.engine.pretrain`, with the tokenizer it loaded),
+`--print-config`, `megakd plan` and the findings' planner. `data.vocab_size: auto` and
+`data.valid_shards: auto` stay as written: they say how to find or build the data (the bundled
+corpus's size, `<data.shards>/valid` if it exists), and the run's config.yaml keeps them so.
+
+It reads the tokenizer through `megakd.data` and the launcher's environment, nothing of the engine,
+so the commands that only print or plan a config never import it.
+"""
+
+from __future__ import annotations
+
+import os
+
+from megakd.config import BUNDLED_VOCAB_SIZE, Config, ConfigError
+from megakd.data.tokenizer import Tokenizer
+from megakd.models.encoder import EncoderConfig
+
+
+def finish_config(cfg: Config, tokenizer: Tokenizer | None = None) -> Config:
+    """`cfg` as the run will use it, changed in place: every model's `vocab_size: auto` replaced by the
+    tokenizer's size and its pad id by the tokenizer's, `backend.name: auto` by the backend this
+    process's launch gets. An explicit size or pad id the tokenizer contradicts is refused.
+
+    `tokenizer` is the one the run loaded; without it, `data.tokenizer` is read, or (no tokenizer
+    configured) the bundled corpus's tokenizer is assumed, of `bundled_vocab_size` pieces padding
+    with id 0, without building any data.
+    """
+    resolve_vocab_sizes(cfg, *tokenizer_vocab(cfg, tokenizer))
+    cfg.backend.name = resolve_backend_name(cfg.backend.name)
+    return cfg
+
+
+def tokenizer_vocab(cfg: Config, tokenizer: Tokenizer | None = None) -> tuple[int, str, int]:
+    """(size, where from, pad id) of the tokenizer this config trains with, without building any data."""
+    if tokenizer is None and cfg.data.tokenizer:
+        tokenizer = Tokenizer.load(cfg.data.tokenizer)
+    if tokenizer is not None:
+        return tokenizer.vocab_size, str(tokenizer.path), tokenizer.pad_id
+    return bundled_vocab_size(cfg), "the bundled corpus", 0
+
+
+def bundled_vocab_size(cfg: Config) -> int:
+    """Size of the bundled-corpus tokenizer: data.vocab_size, or under "auto" the one the models ask for."""
+    if cfg.data.vocab_size != "auto":
+        return cfg.data.vocab_size
+    explicit = {getattr(cfg.model, name).vocab_size for name in cfg.model.built_models()} - {"auto"}
+    if len(explicit) > 1:
+        raise ConfigError(f"model.generator.vocab_size and model.discriminator.vocab_size differ "
+                          f"({sorted(explicit)}): one tokenizer serves both models")
+    return explicit.pop() if explicit else BUNDLED_VOCAB_SIZE
+
+
+def resolve_vocab_sizes(cfg: Config, tokenizer_size: int, tokenizer_name: str, pad_id: int = 0) -> None:
+    """Put the tokenizer's size into every `vocab_size: auto`; refuse an explicit size that differs.
+
+    `pad_token_id` (the embedding row that never trains) follows the tokenizer's pad id too: left
+    at its default 0 it takes the tokenizer's (e.g. 1 for a RoBERTa-style BPE); another explicit
+    value that differs is refused.
+    """
+    default_pad = EncoderConfig().pad_token_id
+    for name in cfg.model.built_models():
+        model = getattr(cfg.model, name)
+        if model.vocab_size == "auto":
+            model.vocab_size = tokenizer_size
+        elif model.vocab_size != tokenizer_size:
+            raise ConfigError(f"model.{name}.vocab_size={model.vocab_size} but the tokenizer at "
+                              f"{tokenizer_name} has {tokenizer_size} pieces (leave it at auto to take the "
+                              f"tokenizer's size)")
+        if model.pad_token_id != pad_id:
+            if model.pad_token_id != default_pad:
+                raise ConfigError(f"model.{name}.pad_token_id={model.pad_token_id} but the tokenizer at "
+                                  f"{tokenizer_name} pads with id {pad_id}")
+            model.pad_token_id = pad_id
+    if cfg.model.objective == "mlm" and cfg.model.discriminator.vocab_size == "auto":
+        cfg.model.discriminator.vocab_size = tokenizer_size  # unused by MLM; keeps the saved config numeric
+
+
+def srun_task() -> bool:
+    """A Slurm task of srun: SLURM_PROCID and SLURM_NTASKS both set (the batch shell has only the second)."""
+    return {"SLURM_PROCID", "SLURM_NTASKS"} <= os.environ.keys()
+
+
+def launched_world_size() -> int:
+    """The ranks the launcher started, as `megakd.engine.backends.init_distributed` reads them: WORLD_SIZE
+    (torchrun, deepspeed), else SLURM_NTASKS when SLURM_PROCID is set too (srun), else 1."""
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    if srun_task():
+        return int(os.environ["SLURM_NTASKS"])
+    return 1
+
+
+def resolve_backend_name(name: str) -> str:
+    """`backend.name` with `auto` made concrete: ddp when a launcher started several ranks, else single."""
+    if name != "auto":
+        return name
+    return "ddp" if launched_world_size() > 1 else "single"

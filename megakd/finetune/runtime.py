@@ -26,8 +26,9 @@ from torch import Tensor
 from megakd.config import Config, TrainConfig, config_to_dict, read_yaml_file, save_config
 from megakd.data.stream import STOP_SIGNALS
 from megakd.engine.backends import (
-    Backend,
     DDPBackend,
+    MicroBatchLoopBackend,
+    SingleProcessBackend,
     require_launcher,
     resolve_backend_name,
     single_process_backend,
@@ -52,7 +53,7 @@ class Stopped(Exception):
         self.interrupted = interrupted  # SIGINT (the command exits 130) rather than SIGTERM/SIGUSR1 (exit 0)
 
 
-def build_backend(cfg: FinetuneConfig) -> Backend:
+def build_backend(cfg: FinetuneConfig) -> MicroBatchLoopBackend:
     """The pretraining backend named by `backend.name` (`auto` replaced in `cfg` first, so the run records
     its choice), on the device `finetune.device` asks for."""
     b, f = cfg.backend, cfg.finetune
@@ -85,7 +86,7 @@ def _device(setting: str, local_rank: int) -> torch.device:
 class Runtime:
     """The backend, run directory and stop signals of one fine-tuning command (see the module docstring)."""
 
-    def __init__(self, cfg: FinetuneConfig, resume: str | None = None, backend: Backend | None = None):
+    def __init__(self, cfg: FinetuneConfig, resume: str | None = None, backend: MicroBatchLoopBackend | None = None):
         if resume not in (None, "auto"):
             raise StoreError(f"--resume {resume}: megakd finetune resumes with --resume auto (each seed continues "
                              "from its newest intact checkpoint in run.dir)")
@@ -226,4 +227,4 @@ def describe(runtime: Runtime) -> str:
 
 def single_process(cfg: FinetuneConfig) -> Runtime:
     """A one-process CPU runtime that owns no run directory (for calling `train_seed` directly)."""
-    return Runtime(cfg, backend=Backend(cfg.finetune.precision))
+    return Runtime(cfg, backend=SingleProcessBackend(cfg.finetune.precision))

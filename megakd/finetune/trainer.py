@@ -50,9 +50,9 @@ from tqdm import tqdm
 from megakd.config import ConfigError, ScheduleConfig, config_to_dict, save_config
 from megakd.data.tasks import EncodedTask, load_split
 from megakd.data.tokenizer import Tokenizer
-from megakd.engine.backends import Unit
 from megakd.engine.metrics import MetricsWriter
 from megakd.engine.optim import build_scheduler, param_groups
+from megakd.engine.units import Unit
 from megakd.finetune.config import FinetuneConfig, LabelRegConfig, ModelInitConfig, auto_lr
 from megakd.finetune.metrics import mean_std, task_metrics
 from megakd.finetune.models import Pretrained, build_classifier, load_pretrained
@@ -75,7 +75,7 @@ class Objective(Protocol):
              ) -> tuple[Tensor, Tensor, dict[str, float]]: ...
 
 
-class ClassifierTask(nn.Module):
+class ClassifierLoss(nn.Module):
     """What the backend wraps: the classifier, with the objective's loss as its forward.
 
     Every forward pass an objective makes (TGT's generated batch, SoTeacher's penalty) then runs
@@ -212,7 +212,7 @@ class SeedTraining:
         optimizer = torch.optim.Adamax(param_groups(model.named_parameters(), f.weight_decay), lr=lr,
                                        betas=tuple(f.betas), eps=f.eps)
         schedule = ScheduleConfig(warmup_steps=round(f.warmup_frac * self.total), decay="linear")
-        self.unit = Unit(name=UNIT, task=ClassifierTask(model, objective), model=model, optimizer=optimizer,
+        self.unit = Unit(name=UNIT, loss_module=ClassifierLoss(model, objective), model=model, optimizer=optimizer,
                          scheduler=build_scheduler(optimizer, schedule, self.total), clip_norm=f.clip_norm)
         runtime.backend.wrap_units([self.unit], 1)
         self.progress = Progress()

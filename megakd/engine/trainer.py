@@ -26,8 +26,8 @@ from megakd.data.stream import STOP_SIGNALS
 from megakd.data.tokenizer import copy_tokenizer
 from megakd.engine.backends import STORAGE_FAILED, StepResult, TrainingBackend, stat_sums
 from megakd.engine.layouts import Layout
-from megakd.engine.metrics import MetricsWriter, plot_metrics
 from megakd.engine.probe import Probe
+from megakd.engine.runlog import MetricsWriter, plot_metrics
 from megakd.engine.units import StepContext, Unit, never
 from megakd.engine.validation import Validator
 from megakd.errors import UserError

@@ -21,7 +21,7 @@ import torch
 
 from megakd.config import ConfigError, TaskConfig
 from megakd.data.tasks import Example, load_split
-from megakd.finetune.metrics import task_metrics
+from megakd.finetune.scores import task_metrics
 from megakd.objectives.logreg import fit_logistic_regression
 
 _WORD = re.compile(r"[a-z0-9']+")

@@ -50,13 +50,13 @@ from tqdm import tqdm
 from megakd.config import ConfigError, ScheduleConfig, config_to_dict, save_config
 from megakd.data.tasks import EncodedTask, load_split
 from megakd.data.tokenizer import Tokenizer
-from megakd.engine.metrics import MetricsWriter
 from megakd.engine.optim import build_scheduler, param_groups
+from megakd.engine.runlog import MetricsWriter
 from megakd.engine.units import Unit
 from megakd.finetune.config import FinetuneConfig, LabelregConfig, ModelInitConfig, auto_lr
-from megakd.finetune.metrics import mean_std, task_metrics
 from megakd.finetune.models import Pretrained, build_classifier, load_pretrained
 from megakd.finetune.runtime import Runtime, Stopped, single_process
+from megakd.finetune.scores import mean_std_record, task_metrics
 from megakd.models.electra import SequenceClassifier
 from megakd.objectives.labelreg import TEACHER_TARGETS, akd_temperature, annealing_kd_loss, labelreg_loss
 from megakd.store import check_same_tokenizer, checkpoint, freeze
@@ -519,7 +519,7 @@ def summarize(results: list[SeedResult], run_dir: Path, headline: str,
             columns.setdefault(k, []).append(v)
     columns.update(extra or {})
     summary = {"seeds": [r.seed for r in results], "headline": headline,
-               "metrics": {k: mean_std(v) for k, v in columns.items()},
+               "metrics": {k: mean_std_record(v) for k, v in columns.items()},
                **({"lr": lr_record} if lr_record else {}),
                "dev_curve": {str(r.seed): r.curve for r in results}}
     if not write:

@@ -18,7 +18,7 @@ from megakd.engine.validation import Validator
 from tests.helpers import tiny_overrides
 
 # Per micro-batch: the masked positions of the sparse generator head (megakd/objectives/electra.py
-# masked_positions) and the fused CE's target range check (kernels/linear_kl.py _check_target).
+# masked_positions) and the fused CE's target range check (kernels/linear_head.py _check_target).
 # Per step: the finite-loss check and the units' gradient norms (megakd/engine/backends.py).
 SYNCS_PER_MICRO_BATCH, SYNCS_PER_STEP = 2, 2
 

@@ -1,8 +1,9 @@
 """The import contract of docs/architecture.md: every import points down the layers, nested ones too.
 
 A package may import packages of lower layers and, within its own layer, others as long as no
-two packages import each other (no cycles). A function-level import is checked like any other,
-so it cannot hide an upward dependency.
+two packages import each other (no cycles). Below that, no two modules import each other, directly
+or around a longer circle. A function-level import is checked like any other, so it cannot hide
+an upward dependency or a circle.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ backend implements one contract, `train_step(layout, micro_batches, step)`: one 
 over `accumulation_steps` micro-batches, returning the gradient norms (or None when the step was
 skipped), the summed statistics and the stop decision all ranks agreed on. `single`, `ddp` and
 `deepspeed` share the micro-batch loop of `MicroBatchLoopBackend` (`SingleProcessBackend` is it
-on one process) and differ in how a unit's forward, backward and optimizer step run; the pipeline backend hands the whole step to
-DeepSpeed's pipeline engine. Models never import a backend.
+on one process) and differ in how a unit's forward, backward and optimizer step run; the pipeline
+backend hands the whole step to DeepSpeed's pipeline engine. Models never import a backend.
 """
 
 from __future__ import annotations
@@ -234,7 +234,8 @@ class MicroBatch:
     micro-batch); inside it `forward` and `backward` run through the backend and the step's timer.
     """
 
-    def __init__(self, backend: MicroBatchLoopBackend, last: bool, timer: Callable[[str], contextlib.AbstractContextManager]):
+    def __init__(self, backend: MicroBatchLoopBackend, last: bool,
+                 timer: Callable[[str], contextlib.AbstractContextManager]):
         self.backend = backend
         self.last = last
         self.timer = timer

@@ -274,8 +274,8 @@ def build_stages(layout: Layout, num_stages: int) -> list[PipelineStage]:
     head = _GeneratorHead(generator.loss_module, electra=discriminator is not None)
     items = _model_pieces(generator.model, head, "masked_input_ids", keep_masked_ids=layout.kd is not None)
     if discriminator is not None:
-        items += _model_pieces(discriminator.model, _DiscriminatorHead(discriminator.loss_module, discriminator.loss_scale),
-                               "corrupted")
+        items += _model_pieces(discriminator.model,
+                               _DiscriminatorHead(discriminator.loss_module, discriminator.loss_scale), "corrupted")
     bounds = partition([w for _, w in items], num_stages)
     stages, keys = [], set(DATA_KEYS)
     for s in range(num_stages):

@@ -5,7 +5,7 @@ Every public kernel takes ``backend="auto" | "triton" | "torch"``; see :mod:`.di
 """
 
 from .dispatch import BACKENDS, resolve_backend
-from .linear_kl import (
+from .linear_head import (
     fused_linear_cross_entropy,
     fused_linear_cross_entropy_and_sample,
     fused_linear_cross_entropy_reference,

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .linear_kl_triton import TL_DTYPES
+from .linear_head_triton import TL_DTYPES
 
 _BLOCK_R = 32
 _BLOCK_C = 32

@@ -87,7 +87,7 @@ def test_plan_takes_positional_overrides_and_set(capsys):
 
 def test_wandb_keeps_one_run_per_run_dir(tmp_path, monkeypatch):
     """A requeued job (a second MetricsWriter on the same dir) continues the first wandb run."""
-    from megakd.engine.metrics import WANDB_ID_FILE, MetricsWriter
+    from megakd.engine.runlog import WANDB_ID_FILE, MetricsWriter
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")

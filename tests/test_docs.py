@@ -6,7 +6,7 @@ so every code block and backtick span is read the way a user copies from it, and
 checked against the thing it names:
 
 - repository paths (`megakd/engine/trainer.py`, `configs/x.yaml`, `launch/hostfile.example`, module
-  paths inside megakd/ such as `engine/tasks.py`, bare source names such as `test_kill.py`);
+  paths inside megakd/ such as `engine/losses.py`, bare source names such as `test_kill.py`);
 - pytest node ids (`tests/x.py::test_y`, `test_x.py::test_y[param]`, a bare `test_y`): the test exists;
 - config keys with a section in front (`train.max_steps`, `model.*.fused_qkv`, `backend.name=deepspeed`):
   a field of `Config` (megakd/config.py) or `FinetuneConfig` (megakd/finetune/config.py), and a value
@@ -220,7 +220,7 @@ def check_path(token: str) -> list[str]:
     if first in repository_roots():
         candidates = [ROOT / token]
     elif name.endswith(SOURCE_SUFFIXES) and (ROOT / "megakd" / first).is_dir():
-        candidates = [ROOT / "megakd" / token]  # engine/tasks.py: a module path inside megakd/
+        candidates = [ROOT / "megakd" / token]  # engine/losses.py: a module path inside megakd/
     else:
         return []  # a path the user or a run creates (runs/, data/, corpus/, models/, ...)
     for path in candidates:
@@ -454,7 +454,7 @@ def test_user_paths_placeholders_and_good_names_pass(tmp_path):
     doc.write_text(
         "# Good\n\n`runs/electra-tiny/hf/discriminator`, `data/shards`, `corpus/`, `/tmp/x.yaml`, `CONFIG`,\n"
         "`megakd pretrain -c CONFIG [--resume auto|PATH] [key=value ...]`, `model.*.fused_qkv`, `train.probe_*`,\n"
-        "`init.from=PATH`, `engine/tasks.py`, `test_kill.py`, `megakd repro dwt --quick`, `launch/*.sh`,\n"
+        "`init.from=PATH`, `engine/losses.py`, `test_kill.py`, `megakd repro dwt --quick`, `launch/*.sh`,\n"
         "`finetune.lr: auto`, [top](#good), `--allow-change`.\n\n"
         "```\nmegakd data shards --input corpus/ --tokenizer DIR --seq-len N --out DIR   description words\n```\n"
         "```bash\nlaunch/torchrun.sh 2 finetune -c configs/finetune-rt.yaml backend.name=ddp  # a comment\n"

@@ -5,7 +5,7 @@ over every position, CE with -100 labels), multinomial sampling at masked positi
 `ElectraForPreTraining` discriminator, and the same two AdamW optimizers (DecoupledOptim
 settings) as megakd. Both sides see the same batch (random token ids through the loader's own
 collation and 15% masking) and the same
-model sizes; megakd runs its own GeneratorTask / DiscriminatorTask (sparse MLM head, fused
+model sizes; megakd runs its own GeneratorLoss / DiscriminatorLoss (sparse MLM head, fused
 losses) and optimizer steps. Timings alternate between the two sides (and a dense fp32 matmul
 that measures the machine's peak at the same thread count) to share machine noise.
 
@@ -46,10 +46,10 @@ from megakd.config import Config, OptimizerConfig
 from megakd.data.masking import collate
 from megakd.engine.backends import precision_autocast
 from megakd.engine.device_audit import SIMULATED, SyncCounter, simulated_cuda
+from megakd.engine.losses import DiscriminatorLoss, GeneratorLoss
 from megakd.engine.optim import build_optimizer
 from megakd.engine.pretrain import compile_encoders
 from megakd.engine.profiling import phase
-from megakd.engine.tasks import DiscriminatorTask, GeneratorTask
 from megakd.models.electra import Discriminator, MaskedLM
 from megakd.models.encoder import EncoderConfig
 from megakd.models.hf_mapping import from_hf_state_dict
@@ -90,8 +90,8 @@ class MegakdStep:
     def __init__(self, gen_cfg: EncoderConfig, disc_cfg: EncoderConfig, opt: OptimizerConfig, device: torch.device,
                  precision: str, compile_: bool = False):
         # "auto" kernels: Triton on CUDA, the chunked torch path on CPU (what training uses).
-        self.gen = GeneratorTask(MaskedLM(gen_cfg), kernel_backend="auto").to(device)
-        self.disc = DiscriminatorTask(Discriminator(disc_cfg), kernel_backend="auto").to(device)
+        self.gen = GeneratorLoss(MaskedLM(gen_cfg), kernel_backend="auto").to(device)
+        self.disc = DiscriminatorLoss(Discriminator(disc_cfg), kernel_backend="auto").to(device)
         if compile_:
             compile_encoders([self.gen.model, self.disc.model])
         self.opt_g = build_optimizer(self.gen.named_parameters(), opt)

@@ -23,7 +23,8 @@ import torch.distributed as dist
 from megakd.bench.flops import step_flops
 from megakd.bench.roofline import matmul_seconds, phase_seconds
 from megakd.config import Config
-from megakd.engine.backends import StepContext, init_distributed, untimed
+from megakd.engine.backends import init_distributed
+from megakd.engine.units import StepContext, untimed
 
 log = logging.getLogger(__name__)
 

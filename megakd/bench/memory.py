@@ -28,7 +28,7 @@ from megakd.models.encoder import EncoderConfig
 
 GiB = 1024**3
 
-# Elements of one [rows x vocab] chunk in the fused vocabulary loss (kernels/linear_kl.py).
+# Elements of one [rows x vocab] chunk in the fused vocabulary loss (kernels/linear_head.py).
 FUSED_CHUNK_ELEMS = 2**25
 
 

@@ -1,5 +1,5 @@
 """The memory/throughput planner: which (ZeRO stage, pipeline stages, micro-batch, checkpointing)
-layouts fit a GPU, and how long a step will take.
+parallel plans fit a GPU, and how long a step will take.
 
 Step time = compute + exposed communication. Compute is the step's hardware FLOPs (flops.py, with
 recomputation) at `efficiency` x peak, stretched by the 1F1B pipeline bubble ((m + P - 1) micro-
@@ -79,7 +79,10 @@ def hardware_from_bench(path: str | Path) -> Hardware:
 
 
 @dataclass
-class Layout:
+class ParallelPlan:
+    """How a run is spread over the GPUs: the planner's unit of choice (not a training layout,
+    `megakd.engine.layouts`)."""
+
     zero_stage: int
     pipeline_stages: int
     micro_batch: int
@@ -88,7 +91,7 @@ class Layout:
 
 @dataclass
 class Plan:
-    layout: Layout
+    layout: ParallelPlan  # named `layout` in --json's output
     dp: int
     accumulation: int
     memory: dict[str, float]  # bytes per device on the fullest pipeline stage
@@ -148,32 +151,32 @@ def partition(costs: list[float], stages: int) -> list[tuple[int, int]]:
     return ranges[::-1]
 
 
-def evaluate(cfg: Config, hw: Hardware, gpus: int, gpu_mem_gib: float, layout: Layout, *,
+def evaluate(cfg: Config, hw: Hardware, gpus: int, gpu_mem_gib: float, parallel: ParallelPlan, *,
              efficiency: float = 0.45, overlap: float = 0.0, reserve_gib: float = 2.0,
              blocks: list[Block] | None = None) -> Plan:
-    """Memory per device and estimated step time of one layout (`blocks`: model_blocks(cfg), reused)."""
+    """Memory per device and estimated step time of one parallel plan (`blocks`: model_blocks(cfg), reused)."""
     precision = cfg.train.precision
     peak = hw.peak_tflops.get(precision)
     if peak is None:
         raise ConfigError(f"train.precision={precision}: {hw.name} has no {precision} peak "
                           f"(known: {', '.join(hw.peak_tflops)})")
-    P, b = layout.pipeline_stages, layout.micro_batch
+    P, b = parallel.pipeline_stages, parallel.micro_batch
     dp = gpus // P
     micro_batches = cfg.train.global_batch_size // (dp * b)
     elem = 4 if precision == "fp32" else 2
     seq = cfg.data.seq_len
     blocks = blocks or model_blocks(cfg)
-    flops = _stage_flops(blocks, cfg, b, layout.checkpointing)
+    flops = _stage_flops(blocks, cfg, b, parallel.checkpointing)
     ranges = partition(flops, P) if P > 1 else [(0, len(blocks))]
     worst: dict[str, float] = {"total": -1.0}
     for s, (lo, hi) in enumerate(ranges):
         mine = blocks[lo:hi]
         params = sum(x.params for x in mine)
         largest = max((x.largest_module for x in mine), default=0)
-        mem = model_state_bytes(params, largest, layout.zero_stage, dp, precision)
+        mem = model_state_bytes(params, largest, parallel.zero_stage, dp, precision)
         acts = sum(block_activation_bytes(x, getattr(cfg.model, x.model), seq, b, elem, cfg.data.mask_prob,
-                                          layout.checkpointing) for x in mine)
-        if layout.checkpointing and any(x.kind == "layer" for x in mine):
+                                          parallel.checkpointing) for x in mine)
+        if parallel.checkpointing and any(x.kind == "layer" for x in mine):
             acts += max(layer_activation_bytes(getattr(cfg.model, x.model), seq, b, elem)
                         for x in mine if x.kind == "layer")  # the one layer being recomputed
         in_flight = min(P - s, micro_batches)  # 1F1B: stage s holds P - s micro-batches
@@ -183,16 +186,16 @@ def evaluate(cfg: Config, hw: Hardware, gpus: int, gpu_mem_gib: float, layout: L
             worst = mem | {"params_on_stage": float(params)}
     slowest = max(sum(flops[lo:hi]) for lo, hi in ranges)
     compute = (micro_batches + P - 1) * slowest / (peak * 1e12 * efficiency)
-    comm = _dp_comm_seconds(cfg, hw, gpus, dp, micro_batches, layout, worst["params_on_stage"])
+    comm = _dp_comm_seconds(cfg, hw, gpus, dp, micro_batches, parallel, worst["params_on_stage"])
     if P > 1:  # activations to the next stage forward, their gradients back, per micro-batch and cut
         comm += 2 * micro_batches * (P - 1) / P * seq * b * cfg.model.discriminator.hidden_size * elem / (
             hw.busbw_intra * 1e9)
     step = compute + (1 - overlap) * comm
     fits = worst["total"] <= (gpu_mem_gib - reserve_gib) * GiB
-    return Plan(layout, dp, micro_batches, worst, compute, comm, step, fits)
+    return Plan(parallel, dp, micro_batches, worst, compute, comm, step, fits)
 
 
-def _dp_comm_seconds(cfg: Config, hw: Hardware, gpus: int, dp: int, micro_batches: int, layout: Layout,
+def _dp_comm_seconds(cfg: Config, hw: Hardware, gpus: int, dp: int, micro_batches: int, parallel: ParallelPlan,
                      params: float) -> float:
     """Seconds of data-parallel collectives per step (nccl-tests bus-bandwidth model)."""
     if dp == 1:
@@ -200,7 +203,7 @@ def _dp_comm_seconds(cfg: Config, hw: Hardware, gpus: int, dp: int, micro_batche
     busbw = (hw.busbw_inter if gpus > hw.gpus_per_node else hw.busbw_intra) * 1e9
     grad = params * (4 if cfg.train.precision == "fp32" else 2)
     share = (dp - 1) / dp  # all-gather / reduce-scatter move (n-1)/n of the data; all-reduce twice that
-    z = layout.zero_stage
+    z = parallel.zero_stage
     if z == 0:
         return 2 * share * grad / busbw
     if z == 1:
@@ -210,9 +213,9 @@ def _dp_comm_seconds(cfg: Config, hw: Hardware, gpus: int, dp: int, micro_batche
     return micro_batches * 3 * share * grad / busbw  # gather for forward and backward, scatter grads
 
 
-def candidate_layouts(cfg: Config, gpus: int, zero: int | None, pp: int | None,
-                      micro_batches: list[int] | None, n_blocks: int) -> list[Layout]:
-    """Every valid layout: ZeRO stage x pipeline stages x micro-batch x activation checkpointing.
+def candidate_parallel_plans(cfg: Config, gpus: int, zero: int | None, pp: int | None,
+                      micro_batches: list[int] | None, n_blocks: int) -> list[ParallelPlan]:
+    """Every valid parallel plan: ZeRO stage x pipeline stages x micro-batch x activation checkpointing.
 
     DeepSpeed's pipeline engine allows ZeRO stage <= 1; pipeline stages divide the GPUs and are at
     most the number of blocks; the micro-batch times data-parallel ranks divides the global batch.
@@ -229,13 +232,13 @@ def candidate_layouts(cfg: Config, gpus: int, zero: int | None, pp: int | None,
             sizes = micro_batches or [2**k for k in range(12) if 2**k <= global_batch // dp]
             for b in sizes:
                 if (global_batch // dp) % b == 0:
-                    out += [Layout(stage, p, b, ckpt) for ckpt in (False, True)]
+                    out += [ParallelPlan(stage, p, b, ckpt) for ckpt in (False, True)]
     return out
 
 
 def plan(cfg: Config, hw: Hardware, gpus: int, gpu_mem_gib: float, *, zero: int | None = None,
          pp: int | None = None, micro_batches: list[int] | None = None, **kwargs) -> list[Plan]:
-    """All candidate layouts evaluated: the ones that fit first, fastest first."""
+    """All candidate parallel plans evaluated: the ones that fit first, fastest first."""
     if gpus < 1:
         raise ConfigError(f"--gpus: expected a positive integer, got {gpus}")
     if gpu_mem_gib <= 0:
@@ -247,11 +250,11 @@ def plan(cfg: Config, hw: Hardware, gpus: int, gpu_mem_gib: float, *, zero: int 
     if pp is not None and pp > 1 and zero is not None and zero > 1:
         raise ConfigError(f"--zero {zero} --pp {pp}: DeepSpeed pipeline parallelism allows ZeRO stage 0 or 1")
     blocks = model_blocks(cfg)
-    layouts = candidate_layouts(cfg, gpus, zero, pp, micro_batches, len(blocks))
-    if not layouts:
+    candidates = candidate_parallel_plans(cfg, gpus, zero, pp, micro_batches, len(blocks))
+    if not candidates:
         raise ConfigError(f"no layout: train.global_batch_size={cfg.train.global_batch_size} cannot be split "
                           f"over {gpus} GPUs with the requested --pp/--micro-batch")
-    plans = [evaluate(cfg, hw, gpus, gpu_mem_gib, layout, blocks=blocks, **kwargs) for layout in layouts]
+    plans = [evaluate(cfg, hw, gpus, gpu_mem_gib, parallel, blocks=blocks, **kwargs) for parallel in candidates]
     # Equal estimates (to 4 digits) prefer the larger micro-batch: the model assumes GEMM efficiency
     # independent of it, which favours small ones only on paper.
     return sorted(plans, key=lambda p: (not p.fits, float(f"{p.step_s:.4g}"), -p.layout.micro_batch,
@@ -290,7 +293,7 @@ def parse_storage_gbps(value: str | float | None) -> float | None:
 
 @dataclass
 class StorageIO:
-    """What the job reads from shared storage (see the module docstring), independent of the layout."""
+    """What the job reads from shared storage (see the module docstring), independent of the parallel plan."""
 
     member_bytes: int  # one sample's tar member
     step_bytes: int  # global batch x member bytes x (1 + overfetch): read per optimizer step, job-wide

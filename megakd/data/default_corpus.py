@@ -35,6 +35,7 @@ BUNDLED_CORPORA = ("classic", "mixed")
 # sentences as the task's own inputs are unrelated), repeated: task text is 24% of the tokens (4K vocabulary).
 RT_TRAIN_SENTENCES_PER_DOCUMENT = 20
 RT_TRAIN_REPEATS = 4
+DEV_BYTE_THRESHOLD = 26  # of 256: ≈ 10% dev (`in_dev`, the split rule of the tasks built on this corpus)
 # Bump when the tokenizer or shard format changes, so old caches are not reused.
 _CACHE_VERSION = 1
 _SAMPLES_PER_SHARD = 1024  # ~16 shards at seq_len 128: enough for several ranks x workers
@@ -52,14 +53,17 @@ def bundled_corpus_files(corpus: str) -> list[Path]:
     return [CORPUS_DIR / f for f in names]
 
 
+def in_dev(text: str) -> bool:
+    """The fixed split rule: sha256 of the text, first byte below DEV_BYTE_THRESHOLD."""
+    return hashlib.sha256(text.encode("utf-8")).digest()[0] < DEV_BYTE_THRESHOLD
+
+
 def write_rt_train_documents(path: Path, *, repeats: int = RT_TRAIN_REPEATS) -> int:
     """Write the RT task's training sentences as JSONL documents; return the number of sentences.
 
-    Uses the task's own split rule, so no dev sentence can reach pretraining. Each repeat is a
+    Uses the task's own split rule (`in_dev`), so no dev sentence can reach pretraining. Each repeat is a
     different seeded shuffle, so the packed samples differ between repeats.
     """
-    from megakd.data.tasks import in_dev  # the split rule lives with the task, which imports this module
-
     with gzip.open(SENTIMENT_FILE, "rt", encoding="utf-8") as f:
         rows = csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
         train = [r["sentence"] for r in rows if not in_dev(r["sentence"])]

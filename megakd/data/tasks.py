@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import csv
 import gzip
-import hashlib
 import json
 import math
 import random
@@ -34,11 +33,10 @@ from pathlib import Path
 import torch
 
 from megakd.config import ConfigError, TaskConfig
-from megakd.data.default_corpus import CORPUS_DIR, PRETRAINING_FILES, SENTIMENT_FILE
+from megakd.data.default_corpus import CORPUS_DIR, PRETRAINING_FILES, SENTIMENT_FILE, in_dev
 from megakd.data.sources import open_text
 from megakd.data.tokenizer import Tokenizer
 
-DEV_BYTE_THRESHOLD = 26  # of 256: ≈ 10% dev
 # After . ! ? that ends a word, except the titles Austen abbreviates (Mr. Knightley, Mrs. Weston).
 _SENTENCE_END = re.compile(r"(?<!\bMr\.)(?<!\bMrs\.)(?<!\bDr\.)(?<!\bSt\.)(?<=[a-z0-9\"')][.!?])\s+(?=[\"'A-Z])")
 
@@ -49,11 +47,6 @@ class Example:
     text_a: str
     text_b: str | None
     label: float | int
-
-
-def in_dev(text: str) -> bool:
-    """The fixed split rule: sha256 of the text, first byte below DEV_BYTE_THRESHOLD."""
-    return hashlib.sha256(text.encode("utf-8")).digest()[0] < DEV_BYTE_THRESHOLD
 
 
 def _rt_examples(regression: bool) -> tuple[list[Example], list[Example]]:

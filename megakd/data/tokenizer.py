@@ -10,7 +10,7 @@ megakd's own model (`megakd data tokenizer`) is cased SentencePiece BPE whose id
 HF ``DebertaV2Tokenizer(vocab_file=.../spm.model)`` reads our model with the same special ids.
 ``[MASK]`` is a control symbol: the literal text "[MASK]" in a corpus is tokenized as ordinary
 characters, never as the mask id. An HF tokenizer directory (WordPiece `vocab.txt` or any
-`tokenizer.json`) brings its own layout: see `megakd.data.hf_tokenizer.HFTokenizer`.
+`tokenizer.json`) brings its own layout: see `HFTokenizer`.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import sentencepiece as spm
+from tokenizers import Tokenizer as FastTokenizer
 
 from megakd.data.sources import expand_inputs, iter_documents
 from megakd.errors import UserError
@@ -85,8 +86,6 @@ class Tokenizer:
         A directory holding both an `spm.model` that is not megakd's layout and HF files (e.g. an HF
         DeBERTa-v3 export) is read as the HF tokenizer.
         """
-        from megakd.data.hf_tokenizer import HFTokenizer
-
         path = Path(path)
         if not path.is_dir():
             raise UserError(f"tokenizer {path}: no such directory (expected a megakd tokenizer with {MODEL_FILE}, "
@@ -289,3 +288,119 @@ def train_tokenizer(
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     logger.info("trained tokenizer %s: vocab %d, hash %s", out, tok.vocab_size, tok.vocab_hash)
     return SentencePieceTokenizer(out)
+
+# -- a user's HF tokenizer directory --------------------------------------------------------------
+
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt",
+                      "added_tokens.json")
+ROLES = ("pad", "cls", "sep", "unk", "mask")
+REQUIRED_ROLES = ("pad", "cls", "sep", "mask")
+# Only for a bare tokenizer.json, whose format has no roles: the tokenizer's own special tokens are
+# matched by these conventional names (BERT's and RoBERTa's).
+CONVENTIONAL_NAMES = {"pad": ("[PAD]", "<pad>"), "cls": ("[CLS]", "<s>", "<cls>"), "sep": ("[SEP]", "</s>", "<sep>"),
+                      "unk": ("[UNK]", "<unk>"), "mask": ("[MASK]", "<mask>")}
+
+
+class HFTokenizer(Tokenizer):
+    """An HF tokenizer directory, loaded locally by transformers (never the hub, never remote code).
+
+    `tokenizer.json` is read with the generic fast-tokenizer class, a `vocab.txt` alone as BERT
+    WordPiece (`tokenizer_config.json` may set `do_lower_case` and the special tokens). The special
+    layout is the tokenizer's own: the roles named in `tokenizer_config.json` /
+    `special_tokens_map.json`, or, for a bare `tokenizer.json`, its special tokens with the
+    conventional names of `CONVENTIONAL_NAMES`. pad, cls, sep and mask are required (unk is not:
+    byte-level BPE has none). Encoding treats literal special-token text ("[MASK]") as ordinary
+    text, as megakd's SentencePiece model does, so a corpus can never inject a special id.
+    """
+
+    kind = "hf"
+    FILES = HF_TOKENIZER_FILES
+
+    @staticmethod
+    def found_in(path: Path) -> bool:
+        return (path / "tokenizer.json").is_file() or (path / "vocab.txt").is_file()
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.hf = _load_transformers_tokenizer(self.path)
+        self._encoder = FastTokenizer.from_str(self.hf.backend_tokenizer.to_str())
+        self._encoder.no_truncation()
+        self._encoder.no_padding()
+        self._encoder.encode_special_tokens = True
+        self.vocab_size = max(self._encoder.get_vocab(with_added_tokens=True).values()) + 1
+        ids = self._special_ids(_file_vocabulary(self.path))
+        self.pad_id, self.cls_id, self.sep_id, self.unk_id, self.mask_id = (ids[r] for r in ROLES)
+        declared = {i for i, token in self.hf.added_tokens_decoder.items() if token.special}
+        self.special_ids = frozenset({i for i in ids.values() if i is not None} | declared)
+        self.vocab_hash = self._hash(ids)
+
+    def _special_ids(self, vocab: dict[str, int]) -> dict[str, int | None]:
+        """Role → id. `vocab` is the vocabulary as the files hold it: transformers appends a declared
+        special token missing from it as a new id, which no model trained on the vocabulary has."""
+        special_tokens = {t.content for t in self.hf.added_tokens_decoder.values() if t.special}
+        ids: dict[str, int | None] = {}
+        for role in ROLES:
+            token = getattr(self.hf, f"{role}_token", None)
+            if token is None:
+                named = [n for n in CONVENTIONAL_NAMES[role] if n in special_tokens]
+                token = named[0] if named else None
+            if token is not None and str(token) not in vocab:
+                raise UserError(f"tokenizer {self.path}: {role}_token {str(token)!r} is not in its vocabulary "
+                                f"({_vocabulary_file(self.path)})")
+            ids[role] = vocab[str(token)] if token is not None else None
+        missing = [r for r in REQUIRED_ROLES if ids[r] is None]
+        if missing:
+            raise UserError(f"tokenizer {self.path}: no {', '.join(f'{r}_token' for r in missing)} (megakd needs "
+                            f"pad, cls, sep and mask tokens; name them in tokenizer_config.json or "
+                            f"special_tokens_map.json)")
+        required = [ids[r] for r in REQUIRED_ROLES]
+        if len(set(required)) < len(required):
+            raise UserError(f"tokenizer {self.path}: pad, cls, sep and mask must be four different tokens, got ids "
+                            f"{dict(zip(REQUIRED_ROLES, required))}")
+        return ids
+
+    def _hash(self, ids: dict[str, int | None]) -> str:
+        """Everything that decides the ids of a text: model (vocab, merges), normalizer, pre-tokenizer,
+        added tokens, and the special roles; not padding, truncation, post-processing or decoding."""
+        spec = json.loads(self._encoder.to_str())
+        identity = {key: spec.get(key) for key in ("model", "normalizer", "pre_tokenizer")}
+        identity["added_tokens"] = sorted((t["id"], t["content"], t["special"]) for t in spec.get("added_tokens", []))
+        identity["roles"] = ids
+        return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._encoder.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.hf.decode([int(i) for i in ids])
+
+    def to_hf(self):
+        return self.hf
+
+    def save_hf(self, out_dir: str | Path, model_max_length: int) -> None:
+        self.hf.model_max_length = model_max_length
+        self.hf.save_pretrained(str(out_dir))
+
+
+def _vocabulary_file(path: Path) -> str:
+    return "tokenizer.json" if (path / "tokenizer.json").is_file() else "vocab.txt"
+
+
+def _file_vocabulary(path: Path) -> dict[str, int]:
+    """token → id as the tokenizer's own file defines it (tokenizer.json with its added tokens, or vocab.txt)."""
+    if (path / "tokenizer.json").is_file():
+        return FastTokenizer.from_file(str(path / "tokenizer.json")).get_vocab(with_added_tokens=True)
+    with open(path / "vocab.txt", encoding="utf-8") as f:  # as transformers reads it: one token per "\n" line
+        return {line.rstrip("\n"): i for i, line in enumerate(f)}
+
+
+def _load_transformers_tokenizer(path: Path):
+    from transformers import BertTokenizer, PreTrainedTokenizerFast
+
+    cls = PreTrainedTokenizerFast if (path / "tokenizer.json").is_file() else BertTokenizer
+    try:
+        return cls.from_pretrained(str(path), local_files_only=True)
+    except Exception as err:  # transformers raises many types (OSError, ValueError, JSON, Rust exceptions)
+        text = str(err).strip().splitlines()
+        raise UserError(f"tokenizer {path}: cannot load it as an HF tokenizer "
+                        f"({text[0][:200] if text else type(err).__name__})") from None

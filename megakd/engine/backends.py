@@ -1,13 +1,13 @@
 """Backends: how the units of a training layout run on one process or many.
 
-A *unit* is one optimizer's world: the task module it trains, its optimizer, LR schedule,
+A *unit* is one optimizer's world: the loss module it trains, its optimizer, LR schedule,
 gradient clipping and loss scale; a layout (`megakd.engine.layouts`) owns its units. Every
 backend implements one contract, `train_step(layout, micro_batches, step)`: one optimizer step
 over `accumulation_steps` micro-batches, returning the gradient norms (or None when the step was
 skipped), the summed statistics and the stop decision all ranks agreed on. `single`, `ddp` and
-`deepspeed` share the micro-batch loop of `Backend` (the single-process one) and differ in how a
-unit's forward, backward and optimizer step run; the pipeline backend hands the whole step to
-DeepSpeed's pipeline engine. Models never import a backend.
+`deepspeed` share the micro-batch loop of `MicroBatchLoopBackend` (`SingleProcessBackend` is it
+on one process) and differ in how a unit's forward, backward and optimizer step run; the pipeline
+backend hands the whole step to DeepSpeed's pipeline engine. Models never import a backend.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megakd.engine.profiling import phase
+from megakd.engine.units import StepContext, Unit
 from megakd.errors import LaunchError, UserError
 from megakd.finish import launched_world_size, srun_task
 from megakd.store.checkpoint_models import OPTIM_SUFFIX, WEIGHTS_SUFFIX, load_state_checked
@@ -39,28 +40,6 @@ if TYPE_CHECKING:
     from megakd.engine.layouts import Layout
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Unit:
-    name: str
-    task: nn.Module  # computes the loss in forward; what backends wrap
-    model: nn.Module  # what is checkpointed and exported
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    clip_norm: float  # 0 = off; bounds the gradient of the unweighted loss
-    loss_scale: float = 1.0  # the λ this unit's loss is multiplied by before backward
-    wrapped: nn.Module | None = None
-    scaler: torch.amp.GradScaler | None = None
-
-    @property
-    def lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
-
-    @property
-    def max_grad_norm(self) -> float:
-        """The threshold for the λ-weighted gradient this unit actually holds (inf = no clipping)."""
-        return self.clip_norm * self.loss_scale if self.clip_norm > 0 else float("inf")
 
 
 def init_distributed(dist_backend: str = "auto") -> tuple[int, int, int]:
@@ -131,39 +110,7 @@ def exit_process(code: int) -> None:
     os._exit(code)
 
 
-def untimed(_phase: str) -> contextlib.AbstractContextManager:
-    """The default timing hook: no measurement."""
-    return contextlib.nullcontext()
-
-
-def no_stop() -> tuple[bool, bool]:
-    """The default stop flags: no signal received."""
-    return False, False
-
-
-def never() -> bool:
-    return False
-
-
 STORAGE_FAILED = "storage failure"  # `StepResult.skipped` when some rank's batches were stand-ins
-
-
-@dataclass(frozen=True)
-class StepContext:
-    """What one optimizer step needs besides its batches. Passed down the call, never stored.
-
-    `stop_flags` is this rank's (stop requested, a SIGINT was among the signals), read when the
-    step's one agreement all-reduce runs; so is `held`: whether this rank's micro-batches were
-    stand-ins because its storage failed (then every rank skips the update and stops). `timer(phase)`
-    is a context manager around each "forward", "backward" and "optimizer" phase (`megakd bench`
-    measures through it).
-    """
-
-    index: int  # the 0-based optimizer step being computed (DWT's α_s(t) depends on it)
-    rng: torch.Generator | None = None  # this rank's replacement-sampling stream (pretraining's layouts)
-    stop_flags: Callable[[], tuple[bool, bool]] = no_stop
-    held: Callable[[], bool] = never
-    timer: Callable[[str], contextlib.AbstractContextManager] = untimed
 
 
 @dataclass
@@ -266,7 +213,8 @@ class MicroBatch:
     micro-batch); inside it `forward` and `backward` run through the backend and the step's timer.
     """
 
-    def __init__(self, backend: Backend, last: bool, timer: Callable[[str], contextlib.AbstractContextManager]):
+    def __init__(self, backend: MicroBatchLoopBackend, last: bool,
+                 timer: Callable[[str], contextlib.AbstractContextManager]):
         self.backend = backend
         self.last = last
         self.timer = timer
@@ -291,27 +239,27 @@ def precision_autocast(precision: str, device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
 
 
-class Backend(TrainingBackend):
-    """One process; the micro-batch loop that the ddp and deepspeed backends share.
+class MicroBatchLoopBackend(TrainingBackend):
+    """The micro-batch loop that the single, ddp and deepspeed backends share, complete on one process.
 
-    Subclasses change how a unit is wrapped, how its gradients sync, and how it steps.
+    `SingleProcessBackend` is this loop as it stands; `DDPBackend` (and `DeepSpeedBackend` below it)
+    change how a unit is wrapped, how its gradients sync, and how it steps. The pipeline backend
+    hands the whole step to DeepSpeed and derives from `TrainingBackend` instead.
     """
 
     holds_steps = True
-
-    name = "single"
 
     # -- setup -------------------------------------------------------------------------------
     def prepare(self, layout: Layout, accumulation_steps: int) -> None:
         self.wrap_units(list(layout.units.values()), accumulation_steps)
 
     def wrap_units(self, units: list[Unit], accumulation_steps: int) -> None:
-        """Move each unit's task (and so its optimizer's parameters, whose state follows them) to the
+        """Move each unit's loss module (and so its optimizer's parameters, whose state follows them) to the
         backend's device and wrap it for this backend (its own gradient sync, precision, engine)."""
         self.accumulation_steps = accumulation_steps
         for unit in units:
-            unit.task.to(self.device)
-            unit.wrapped = unit.task
+            unit.loss_module.to(self.device)
+            unit.wrapped = unit.loss_module
             if self.precision == "fp16":
                 unit.scaler = torch.amp.GradScaler(self.device.type)
 
@@ -430,12 +378,18 @@ class Backend(TrainingBackend):
                 unit.scaler.load_state_dict(state["scaler"])
 
 
+class SingleProcessBackend(MicroBatchLoopBackend):
+    """`backend.name=single`: one process, no gradient sync; the micro-batch loop as it stands."""
+
+    name = "single"
+
+
 def leave_process_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
-def single_process_backend(precision: str) -> Backend:
+def single_process_backend(precision: str) -> SingleProcessBackend:
     """`backend.name=single`, refused in a rank that a launcher started among several.
 
     Each of those ranks would otherwise train the whole run on its own, and all but one would be
@@ -446,10 +400,10 @@ def single_process_backend(precision: str) -> Backend:
         raise LaunchError(f"backend.name=single, but the launcher started {world} ranks: set "
                           "backend.name=ddp (or auto, or deepspeed) to train them as one run, or start one "
                           "process")
-    return Backend(precision, default_device(int(os.environ.get("LOCAL_RANK", "0"))))
+    return SingleProcessBackend(precision, default_device(int(os.environ.get("LOCAL_RANK", "0"))))
 
 
-class DDPBackend(Backend):
+class DDPBackend(MicroBatchLoopBackend):
     """torch DistributedDataParallel over gloo (CPU) or nccl (GPU); one DDP wrapper per unit."""
 
     name = "ddp"
@@ -470,7 +424,7 @@ class DDPBackend(Backend):
             return
         for unit in units:
             unit.wrapped = nn.parallel.DistributedDataParallel(
-                unit.task, device_ids=[self.local_rank] if self.device.type == "cuda" else None
+                unit.loss_module, device_ids=[self.local_rank] if self.device.type == "cuda" else None
             )
 
     def no_sync(self, unit: Unit, last_micro_batch: bool):

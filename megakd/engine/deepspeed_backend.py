@@ -3,11 +3,11 @@
 Under DecoupledOptim the generator and discriminator each get their own engine (DeepSpeed allows
 one optimizer per engine: the GAN-tutorial pattern), so each keeps its own optimizer, LR schedule
 and clipping; original ELECTRA and BERT-MLM have one unit and so one engine. The engines wrap the
-*task* modules (loss computed in forward), which is what makes ZeRO-3 work: every parameter the
+*loss* modules (loss computed in forward), which is what makes ZeRO-3 work: every parameter the
 objective touches (e.g. the tied decoder weight used by the fused MLM loss) is read inside the
 engine's forward, where ZeRO-3 gathers it on access.
 
-Within the shared micro-batch loop (`Backend.train_step`): `backward` gets the
+Within the shared micro-batch loop (`MicroBatchLoopBackend.train_step`): `backward` gets the
 per-micro-batch mean loss, and `step` runs once per optimizer step. DeepSpeed divides by the accumulation steps itself and
 counts micro-batches in `engine.step()`, so `backward` advances that counter off the boundary and
 `step` is the boundary call. Clipping is DeepSpeed's (`gradient_clipping`, always set explicitly:
@@ -42,7 +42,8 @@ import torch
 import torch.distributed as dist
 
 from megakd.config import BackendConfig, Config, ConfigError
-from megakd.engine.backends import DDPBackend, Unit, create_process_group, init_distributed
+from megakd.engine.backends import DDPBackend, create_process_group, init_distributed
+from megakd.engine.units import Unit
 from megakd.errors import UserError
 from megakd.store.checkpoint import DEEPSPEED_TAG
 from megakd.store.checkpoint_models import WEIGHTS_SUFFIX
@@ -223,7 +224,7 @@ class DeepSpeedBackend(DDPBackend):
 
         self.accumulation_steps = accumulation_steps
         for unit in units:
-            unit.task.to(self.device)
+            unit.loss_module.to(self.device)
             ds_config = self.engine_configs.for_engine(unit.clip_norm * unit.loss_scale, accumulation_steps,
                                                        self.world_size)
             if offloads_optimizer(ds_config):
@@ -234,7 +235,7 @@ class DeepSpeedBackend(DDPBackend):
             # steps this very optimizer (so `unit.lr` reads the live LR) and the engine steps the
             # schedule only when an update was applied. No DeepSpeed Adam is compiled.
             engine, _, _, _ = deepspeed.initialize(
-                model=unit.task, optimizer=unit.optimizer, lr_scheduler=unit.scheduler,
+                model=unit.loss_module, optimizer=unit.optimizer, lr_scheduler=unit.scheduler,
                 config=ds_config, dist_init_required=False,
             )
             unit.wrapped = engine
@@ -254,7 +255,7 @@ class DeepSpeedBackend(DDPBackend):
 
     # -- the optimizer step --------------------------------------------------------------------
     def step(self, units: list[Unit]) -> dict[str, float] | None:
-        """`Backend.step` on DeepSpeed engines: every unit's update, or None if a norm is non-finite.
+        """`MicroBatchLoopBackend.step` on DeepSpeed engines: every unit's update, or None if a norm is non-finite.
 
         On the plain fp32 path (ZeRO-0) every rank holds the full, reduced gradients, so the norms
         are known before any engine steps and a non-finite one skips every unit. The ZeRO, bf16 and
@@ -281,7 +282,7 @@ class DeepSpeedBackend(DDPBackend):
                 unit.wrapped.step()
                 norms[unit.name] = float(unit.wrapped.get_global_grad_norm())
             if self.precision != "fp16" and not all(math.isfinite(n) for n in norms.values()):
-                # (fp16: an overflow is the dynamic loss scaler's business, as in `Backend.step`)
+                # (fp16: an overflow is the dynamic loss scaler's business, as in `MicroBatchLoopBackend.step`)
                 applied = [u.name for u in units if u.wrapped.was_step_applied()]
                 if applied:
                     log.warning("non-finite gradient norm: DeepSpeed skipped that unit's update, but %s "

@@ -2,7 +2,7 @@
 
 A layout owns its units (their names, the model each one checkpoints, its optimizer, clipping and
 loss scale), the work of one micro-batch (which unit runs forward on what, which losses go
-backward), and how the summed statistics of its tasks become metrics. The trainer, every
+backward), and how the summed statistics of its loss modules become logged ratios. The trainer, every
 backend, validation, the pipeline stages and the benchmark ask the layout; none of them branches
 on unit names. Adding an objective means adding a layout here (and its tests).
 
@@ -21,21 +21,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 from torch import Tensor, nn
 
 from megakd.config import Config, OptimConfig, OptimizerConfig
-from megakd.engine.backends import StepContext, Unit
+from megakd.engine.losses import DiscriminatorLoss, GeneratorLoss, JointElectraLoss, TeacherKD
 from megakd.engine.optim import build_optimizer, build_scheduler
 from megakd.engine.profiling import phase
-from megakd.engine.tasks import DiscriminatorTask, GeneratorTask, JointElectraTask, TeacherKD
+from megakd.engine.units import MicroBatchRun, StepContext, Unit
 from megakd.models.electra import Discriminator, ElectraPair, MaskedLM
 from megakd.objectives.electra import corrupt
 from megakd.store.checkpoint_models import JOINT_UNIT
-
-if TYPE_CHECKING:
-    from megakd.engine.backends import MicroBatch
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +50,7 @@ class MicroStepOutput:
 class Layout:
     """The units of one training layout and how a micro-batch runs through them.
 
-    `micro_step` drives a `MicroBatch` (a backend's forward/backward for one micro-batch);
+    `micro_step` drives a `MicroBatchRun`: a backend's `MicroBatch` (forward/backward for one micro-batch);
     validation drives the same `micro_step` with a run whose backward does nothing.
     """
 
@@ -68,18 +65,18 @@ class Layout:
               kd: TeacherKD | None) -> Layout:
         raise NotImplementedError
 
-    def micro_step(self, run: MicroBatch, batch: dict[str, Tensor], step: StepContext) -> MicroStepOutput:
+    def micro_step(self, run: MicroBatchRun, batch: dict[str, Tensor], step: StepContext) -> MicroStepOutput:
         raise NotImplementedError
 
-    def tasks(self) -> list[nn.Module]:
-        """The task modules whose statistics this layout's steps return (their `metrics` read them)."""
+    def loss_modules(self) -> list[nn.Module]:
+        """The loss modules whose statistics this layout's steps return (their `ratios` read them)."""
         raise NotImplementedError
 
-    def metrics(self, sums: dict[str, float]) -> dict[str, float]:
+    def ratios(self, sums: dict[str, float]) -> dict[str, float]:
         """Ratios from statistics summed over micro-batches, steps and ranks (training and validation)."""
         out: dict[str, float] = {}
-        for task in self.tasks():
-            out.update(task.metrics(sums))
+        for module in self.loss_modules():
+            out.update(module.ratios(sums))
         return out
 
     def optimizer_metrics(self, mean_norms: dict[str, float]) -> dict[str, float]:
@@ -100,19 +97,19 @@ class Layout:
 
     def train(self, mode: bool = True) -> None:
         for unit in self.units.values():
-            unit.task.train(mode)
+            unit.loss_module.train(mode)
 
 
-def _unit(cfg: Config, name: str, task: nn.Module, model: nn.Module, opt_cfg: OptimizerConfig,
+def _unit(cfg: Config, name: str, loss_module: nn.Module, model: nn.Module, opt_cfg: OptimizerConfig,
           loss_scale: float = 1.0) -> Unit:
     optimizer = build_optimizer(model.named_parameters(), opt_cfg)
-    return Unit(name=name, task=task, model=model, optimizer=optimizer,
+    return Unit(name=name, loss_module=loss_module, model=model, optimizer=optimizer,
                 scheduler=build_scheduler(optimizer, cfg.optim.schedule, cfg.train.max_steps),
                 clip_norm=opt_cfg.clip_norm, loss_scale=loss_scale)
 
 
-def _generator_task(cfg: Config, generator: MaskedLM, kd: TeacherKD | None) -> GeneratorTask:
-    return GeneratorTask(generator, cfg.kernels.backend, cfg.electra.temperature_schedule(cfg.train.max_steps), kd)
+def _generator_loss(cfg: Config, generator: MaskedLM, kd: TeacherKD | None) -> GeneratorLoss:
+    return GeneratorLoss(generator, cfg.kernels.backend, cfg.electra.temperature_schedule(cfg.train.max_steps), kd)
 
 
 class MaskedLMOnly(Layout):
@@ -122,7 +119,7 @@ class MaskedLMOnly(Layout):
 
     @classmethod
     def build(cls, cfg, generator, discriminator, kd):
-        return cls([_unit(cfg, "generator", _generator_task(cfg, generator, kd), generator, cfg.optim.generator)], kd)
+        return cls([_unit(cfg, "generator", _generator_loss(cfg, generator, kd), generator, cfg.optim.generator)], kd)
 
     @property
     def generator(self) -> Unit:
@@ -135,8 +132,8 @@ class MaskedLMOnly(Layout):
             run.backward(gen, g["loss"])
         return MicroStepOutput([g["loss"].detach()], g["stats"])
 
-    def tasks(self):
-        return [self.generator.task]
+    def loss_modules(self):
+        return [self.generator.loss_module]
 
     def probe_encoder(self):
         return self.generator.model.encoder
@@ -157,8 +154,8 @@ class DecoupledElectra(Layout):
     @classmethod
     def build(cls, cfg, generator, discriminator, kd):
         return cls([
-            _unit(cfg, "generator", _generator_task(cfg, generator, kd), generator, cfg.optim.generator),
-            _unit(cfg, "discriminator", DiscriminatorTask(discriminator, cfg.kernels.backend), discriminator,
+            _unit(cfg, "generator", _generator_loss(cfg, generator, kd), generator, cfg.optim.generator),
+            _unit(cfg, "discriminator", DiscriminatorLoss(discriminator, cfg.kernels.backend), discriminator,
                   cfg.optim.discriminator, loss_scale=cfg.electra.loss_weight),
         ], kd)
 
@@ -182,8 +179,8 @@ class DecoupledElectra(Layout):
         return MicroStepOutput([g["loss"].detach(), d["loss"].detach()], {**g["stats"], **d["stats"]},
                                rtd_logits=d["logits"], corrupted=corrupted)
 
-    def tasks(self):
-        return [self.generator.task, self.discriminator.task]
+    def loss_modules(self):
+        return [self.generator.loss_module, self.discriminator.loss_module]
 
     def probe_encoder(self):
         return self.discriminator.model.encoder
@@ -196,7 +193,7 @@ class JointElectra(Layout):
     """Original ELECTRA: one ElectraPair (shared embeddings), one optimizer on L_MLM + λ·L_RTD.
 
     Configured by optim.discriminator.*; optim.joint_clip=unweighted clips the unweighted loss
-    (the unit's loss_scale is then λ, and the task returns L_MLM/λ + L_RTD).
+    (the unit's loss_scale is then λ, and the loss module returns L_MLM/λ + L_RTD).
     """
 
     name = "electra-joint"
@@ -209,10 +206,10 @@ class JointElectra(Layout):
                         "optim.discriminator.*)", ", ".join(ignored))
         pair = ElectraPair(generator, discriminator, share_embeddings=True)
         unweighted = cfg.optim.joint_clip == "unweighted"
-        task = JointElectraTask(pair, cfg.electra.loss_weight, cfg.kernels.backend,
+        loss_module = JointElectraLoss(pair, cfg.electra.loss_weight, cfg.kernels.backend,
                                 cfg.electra.temperature_schedule(cfg.train.max_steps),
                                 kd, unweighted=unweighted)
-        return cls([_unit(cfg, JOINT_UNIT, task, pair, cfg.optim.discriminator,
+        return cls([_unit(cfg, JOINT_UNIT, loss_module, pair, cfg.optim.discriminator,
                           loss_scale=cfg.electra.loss_weight if unweighted else 1.0)], kd)
 
     @property
@@ -227,8 +224,8 @@ class JointElectra(Layout):
         return MicroStepOutput([out["loss"].detach()], out["stats"], rtd_logits=out["logits"],
                                corrupted=out["corrupted"])
 
-    def tasks(self):
-        return list(self.electra.task.tasks)
+    def loss_modules(self):
+        return list(self.electra.loss_module.parts)
 
     def optimizer_metrics(self, mean_norms):
         """One optimizer drives both models: logged under both names, as the decoupled layout logs them."""

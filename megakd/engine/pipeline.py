@@ -12,7 +12,7 @@ bias, which then takes its gradient back to the stage that owns the table), the 
 the attention and MLM masks and, after the generator head, the corrupted ids and the MLM loss.
 Under DWT the masked ids also travel from the first stage to the generator head's stage, where
 the frozen teacher (`TeacherKD`, a plain object: no stage module, so DeepSpeed neither places
-nor updates it) reads them with the masks; `GeneratorTask` adds the KD term there exactly as on
+nor updates it) reads them with the masks; `GeneratorLoss` adds the KD term there exactly as on
 every other backend, with α_s(t) from the step being computed.
 The MLM loss travels down the pipeline as a tensor (one float per micro-batch, where the masked
 hidden states would be [N, E] with N varying): the last stage returns L_MLM + λ·L_RTD. λ cannot
@@ -20,7 +20,7 @@ reach the generator: its parameters get gradient only through L_MLM (the corrupt
 integers and DecoupledOptim shares no embedding), so, as in the other backends, λ only scales
 the discriminator's gradient, whose clipping threshold is clip_norm·λ.
 
-The heads reuse the layout's `GeneratorTask` / `DiscriminatorTask` settings around `_Encoded`, a
+The heads reuse the layout's `GeneratorLoss` / `DiscriminatorLoss` settings around `_Encoded`, a
 stand-in model whose encoder already ran on earlier stages; their statistics are summed on the
 stage that computes them and reduced over all ranks by the trainer, like every other backend's.
 DeepSpeed's `train_batch` has no way to hand a middle stage anything per call, so the step being
@@ -52,17 +52,11 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from megakd.config import Config, ConfigError
-from megakd.engine.backends import (
-    StepContext,
-    StepResult,
-    TrainingBackend,
-    Unit,
-    default_device,
-    leave_process_group,
-)
+from megakd.engine.backends import StepResult, TrainingBackend, default_device, leave_process_group
 from megakd.engine.deepspeed_backend import EngineConfigs, init_deepspeed
 from megakd.engine.layouts import Layout
-from megakd.engine.tasks import DiscriminatorTask, GeneratorTask
+from megakd.engine.losses import DiscriminatorLoss, GeneratorLoss
+from megakd.engine.units import StepContext, Unit
 from megakd.models.electra import MaskedLM
 from megakd.models.encoder import Encoder
 from megakd.objectives.electra import corrupt
@@ -82,10 +76,10 @@ def _ordered(keys) -> tuple[str, ...]:
 
 
 class _Encoded(nn.Module):
-    """The model as a head's task sees it on a later stage: its encoder already ran.
+    """The model as a head's loss module sees it on a later stage: its encoder already ran.
 
-    `forward` returns the hidden states the stage received (set in `hidden` just before the task
-    runs); `head` and `hidden_at` are the real model's, so the tasks' losses, sampling and
+    `forward` returns the hidden states the stage received (set in `hidden` just before the loss
+    module runs); `head` and `hidden_at` are the real model's, so the loss modules' losses, sampling and
     statistics run unchanged.
     """
 
@@ -172,9 +166,12 @@ class _GeneratorHead(_Head):
 
     CONSUMED = ("hidden", "position_bias", "masked_input_ids")
 
-    def __init__(self, task: GeneratorTask, electra: bool):
+    def __init__(self, loss_module: GeneratorLoss, electra: bool):
         super().__init__()
-        self.task = GeneratorTask(_Encoded(task.model), task.kernel_backend, task.temperature, task.kd)
+        # `task`, not `loss_module`: the module tree's name, which keys the head's parameters
+        # (task.model.head.*) in DeepSpeed's pipeline checkpoints; renaming it would orphan them.
+        self.task = GeneratorLoss(_Encoded(loss_module.model), loss_module.kernel_backend, loss_module.temperature,
+                                  loss_module.kd)
         self.electra = electra
         self.step: StepContext | None = None  # bound by `PipelineStage.running` for one train_batch
 
@@ -199,9 +196,10 @@ class _GeneratorHead(_Head):
 class _DiscriminatorHead(_Head):
     """RTD loss; returns the step's loss L_MLM + λ·L_RTD."""
 
-    def __init__(self, task: DiscriminatorTask, loss_weight: float):
+    def __init__(self, loss_module: DiscriminatorLoss, loss_weight: float):
         super().__init__()
-        self.task = DiscriminatorTask(_Encoded(task.model), task.kernel_backend)
+        self.task = DiscriminatorLoss(  # `task`: see _GeneratorHead
+            _Encoded(loss_module.model), loss_module.kernel_backend)
         self.loss_weight = loss_weight
 
     def keys_after(self, keys: set[str]) -> set[str]:
@@ -273,11 +271,11 @@ def partition(weights: list[int], num_stages: int) -> list[int]:
 def build_stages(layout: Layout, num_stages: int) -> list[PipelineStage]:
     """The P stage modules over the layout's models (every rank builds all P; DeepSpeed keeps one)."""
     generator, discriminator = layout.pipeline_units()
-    head = _GeneratorHead(generator.task, electra=discriminator is not None)
+    head = _GeneratorHead(generator.loss_module, electra=discriminator is not None)
     items = _model_pieces(generator.model, head, "masked_input_ids", keep_masked_ids=layout.kd is not None)
     if discriminator is not None:
-        items += _model_pieces(discriminator.model, _DiscriminatorHead(discriminator.task, discriminator.loss_scale),
-                               "corrupted")
+        items += _model_pieces(discriminator.model,
+                               _DiscriminatorHead(discriminator.loss_module, discriminator.loss_scale), "corrupted")
     bounds = partition([w for _, w in items], num_stages)
     stages, keys = [], set(DATA_KEYS)
     for s in range(num_stages):
@@ -427,7 +425,7 @@ class PipelineBackend(TrainingBackend):
         self.accumulation_steps = accumulation_steps
         units = list(layout.units.values())
         for unit in units:
-            unit.task.to(self.device)
+            unit.loss_module.to(self.device)
         stages = build_stages(layout, self.num_stages)
         with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints its partition on rank 0
             module = PipelineModule(layers=stages, num_stages=self.num_stages, partition_method="uniform",

@@ -16,13 +16,13 @@ from megakd.data.tokenizer import Tokenizer
 from megakd.engine.backends import (
     DDPBackend,
     TrainingBackend,
-    Unit,
     require_launcher,
     single_process_backend,
 )
 from megakd.engine.layouts import Layout, build_layout
-from megakd.engine.tasks import TeacherKD
+from megakd.engine.losses import TeacherKD
 from megakd.engine.trainer import Trainer, TrainResult
+from megakd.engine.units import Unit
 from megakd.engine.validation import VALID_SEED, Validator
 from megakd.engine.warm_start import warm_start
 from megakd.finish import bundled_vocab_size, finish_config, resolve_backend_name

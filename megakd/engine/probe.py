@@ -2,7 +2,7 @@
 
 Every `train.probe_every` steps, rank 0 encodes a fixed labelled slice of a task's *training*
 split with the frozen encoder (eval mode, no grad: the discriminator's, or the BERT-MLM model's),
-fits a float64 logistic regression (megakd.objectives.logreg, deterministic L-BFGS) on
+fits a float64 logistic regression (megakd.models.logreg, deterministic L-BFGS) on
 [mean-pooled ‖ [CLS]] features of `train.probe_fit_examples` examples, standardised with their
 statistics, and reports `probe_acc` on `train.probe_eval_examples` other examples of the same
 split. Dev is never read. The rows come from a permutation seeded with 0, so every probe of a run,
@@ -23,7 +23,7 @@ from megakd.data.tasks import EncodedTask, load_split
 from megakd.data.tokenizer import Tokenizer
 from megakd.engine.backends import to_device
 from megakd.models.encoder import Encoder
-from megakd.objectives.logreg import fit_logistic_regression, predict_logistic_regression
+from megakd.models.logreg import fit_logistic_regression, predict_logistic_regression
 
 log = logging.getLogger(__name__)
 

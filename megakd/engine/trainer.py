@@ -21,19 +21,12 @@ from megakd.config import Config
 from megakd.configio import config_to_dict, read_yaml_file, save_config
 from megakd.data.storage import StorageError as DataStorageError
 from megakd.data.tokenizer import copy_tokenizer
-from megakd.engine.backends import (
-    STORAGE_FAILED,
-    StepContext,
-    StepResult,
-    TrainingBackend,
-    Unit,
-    never,
-    stat_sums,
-)
+from megakd.engine.backends import STORAGE_FAILED, StepResult, TrainingBackend, stat_sums
 from megakd.engine.layouts import Layout
-from megakd.engine.metrics import MetricsWriter, plot_metrics
 from megakd.engine.probe import Probe
+from megakd.engine.runlog import MetricsWriter, plot_metrics
 from megakd.engine.session import RunSession, rng_state, seed_rng, set_rng_state
+from megakd.engine.units import StepContext, Unit, never
 from megakd.engine.validation import Validator
 from megakd.errors import UserError
 from megakd.store import checkpoint, rundir
@@ -366,7 +359,7 @@ class Trainer:
         totals = self.backend.all_reduce_sum(torch.cat([torch.stack([self.interval[k] for k in names]), retries]))
         totals = totals.cpu().tolist()
         s = dict(zip(names, totals))
-        rec: dict = {"step": self.step, **self.layout.metrics(s), "read_retries": int(totals[-1])}
+        rec: dict = {"step": self.step, **self.layout.ratios(s), "read_retries": int(totals[-1])}
         rec.update(self.layout.optimizer_metrics({k: v / max(1, steps) for k, v in norms_sum.items()}))
         rec["tokens_per_s"] = s.get("tokens", 0.0) / max(seconds, 1e-9)
         self.interval.clear()

@@ -21,8 +21,9 @@ import contextlib
 import torch
 
 from megakd.data.stream import PretrainingLoader
-from megakd.engine.backends import StepContext, TrainingBackend, Unit, stat_sums, to_device
+from megakd.engine.backends import TrainingBackend, stat_sums, to_device
 from megakd.engine.layouts import Layout
+from megakd.engine.units import StepContext, Unit
 from megakd.objectives.electra import roc_auc, rtd_labels
 
 VALID_SEED = 0
@@ -78,7 +79,7 @@ class Validator:
             self.layout.train(True)
         names = sorted(totals)
         sums = dict(zip(names, torch.stack([totals[k] for k in names]).tolist())) if names else {}
-        rec = {f"val_{k}": v for k, v in self.layout.metrics(sums).items()}
+        rec = {f"val_{k}": v for k, v in self.layout.ratios(sums).items()}
         auc = roc_auc(torch.cat(scores), torch.cat(labels)) if scores else None
         if auc is not None:
             rec["val_rtd_auc"] = auc

@@ -14,7 +14,7 @@ from typing import Literal
 from megakd.config import COUNT_LIMIT, BackendConfig, KernelsConfig, TaskConfig, check_count, check_seed
 from megakd.configio import ConfigError, check_literals, shown
 from megakd.models.encoder import EncoderConfig
-from megakd.objectives.label_reg import TARGETS
+from megakd.objectives.labelreg import TARGETS
 from megakd.objectives.soteacher import CR_SCHEDULES
 
 
@@ -96,9 +96,9 @@ class OptimConfig:
 
 
 @dataclass
-class LabelRegConfig:
+class LabelregConfig:
     # the training target: onehot (plain CE) | ls (label smoothing) | tfreg (teacher-free) | kd | selfkd |
-    # akd (annealing KD); megakd/objectives/label_reg.py
+    # akd (annealing KD); megakd/objectives/labelreg.py
     target: Literal[TARGETS] = "onehot"
     alpha: float = 0.0  # weight of the smoothing distribution / of the KD term
     a: float = 0.95  # TF-reg: probability of the true class in the teacher-free distribution
@@ -147,7 +147,7 @@ class FinetuneConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     model: ModelInitConfig = field(default_factory=ModelInitConfig)
     finetune: OptimConfig = field(default_factory=OptimConfig)
-    labelreg: LabelRegConfig = field(default_factory=LabelRegConfig)
+    labelreg: LabelregConfig = field(default_factory=LabelregConfig)
     soteacher: SoTeacherConfig = field(default_factory=SoTeacherConfig)
     tgt: TGTConfig = field(default_factory=TGTConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)  # single, ddp, deepspeed (ZeRO 0-2) or auto

@@ -10,7 +10,7 @@ from megakd.finetune.runtime import Runtime
 from megakd.finetune.soteacher import run_soteacher
 from megakd.finetune.tgt import run_tgt
 from megakd.finetune.trainer import run_finetune
-from megakd.objectives.label_reg import TEACHER_TARGETS
+from megakd.objectives.labelreg import TEACHER_TARGETS
 from megakd.store import check_source
 
 Job = Callable[[FinetuneConfig, Runtime], dict]

@@ -26,8 +26,9 @@ from torch import Tensor
 from megakd.config import ConfigError
 from megakd.configio import config_to_dict, read_yaml_file, save_config
 from megakd.engine.backends import (
-    Backend,
     DDPBackend,
+    MicroBatchLoopBackend,
+    SingleProcessBackend,
     require_launcher,
     single_process_backend,
 )
@@ -54,7 +55,7 @@ class Stopped(Exception):
         self.interrupted = interrupted  # SIGINT (the command exits 130) rather than SIGTERM/SIGUSR1 (exit 0)
 
 
-def build_backend(cfg: FinetuneConfig) -> Backend:
+def build_backend(cfg: FinetuneConfig) -> MicroBatchLoopBackend:
     """The pretraining backend named by `backend.name` (`auto` replaced in `cfg` first, so the run records
     its choice), on the device `finetune.device` asks for."""
     b, f = cfg.backend, cfg.finetune
@@ -86,7 +87,7 @@ def _device(setting: str, local_rank: int) -> torch.device:
 class Runtime:
     """The backend, run directory and stop signals of one fine-tuning command (see the module docstring)."""
 
-    def __init__(self, cfg: FinetuneConfig, resume: str | None = None, backend: Backend | None = None):
+    def __init__(self, cfg: FinetuneConfig, resume: str | None = None, backend: MicroBatchLoopBackend | None = None):
         if resume not in (None, "auto"):
             raise UserError(f"--resume {resume}: megakd finetune resumes with --resume auto (each seed continues "
                              "from its newest intact checkpoint in run.dir)")
@@ -212,4 +213,4 @@ def describe(runtime: Runtime) -> str:
 
 def single_process(cfg: FinetuneConfig) -> Runtime:
     """A one-process CPU runtime that owns no run directory (for calling `train_seed` directly)."""
-    return Runtime(cfg, backend=Backend(cfg.finetune.precision))
+    return Runtime(cfg, backend=SingleProcessBackend(cfg.finetune.precision))

@@ -37,9 +37,9 @@ from megakd.config import ConfigError
 from megakd.data.tasks import EncodedTask
 from megakd.data.tokenizer import Tokenizer
 from megakd.finetune.config import FinetuneConfig, SoTeacherConfig
-from megakd.finetune.metrics import agreement, calibration_report
 from megakd.finetune.runtime import Runtime
-from megakd.finetune.trainer import LabelRegObjective, SeedResult, run_seeds, summarize, teacher_logits_for
+from megakd.finetune.scores import agreement, calibration_report
+from megakd.finetune.trainer import LabelregObjective, SeedResult, run_seeds, summarize, teacher_logits_for
 from megakd.models.electra import SequenceClassifier
 from megakd.objectives.soteacher import consistency_loss, cr_weight_for_epoch, lipschitz_penalty
 
@@ -190,10 +190,10 @@ def run_soteacher(cfg: FinetuneConfig, runtime: Runtime) -> dict:
                                  temperature=s.student_temperature, tau_squared=True)
 
         def make_student_objective(seed: int, model: SequenceClassifier, tokenizer: Tokenizer,
-                                   train: EncodedTask, out_dir: Path) -> LabelRegObjective:
+                                   train: EncodedTask, out_dir: Path) -> LabelregObjective:
             logits = teacher_logits_for(str(teacher_dirs[seed]), "soteacher teacher", tokenizer, train,
                                         cfg.task.num_labels, cfg.finetune.eval_batch_size, runtime)
-            return LabelRegObjective(kd, cfg.task.num_labels, logits)
+            return LabelregObjective(kd, cfg.task.num_labels, logits)
 
         students, _, _, student_lr = run_seeds(cfg, run_dir / "student", s.student, make_student_objective, runtime)
         by_seed = {r.seed: r for r in teachers}

@@ -5,7 +5,7 @@ tokens), kept when they occur in at least `min_df` training examples, at most `m
 them (highest document frequency first, ties by the term); a pair task's second sentence gets its
 own terms (prefixed `b:`). Weights: sublinear tf (1 + ln count) × smoothed idf
 (ln((1 + n) / (1 + df)) + 1), each row L2-normalised, as scikit-learn's `TfidfVectorizer(
-sublinear_tf=True)` computes them. The classifier: megakd.objectives.logreg with `l2` = 1/n on the
+sublinear_tf=True)` computes them. The classifier: megakd.models.logreg with `l2` = 1/n on the
 mean loss (scikit-learn's default C = 1 on the summed loss). Everything is deterministic: one
 number per task, no seeds.
 """
@@ -21,8 +21,8 @@ import torch
 
 from megakd.config import ConfigError, TaskConfig
 from megakd.data.tasks import Example, load_split
-from megakd.finetune.metrics import task_metrics
-from megakd.objectives.logreg import fit_logistic_regression
+from megakd.finetune.scores import task_metrics
+from megakd.models.logreg import fit_logistic_regression
 
 _WORD = re.compile(r"[a-z0-9']+")
 

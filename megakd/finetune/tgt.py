@@ -49,7 +49,7 @@ from megakd.finetune.runtime import Runtime
 from megakd.finetune.trainer import run_seeds, summarize
 from megakd.models.electra import MaskedLM, SequenceClassifier
 from megakd.objectives.electra import corrupt, sample_replacements
-from megakd.objectives.label_reg import kl_divergence, soft_cross_entropy
+from megakd.objectives.labelreg import kl_divergence, soft_cross_entropy
 from megakd.store import check_same_tokenizer, freeze, load_model
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ after every epoch. The batch order of epoch e is `randperm` from a generator see
 split over the data-parallel ranks of the backend (megakd/finetune/runtime.py).
 
 Objectives see the batch (with the examples' stable `index` and their `row` in the train split)
-and the epoch, and return (loss, logits, logs). `LabelRegObjective` is plain fine-tuning and every
+and the epoch, and return (loss, logits, logs). `LabelregObjective` is plain fine-tuning and every
 label-regularisation target; SoTeacher and TGT (finetune/soteacher.py, finetune/tgt.py) supply their own.
 An objective with state that must survive a restart (SoTeacher's store, TGT's sampling generator)
 has `state_dict`/`load_state_dict`.
@@ -51,17 +51,17 @@ from megakd.config import ConfigError, ScheduleConfig
 from megakd.configio import config_to_dict, save_config
 from megakd.data.tasks import EncodedTask, load_split
 from megakd.data.tokenizer import Tokenizer
-from megakd.engine.backends import StepContext, Unit
 from megakd.engine.layouts import Layout, MicroStepOutput
-from megakd.engine.metrics import MetricsWriter
 from megakd.engine.optim import build_scheduler, param_groups
+from megakd.engine.runlog import MetricsWriter
 from megakd.engine.session import rng_state, set_rng_state
-from megakd.finetune.config import FinetuneConfig, LabelRegConfig, ModelInitConfig, auto_lr
-from megakd.finetune.metrics import mean_std, task_metrics
+from megakd.engine.units import StepContext, Unit
+from megakd.finetune.config import FinetuneConfig, LabelregConfig, ModelInitConfig, auto_lr
 from megakd.finetune.models import Pretrained, build_classifier, load_pretrained
 from megakd.finetune.runtime import Runtime, Stopped, single_process
+from megakd.finetune.scores import mean_std_record, task_metrics
 from megakd.models.electra import SequenceClassifier
-from megakd.objectives.label_reg import TEACHER_TARGETS, akd_temperature, annealing_kd_loss, label_reg_loss
+from megakd.objectives.labelreg import TEACHER_TARGETS, akd_temperature, annealing_kd_loss, labelreg_loss
 from megakd.store import check_same_tokenizer, checkpoint, freeze
 from megakd.store.files import StoreError
 from megakd.store.model_dir import load_classifier, save_classifier
@@ -78,7 +78,7 @@ class Objective(Protocol):
              ) -> tuple[Tensor, Tensor, dict[str, float]]: ...
 
 
-class ClassifierTask(nn.Module):
+class ClassifierLoss(nn.Module):
     """What the backend wraps: the classifier, with the objective's loss as its forward.
 
     Every forward pass an objective makes (TGT's generated batch, SoTeacher's penalty) then runs
@@ -120,7 +120,7 @@ class ClassifierLayout(Layout):
         return MicroStepOutput([out["loss"].detach()], {k: torch.as_tensor(v, dtype=torch.float64).detach() * share
                                                         for k, v in logs.items()})
 
-    def tasks(self):
+    def loss_modules(self):
         return []
 
 
@@ -149,14 +149,14 @@ def predict(model: SequenceClassifier, data: EncodedTask, batch_size: int, runti
     return logits.numpy()
 
 
-class LabelRegObjective:
+class LabelregObjective:
     """Plain fine-tuning (one-hot CE, or MSE for regression) and the label-regularisation targets.
 
     KD/self-KD teacher logits are computed once for the whole train split before training (the
     teacher is frozen and in eval mode, so they would be the same at every step).
     """
 
-    def __init__(self, cfg: LabelRegConfig, num_labels: int, teacher_logits: Tensor | None = None):
+    def __init__(self, cfg: LabelregConfig, num_labels: int, teacher_logits: Tensor | None = None):
         self.cfg, self.num_labels, self.teacher_logits = cfg, num_labels, teacher_logits
 
     def loss(self, model: SequenceClassifier, batch: dict[str, Tensor], epoch: int
@@ -174,7 +174,7 @@ class LabelRegObjective:
             if temperature is None:  # phase II
                 return F.cross_entropy(logits, batch["labels"])
             return annealing_kd_loss(logits, teacher, temperature, c.temperature)
-        return label_reg_loss(logits, batch["labels"], c.target, alpha=c.alpha, a=c.a, temperature=c.temperature,
+        return labelreg_loss(logits, batch["labels"], c.target, alpha=c.alpha, a=c.a, temperature=c.temperature,
                               tau_squared=c.tau_squared, teacher_logits=teacher)
 
 
@@ -244,7 +244,7 @@ class SeedTraining:
         optimizer = torch.optim.Adamax(param_groups(model.named_parameters(), f.weight_decay), lr=lr,
                                        betas=tuple(f.betas), eps=f.eps)
         schedule = ScheduleConfig(warmup_steps=round(f.warmup_frac * self.total), decay="linear")
-        self.unit = Unit(name=UNIT, task=ClassifierTask(model, objective), model=model, optimizer=optimizer,
+        self.unit = Unit(name=UNIT, loss_module=ClassifierLoss(model, objective), model=model, optimizer=optimizer,
                          scheduler=build_scheduler(optimizer, schedule, self.total), clip_norm=f.clip_norm)
         runtime.backend.wrap_units([self.unit], 1)
         self.layout = ClassifierLayout(self.unit)
@@ -534,7 +534,7 @@ def summarize(results: list[SeedResult], run_dir: Path, headline: str,
             columns.setdefault(k, []).append(v)
     columns.update(extra or {})
     summary = {"seeds": [r.seed for r in results], "headline": headline,
-               "metrics": {k: mean_std(v) for k, v in columns.items()},
+               "metrics": {k: mean_std_record(v) for k, v in columns.items()},
                **({"lr": lr_record} if lr_record else {}),
                "dev_curve": {str(r.seed): r.curve for r in results}}
     if not write:
@@ -565,7 +565,7 @@ def run_finetune(cfg: FinetuneConfig, runtime: Runtime) -> dict:
                                                        cfg.task.num_labels, cfg.finetune.eval_batch_size, runtime)
             if lr.target == "selfkd":
                 check_same_architecture(model, lr.teacher)
-        return LabelRegObjective(lr, cfg.task.num_labels, teacher_logits.get(train))
+        return LabelregObjective(lr, cfg.task.num_labels, teacher_logits.get(train))
 
     results, _, _, lr_record = run_seeds(cfg, run_dir, cfg.model, make_objective, runtime)
     return summarize(results, run_dir, cfg.metric, lr_record=lr_record, write=runtime.is_main)

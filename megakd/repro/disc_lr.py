@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from megakd.repro.report import FindingReport, mean_std, pyplot, save_figure
+from megakd.repro.report import FindingReport, mean_std_text, pyplot, save_figure
 from megakd.repro.runs import (
     FULL_FINETUNE,
     PRETRAIN_RECIPE,
@@ -58,7 +58,7 @@ def declare(run: FindingRun) -> ReportFn:
                               "acc": seed_values(run.result(tuned))}
         verdict, reason = verdict_of(measured)
         table = [[f"×{m:g}", f"{base_lr * m:.3g}", f"{measured[m]['rtd_f1']:.3f}", f"{measured[m]['gen_acc']:.3f}",
-                  mean_std(measured[m]["acc"])] for m in MULTIPLIERS]
+                  mean_std_text(measured[m]["acc"])] for m in MULTIPLIERS]
         plot = _plot(measured, base_lr, run.out_dir / "repro" / "disc_lr.png")
         setup = (f"`{run.command}`: `{run.recipe.name}` (DecoupledOptim) for {steps} steps with the discriminator "
                  f"LR {', '.join(f'×{m:g}' for m in MULTIPLIERS)} of the recipe's {base_lr:g} (generator LR "

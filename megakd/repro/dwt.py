@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megakd.repro.report import FindingReport, mean_std, pyplot, save_figure
+from megakd.repro.report import FindingReport, mean_std_text, pyplot, save_figure
 from megakd.repro.runs import (
     CONFIGS,
     FindingRun,
@@ -75,8 +75,8 @@ def declare(run: FindingRun) -> ReportFn:
                  "weak, remapped": f"{TEACHERS['weak']} × {width}, remapped into the student"}
         table = [[arm, sizes.get(arm, "—"),
                   f"{tail_mean(teacher_rows[arm], 'gen_loss'):.3f}" if arm in teachers else "—",
-                  mean_std(m["loss"]), mean_std([b - a for a, b in zip(m["loss"], measured["none"]["loss"])]),
-                  mean_std(m["acc"]), mean_std(m["probe"]), PAPER_GAINS.get(arm, "0 (79.89)")]
+                  mean_std_text(m["loss"]), mean_std_text([b - a for a, b in zip(m["loss"], measured["none"]["loss"])]),
+                  mean_std_text(m["acc"]), mean_std_text(m["probe"]), PAPER_GAINS.get(arm, "0 (79.89)")]
                  for arm, m in measured.items()]
         verdict, reason = verdict_of(measured)
         plot = _plot(measured, run.out_dir / "repro" / "dwt.png")

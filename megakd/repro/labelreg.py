@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megakd.repro.report import FindingReport, mean_std, pyplot, save_figure
+from megakd.repro.report import FindingReport, mean_std_text, pyplot, save_figure
 from megakd.repro.runs import (
     FULL_FINETUNE,
     PRETRAIN_RECIPE,
@@ -69,7 +69,7 @@ def declare(run: FindingRun) -> ReportFn:
         for init, by_method in measured.items():
             for method, values in by_method.items():
                 effect = "—" if method == "fine-tune" else compare(values, by_method["fine-tune"])[1].describe()
-                table.append([init, method, mean_std(values), effect])
+                table.append([init, method, mean_std_text(values), effect])
         verdict, reason = verdict_of(measured)
         plot = _plot(measured, run.out_dir / "repro" / "labelreg.png")
         setup = (f"`{run.command}`: RT, `configs/finetune-rt.yaml` defaults ({epochs} epoch{'s' if epochs > 1 else ''}, "

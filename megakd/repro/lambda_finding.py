@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 
 from megakd.config import load_config
-from megakd.engine.metrics import read_metrics
 from megakd.engine.pretrain import build_trainer
-from megakd.repro.report import FindingReport, mean_std, pyplot, save_figure
+from megakd.engine.runlog import read_metrics
+from megakd.repro.report import FindingReport, mean_std_text, pyplot, save_figure
 from megakd.repro.runs import CONFIGS, FindingRun, ReportFn, Settings
 
 RECIPE = CONFIGS / "electra-tiny.yaml"
@@ -130,7 +130,7 @@ def declare(run: FindingRun) -> ReportFn:
                 m = measured.setdefault((mode, lam), {"all": [], "generator": [], "gen_loss": [], "disc_loss": []})
                 for k in m:
                     m[k].append(values[k])
-        rows = [[mode, f"{lam:g}", *(mean_std(measured[mode, lam][k]) for k in ("all", "generator", "gen_loss",
+        rows = [[mode, f"{lam:g}", *(mean_std_text(measured[mode, lam][k]) for k in ("all", "generator", "gen_loss",
                                                                                "disc_loss"))]
                 for mode in MODES for lam in LAMBDAS[1:]]
         plot = _plot(measured, run.out_dir / "repro" / "lambda.png")

@@ -59,7 +59,7 @@ class FindingReport:
         return "\n".join(parts)
 
 
-def mean_std(values: list[float]) -> str:
+def mean_std_text(values: list[float]) -> str:
     """`mean ± std` (population std over seeds) in 3 significant digits."""
     mean = sum(values) / len(values)
     std = math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))

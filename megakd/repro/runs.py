@@ -35,8 +35,8 @@ import torch
 
 from megakd.bench.flops import StepFlops, encoder_flops_per_token, step_flops
 from megakd.config import Config, load_config
-from megakd.engine.metrics import read_metrics
 from megakd.engine.pretrain import run_distill, run_pretraining
+from megakd.engine.runlog import read_metrics
 from megakd.finetune.config import FinetuneConfig
 from megakd.finetune.jobs import run_job
 from megakd.finish import finish_config

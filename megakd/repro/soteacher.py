@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megakd.repro.report import FindingReport, mean_std, pyplot, save_figure
+from megakd.repro.report import FindingReport, mean_std_text, pyplot, save_figure
 from megakd.repro.runs import (
     CONFIGS,
     FULL_FINETUNE,
@@ -48,7 +48,7 @@ def declare(run: FindingRun) -> ReportFn:
                            for k, v in run.result(job)[part]["metrics"].items()} for name, job in tuned.items()}
         columns = ["teacher.accuracy", "teacher.ece", "teacher.nll", "teacher.ece_ts", "teacher.nll_ts",
                    "student.accuracy", "student.agreement"]
-        table = [[name, *(mean_std(m[c]) for c in columns)] for name, m in measured.items()]
+        table = [[name, *(mean_std_text(m[c]) for c in columns)] for name, m in measured.items()]
         verdict, reason = verdict_of(measured)
         plot = _plot(measured, run.out_dir / "repro" / "soteacher.png")
         setup = (f"`{run.command}`: `configs/soteacher-rt.yaml` (λ_LR 1e-5, λ_CR 1 linear, {epochs} epochs; "

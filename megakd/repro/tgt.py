@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megakd.repro.report import FindingReport, mean_std, pyplot, save_figure
+from megakd.repro.report import FindingReport, mean_std_text, pyplot, save_figure
 from megakd.repro.runs import (
     CONFIGS,
     FULL_FINETUNE,
@@ -53,7 +53,7 @@ def declare(run: FindingRun) -> ReportFn:
 
     def report() -> FindingReport:
         measured = {arm: seed_values(run.result(job)) for arm, job in arms.items()}
-        table = [[arm, mean_std(values), "—" if arm == "KD" else compare(values, measured["KD"])[1].describe()]
+        table = [[arm, mean_std_text(values), "—" if arm == "KD" else compare(values, measured["KD"])[1].describe()]
                  for arm, values in measured.items()]
         verdict, reason = verdict_of(measured)
         plot = _plot(measured, run.out_dir / "repro" / "tgt.png")

@@ -41,8 +41,7 @@ import yaml
 from safetensors.torch import load_file, load_model, save_model
 from torch import Tensor, nn
 
-from megakd.data.hf_tokenizer import HF_TOKENIZER_FILES, HFTokenizer
-from megakd.data.tokenizer import Tokenizer, copy_tokenizer
+from megakd.data.tokenizer import HF_TOKENIZER_FILES, HFTokenizer, Tokenizer, copy_tokenizer
 from megakd.fsutil import atomic_output_dir
 from megakd.models.electra import Discriminator, MaskedLM, SequenceClassifier
 from megakd.models.encoder import COMPUTE_FIELDS, Encoder, EncoderConfig

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.utils.flop_counter import FlopCounterMode, addmm_flop, sdpa_flop, sdpa_flop_count
 
-from megakd.engine.tasks import DiscriminatorTask, GeneratorTask
+from megakd.engine.losses import DiscriminatorLoss, GeneratorLoss
 from megakd.objectives.electra import corrupt
 
 
@@ -29,7 +29,7 @@ def flop_counter() -> FlopCounterMode:
 
 def counted_electra_step(generator, discriminator, batch: dict) -> dict[str, int]:
     """Counted FLOPs of one ELECTRA micro-step on `batch`: generator and discriminator, forward and backward."""
-    gen_task, disc_task = GeneratorTask(generator, "torch"), DiscriminatorTask(discriminator, "torch")
+    gen_task, disc_task = GeneratorLoss(generator, "torch"), DiscriminatorLoss(discriminator, "torch")
     counted = {}
     with flop_counter() as c:
         out = gen_task(batch)

@@ -11,7 +11,7 @@ from megakd.bench.flops import step_flops
 from megakd.bench.memory import GiB, parameter_counts
 from megakd.bench.planner import (
     GPUS,
-    Layout,
+    ParallelPlan,
     evaluate,
     hardware_from_bench,
     model_flops,
@@ -40,17 +40,17 @@ def test_partition_minimises_the_largest_stage():
 
 
 def test_single_gpu_step_is_flops_over_peak(base):
-    p = evaluate(base, GPUS["a100"], 1, 80, Layout(0, 1, 8, False), efficiency=0.5)
+    p = evaluate(base, GPUS["a100"], 1, 80, ParallelPlan(0, 1, 8, False), efficiency=0.5)
     assert p.comm_s == 0 and p.accumulation == 256
     assert p.step_s == pytest.approx(step_flops(base, 2048).hardware / (312e12 * 0.5), rel=1e-9)
 
 
 def test_communication_grows_with_zero_stage_and_checkpointing_costs_compute(base):
     hw = GPUS["a100"]
-    z = {s: evaluate(base, hw, 64, 80, Layout(s, 1, 8, False)) for s in range(4)}
+    z = {s: evaluate(base, hw, 64, 80, ParallelPlan(s, 1, 8, False)) for s in range(4)}
     assert z[0].comm_s == pytest.approx(z[1].comm_s) and z[1].comm_s < z[2].comm_s < z[3].comm_s
     assert z[0].memory["total"] > z[1].memory["total"] > z[2].memory["total"] > z[3].memory["total"]
-    ck = evaluate(base, hw, 64, 80, Layout(1, 1, 8, True))
+    ck = evaluate(base, hw, 64, 80, ParallelPlan(1, 1, 8, True))
     assert ck.memory["activations"] < z[1].memory["activations"] / 4 and ck.compute_s > z[1].compute_s
 
 

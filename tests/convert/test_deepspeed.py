@@ -21,8 +21,8 @@ from tests.helpers import TINY_VOCAB, tiny_overrides
 CONFIG = Path(__file__).parents[2] / "configs" / "electra-tiny.yaml"
 
 
-class _Task(nn.Module):
-    """Shaped like the DeepSpeed backend's task modules: the model sits under `.model`."""
+class _Loss(nn.Module):
+    """Shaped like the DeepSpeed backend's loss modules: the model sits under `.model`."""
 
     def __init__(self, model: MaskedLM):
         super().__init__()
@@ -56,10 +56,10 @@ def _deepspeed_checkpoint(tiny_data, run: Path, stage: int) -> tuple[Path, torch
                                                                  "backend.zero_stage": stage}))
     torch.manual_seed(0)
     model = MaskedLM(cfg.model.generator)
-    task = _Task(model)
+    loss_module = _Loss(model)
     ds_config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
                  "gradient_clipping": 1.0, "zero_optimization": {"stage": stage}}
-    engine, *_ = deepspeed.initialize(model=task, optimizer=torch.optim.AdamW(task.parameters(), lr=1e-2),
+    engine, *_ = deepspeed.initialize(model=loss_module, optimizer=torch.optim.AdamW(loss_module.parameters(), lr=1e-2),
                                       config=ds_config)
     ids = torch.randint(5, TINY_VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
     engine.backward(engine(ids))

@@ -16,8 +16,8 @@ from megakd.cli import main as cli_main
 from megakd.config import ConfigError, load_config
 from megakd.convert import from_hf, save_model_dir, to_hf
 from megakd.data.tokenizer import Tokenizer, train_tokenizer
+from megakd.engine.losses import GeneratorLoss, TeacherKD
 from megakd.engine.pretrain import build_models, build_trainer, run_distill, run_pretraining
-from megakd.engine.tasks import GeneratorTask, TeacherKD
 from megakd.finish import finish_config
 from megakd.models.electra import MaskedLM
 from megakd.models.encoder import EncoderConfig
@@ -83,13 +83,13 @@ def test_alpha_schedules():
 
 
 def test_one_dwt_step_equals_autograd_of_reference_loss():
-    """Student gradient of α_h·CE + α_s·τ²·KL through GeneratorTask == autograd of a dense float64 reference."""
+    """Student gradient of α_h·CE + α_s·τ²·KL through GeneratorLoss == autograd of a dense float64 reference."""
     student, teacher = _mlm(16, 2, embedding_size=8), _mlm(12, 1, seed=1)
     teacher.eval().requires_grad_(False)
     before = {k: v.clone() for k, v in teacher.state_dict().items()}
     tau, alpha_h = 2.0, 0.7
     kd = TeacherKD(teacher, tau, alpha_h, 4.0, 1.0, "linear", max_steps=5)
-    task = GeneratorTask(student, kernel_backend="torch", kd=kd)
+    task = GeneratorLoss(student, kernel_backend="torch", kd=kd)
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(5, V, (3, 16), generator=g)
     attn = torch.ones(3, 16, dtype=torch.bool)
@@ -180,7 +180,7 @@ def test_dwt_run_kd_loss_falls_teacher_frozen(tiny_data, tmp_path, teacher_run):
     cfg = _student_cfg(tiny_data, tmp_path / "student", teacher_run, **{"train.max_steps": steps,
                                                                          "optim.generator.lr": 3e-3})
     trainer = build_trainer(cfg)
-    teacher = trainer.units["generator"].task.kd.teacher
+    teacher = trainer.units["generator"].loss_module.kd.teacher
     before = {k: v.clone() for k, v in teacher.state_dict().items()}
     trainer.train()
     rows = _metrics(tmp_path / "student")
@@ -195,7 +195,7 @@ def test_dwt_run_kd_loss_falls_teacher_frozen(tiny_data, tmp_path, teacher_run):
     assert not teacher.training
     assert all(p.grad is None and not p.requires_grad for p in teacher.parameters())
     assert all(torch.equal(v, teacher.state_dict()[k]) for k, v in before.items())
-    assert not any(k.startswith("teacher") for k in trainer.units["generator"].task.state_dict())
+    assert not any(k.startswith("teacher") for k in trainer.units["generator"].loss_module.state_dict())
 
 
 def test_dwt_into_electra_generator_and_remap_via_cli(tiny_data, tmp_path, teacher_run):
@@ -219,7 +219,7 @@ def test_dwt_into_electra_generator_and_remap_via_cli(tiny_data, tmp_path, teach
         "distill.init": "remap", "model.generator.hidden_size": 64, "model.generator.intermediate_size": 128,
         "model.generator.num_heads": 4, "model.generator.num_layers": 1, "model.generator.dropout": 0.0})
     trainer = build_trainer(cfg)
-    student, teacher = trainer.units["generator"].model.eval(), trainer.units["generator"].task.kd.teacher
+    student, teacher = trainer.units["generator"].model.eval(), trainer.units["generator"].loss_module.kd.teacher
     ids = torch.randint(5, 512, (2, 20))
     torch.testing.assert_close(student.logits(ids), teacher.logits(ids), rtol=1e-4, atol=1e-4)
 

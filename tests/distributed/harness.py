@@ -16,8 +16,8 @@ import torch
 from megakd.config import load_config
 from megakd.data.stream import PretrainingLoader
 from megakd.data.tokenizer import Tokenizer
-from megakd.engine.metrics import read_metrics as read_metrics_file
 from megakd.engine.pretrain import build_trainer
+from megakd.engine.runlog import read_metrics as read_metrics_file
 from megakd.store.checkpoint import latest_checkpoint
 from megakd.store.checkpoint_models import read_unit_state
 

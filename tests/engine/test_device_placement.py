@@ -10,7 +10,7 @@ from megakd.config import load_config
 from megakd.convert.export import save_hf_model
 from megakd.data.stream import PretrainingLoader
 from megakd.data.tokenizer import Tokenizer
-from megakd.engine.backends import Backend
+from megakd.engine.backends import SingleProcessBackend
 from megakd.engine.device_audit import SIMULATED, MixedDeviceError, SimulatedTensor, simulated_cuda
 from megakd.engine.pretrain import build_trainer
 from megakd.engine.probe import Probe
@@ -18,7 +18,7 @@ from megakd.engine.validation import Validator
 from tests.helpers import tiny_overrides
 
 # Per micro-batch: the masked positions of the sparse generator head (megakd/objectives/electra.py
-# masked_positions) and the fused CE's target range check (kernels/linear_kl.py _check_target).
+# masked_positions) and the fused CE's target range check (kernels/linear_head.py _check_target).
 # Per step: the finite-loss check and the units' gradient norms (megakd/engine/backends.py).
 SYNCS_PER_MICRO_BATCH, SYNCS_PER_STEP = 2, 2
 
@@ -37,7 +37,7 @@ def simulated(tiny_data, tmp_path_factory):
     """An electra-tiny trainer on the simulated cuda:0 after two steps, and the second step's sync counter."""
     cfg = _cfg(tiny_data, tmp_path_factory.mktemp("sim") / "run")
     with simulated_cuda() as syncs:
-        trainer = build_trainer(cfg, backend=Backend("fp32", SIMULATED))
+        trainer = build_trainer(cfg, backend=SingleProcessBackend("fp32", SIMULATED))
         batches = iter(trainer.loader)
         assert trainer.train_step(batches) is not None
         before = syncs.sites.copy()
@@ -64,11 +64,11 @@ def test_instrument_raises_on_mixed_devices_and_counts_syncs():
 def test_instrument_catches_a_model_left_on_the_cpu(tiny_data, tmp_path):
     """The bug the single backend had: batches on the GPU, the model on the CPU."""
 
-    class Unmoved(Backend):
+    class Unmoved(SingleProcessBackend):
         def wrap_units(self, units, accumulation_steps):
             self.accumulation_steps = accumulation_steps
             for unit in units:
-                unit.wrapped = unit.task
+                unit.wrapped = unit.loss_module
 
     with simulated_cuda(), pytest.raises(MixedDeviceError):
         trainer = build_trainer(_cfg(tiny_data, tmp_path / "run"), backend=Unmoved("fp32", SIMULATED))

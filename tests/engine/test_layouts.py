@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from megakd.config import load_config
-from megakd.engine.backends import Backend, StepContext
+from megakd.engine.backends import SingleProcessBackend
 from megakd.engine.layouts import DecoupledElectra, JointElectra, MaskedLMOnly, layout_class
 from megakd.engine.pretrain import build_trainer
+from megakd.engine.units import StepContext
 from megakd.store import StoreError
 from megakd.store.checkpoint import latest_checkpoint
 from megakd.store.checkpoint_models import load_checkpoint
@@ -21,7 +22,7 @@ LAYOUTS = {"decoupled": ({}, DecoupledElectra, ["generator", "discriminator"]),
            "mlm": ({"model.objective": "mlm"}, MaskedLMOnly, ["generator"])}
 
 
-class _CountingBackend(Backend):
+class _CountingBackend(SingleProcessBackend):
     """The single backend, counting the all-reduces a step issues."""
 
     def __init__(self, precision: str):
@@ -57,7 +58,7 @@ def test_layout_units_steps_and_checkpoints(tiny_data, tmp_path, name):
     assert result.stop and not result.interrupted and result.skipped is None
     assert set(result.norms) == set(units) and all(n > 0 for n in result.norms.values())
     assert len(tokens_read) == backend.accumulation_steps and float(result.stats["tokens"]) == sum(tokens_read)
-    metrics = trainer.layout.metrics({k: float(v) for k, v in result.stats.items()})
+    metrics = trainer.layout.ratios({k: float(v) for k, v in result.stats.items()})
     assert ("rtd_f1" in metrics) == (name != "mlm") and 0 <= metrics["gen_acc"] <= 1
     trainer.train()  # the second step, then the final checkpoint
     models = load_checkpoint(latest_checkpoint(tmp_path / "run"))

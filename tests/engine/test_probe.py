@@ -11,7 +11,7 @@ from scipy.optimize import minimize
 
 from megakd.config import load_config
 from megakd.engine.pretrain import build_trainer
-from megakd.objectives.logreg import fit_logistic_regression, predict_logistic_regression
+from megakd.models.logreg import fit_logistic_regression, predict_logistic_regression
 from tests.helpers import tiny_overrides
 
 PROBE = {"train.probe_fit_examples": 120, "train.probe_eval_examples": 60, "train.probe_max_seq_len": 48}

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from megakd.config import load_config
+from megakd.engine.losses import GeneratorLoss
 from megakd.engine.pretrain import build_trainer
-from megakd.engine.tasks import GeneratorTask
 from megakd.models.electra import MaskedLM
 from megakd.models.encoder import EncoderConfig
 from megakd.objectives.electra import SamplingTemperature
@@ -39,10 +39,10 @@ def test_generator_draws_at_a_step_what_a_constant_temperature_draws():
     mask = torch.rand(3, 24) < 0.4
     batch = {"input_ids": ids, "masked_input_ids": ids.masked_fill(mask, 4), "mlm_mask": mask,
              "attention_mask": torch.ones_like(ids)}
-    annealed = GeneratorTask(model, "torch", SamplingTemperature(4.0, 1.0, 6))
+    annealed = GeneratorLoss(model, "torch", SamplingTemperature(4.0, 1.0, 6))
     samples = {}
     for step, temperature in ((0, 4.0), (2, 3.0), (6, 1.0), (50, 1.0)):
-        constant = GeneratorTask(model, "torch", temperature)
+        constant = GeneratorLoss(model, "torch", temperature)
         a = annealed(batch, torch.Generator().manual_seed(7), step)
         b = constant(batch, torch.Generator().manual_seed(7), step)
         assert torch.equal(a["samples"], b["samples"]), step

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from megakd.cli import main
-from megakd.engine.metrics import MetricsWriter
+from megakd.engine.runlog import MetricsWriter
 from megakd.store import checkpoint
 from megakd.store.files import StoreError, load_state
 from megakd.store.rundir import RunDirLock, check_changes

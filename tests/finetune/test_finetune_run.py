@@ -75,7 +75,7 @@ def test_every_source_gives_the_same_encoder(pretrained_run, tmp_path):
 
 
 @pytest.mark.slow
-def test_seeds_are_reproducible_and_label_reg_runs(pretrained_run, finetuned, tmp_path):
+def test_seeds_are_reproducible_and_labelreg_runs(pretrained_run, finetuned, tmp_path):
     teacher = finetuned / "seed_0" / "model"
     runs = {}
     ls = ["labelreg.target=ls", "labelreg.alpha=0.1"]

@@ -74,9 +74,9 @@ def _check(out, ref, inputs, backend, act, weight):
 def blocks(request, monkeypatch):
     """The head kernels at the interpreter's small tiles and at the tiles a GPU compiles (64 x 128 x 32)."""
     if request.param == "gpu-blocks":
-        from megakd.kernels import linear_kl_triton
+        from megakd.kernels import linear_head_triton
 
-        monkeypatch.setattr(linear_kl_triton, "_blocks", lambda: linear_kl_triton.GPU_BLOCKS)
+        monkeypatch.setattr(linear_head_triton, "_blocks", lambda: linear_head_triton.GPU_BLOCKS)
     return request.param
 
 
@@ -186,9 +186,9 @@ def test_sampling_distribution_every_dtype(backend, combo):
 @pytest.mark.parametrize("combo", ["fp32", "bf16"])
 def test_cross_entropy_at_128k_vocabulary(backend, combo, monkeypatch):
     """The production vocabulary (128,000 = 1,000 GPU tiles): no overflow of an index or a sum."""
-    from megakd.kernels import linear_kl_triton
+    from megakd.kernels import linear_head_triton
 
-    monkeypatch.setattr(linear_kl_triton, "_blocks", lambda: linear_kl_triton.GPU_BLOCKS)
+    monkeypatch.setattr(linear_head_triton, "_blocks", lambda: linear_head_triton.GPU_BLOCKS)
     act, wdt = DTYPES[combo]
     g = torch.Generator().manual_seed(0)
     n, h, v = 5, 8, 128_000
@@ -229,7 +229,7 @@ def test_reference_philox_matches_random123_known_answers():
 def test_sampler_uniforms_are_philox_of_row_and_column(backend):
     """The Gumbel noise's uniforms are 53 bits from words 0 and 1 of Philox(counter=(col, row, 0, 0),
     key=seed): one fixed stream for any Triton version and any tiling."""
-    from megakd.kernels.linear_kl_triton import sampler_uniforms
+    from megakd.kernels.linear_head_triton import sampler_uniforms
 
     seed, rows, vocab = 1_234_567, 19, 45
     got = sampler_uniforms(seed, rows, vocab, torch.device("cpu")).numpy()

@@ -2,8 +2,8 @@
 
 Backends require the loss to come out of a module's `forward` so their gradient hooks and
 accumulation logic see the whole computation; the math itself lives in `megakd.objectives`.
-Each task returns its loss plus detached statistics as *sums/counts*, so the trainer can sum
-them over micro-batches and ranks before dividing; the task's `metrics` turns those sums into
+Each loss module returns its loss plus detached statistics as *sums/counts*, so the trainer can sum
+them over micro-batches and ranks before dividing; the module's `ratios` turns those sums into
 the logged ratios, so a statistic's name and its meaning live in one class.
 """
 
@@ -33,8 +33,8 @@ from megakd.objectives.electra import (
 class TeacherKD:
     """DWT's frozen teacher and weights: loss = α_h·CE + α_s(t)·τ²·KL(p_teacher^τ ‖ p_student^τ).
 
-    A plain object, not an nn.Module, so the teacher is no submodule of the task: backends
-    (DDP, DeepSpeed ZeRO-3) never wrap, shard or synchronise it, `task.train()` never switches
+    A plain object, not an nn.Module, so the teacher is no submodule of the loss module: backends
+    (DDP, DeepSpeed ZeRO-3) never wrap, shard or synchronise it, `loss.train()` never switches
     it out of eval mode and checkpoints hold the student only.
     """
 
@@ -53,7 +53,7 @@ class TeacherKD:
                               self.step_at)
 
 
-class GeneratorTask(nn.Module):
+class GeneratorLoss(nn.Module):
     """MLM over masked positions (sparse head) + sampling of replacement tokens.
 
     With a `TeacherKD` this is DWT: the teacher sees the same masked input and the KL runs over
@@ -115,7 +115,7 @@ class GeneratorTask(nn.Module):
         return {"loss": loss, "samples": samples, "argmax": argmax, "positions": positions, "stats": stats}
 
     @staticmethod
-    def metrics(s: dict[str, float]) -> dict[str, float]:
+    def ratios(s: dict[str, float]) -> dict[str, float]:
         """gen_loss (CE per masked token), gen_acc; with an annealed temperature the interval's mean
         sampling_temperature; under DWT kd_loss (τ²·KL per masked token), the interval's mean
         alpha_soft and, in validation, teacher_agreement."""
@@ -132,7 +132,7 @@ class GeneratorTask(nn.Module):
         return out
 
 
-class DiscriminatorTask(nn.Module):
+class DiscriminatorLoss(nn.Module):
     """RTD over all non-padding tokens of the corrupted sequence (`segment_ids` for packed samples)."""
 
     def __init__(self, model: Discriminator, kernel_backend: str = "auto"):
@@ -156,7 +156,7 @@ class DiscriminatorTask(nn.Module):
         return {"loss": loss, "logits": logits, "stats": stats}
 
     @staticmethod
-    def metrics(s: dict[str, float]) -> dict[str, float]:
+    def ratios(s: dict[str, float]) -> dict[str, float]:
         """disc_loss (BCE per non-padding token), disc_acc, RTD precision/recall/F1, replaced_frac."""
         if not s.get("rtd_tokens"):
             return {}
@@ -165,7 +165,7 @@ class DiscriminatorTask(nn.Module):
                 "rtd_precision": p, "rtd_recall": r, "rtd_f1": f1, "replaced_frac": s["replaced"] / s["rtd_tokens"]}
 
 
-class JointElectraTask(nn.Module):
+class JointElectraLoss(nn.Module):
     """Original ELECTRA: one module, one optimizer, loss L_MLM + λ·L_RTD, shared embeddings allowed.
 
     `unweighted=True` returns L_MLM/λ + L_RTD instead, for a unit whose loss_scale is λ: the
@@ -178,28 +178,28 @@ class JointElectraTask(nn.Module):
                  unweighted: bool = False):
         super().__init__()
         self.model = pair
-        # The per-model tasks share the pair's parameters. A tuple keeps them out of the module tree,
+        # The per-model losses share the pair's parameters. A tuple keeps them out of the module tree,
         # so a wrapping engine's state dict names each parameter once, as "model.*" (what
         # megakd.convert reads from DeepSpeed checkpoints).
-        self._tasks = (GeneratorTask(pair.generator, kernel_backend, temperature, kd),
-                       DiscriminatorTask(pair.discriminator, kernel_backend))
+        self._parts = (GeneratorLoss(pair.generator, kernel_backend, temperature, kd),
+                       DiscriminatorLoss(pair.discriminator, kernel_backend))
         self.loss_weight = loss_weight
         self.unweighted = unweighted
 
     @property
-    def tasks(self) -> tuple[GeneratorTask, DiscriminatorTask]:
-        return self._tasks
+    def parts(self) -> tuple[GeneratorLoss, DiscriminatorLoss]:
+        return self._parts
 
-    def train(self, mode: bool = True) -> JointElectraTask:
-        for task in self._tasks:  # outside the module tree, so `nn.Module.train` would not reach them
-            task.train(mode)
+    def train(self, mode: bool = True) -> JointElectraLoss:
+        for part in self._parts:  # outside the module tree, so `nn.Module.train` would not reach them
+            part.train(mode)
         return super().train(mode)
 
     def forward(self, batch: dict[str, torch.Tensor], rng: torch.Generator | None = None, step: int = 0) -> dict:
-        generator_task, discriminator_task = self._tasks
-        gen = generator_task(batch, rng, step)
+        generator_loss, discriminator_loss = self._parts
+        gen = generator_loss(batch, rng, step)
         corrupted = corrupt(batch["input_ids"], batch["mlm_mask"], gen["samples"], gen["positions"])
-        disc = discriminator_task(corrupted, batch["input_ids"], batch["attention_mask"], batch.get("segment_ids"))
+        disc = discriminator_loss(corrupted, batch["input_ids"], batch["attention_mask"], batch.get("segment_ids"))
         loss = gen["loss"] / self.loss_weight + disc["loss"] if self.unweighted else \
             gen["loss"] + self.loss_weight * disc["loss"]
         return {

@@ -8,7 +8,7 @@ from megakd.kernels import (
     fused_linear_kl_reference,
     fused_linear_sample,
     fused_linear_sample_reference,
-    linear_kl,
+    linear_head,
 )
 from scipy.stats import chi2
 
@@ -22,14 +22,14 @@ SHAPES = [(1, 5, 7), (37, 21, 83), (70, 40, 300), (32, 16, 64)]
 def chunk_elems(request, monkeypatch):
     """Run the torch path with its default chunking and with chunks of a few rows."""
     if request.param is not None:
-        monkeypatch.setattr(linear_kl, "_CHUNK_ELEMS", request.param)
+        monkeypatch.setattr(linear_head, "_CHUNK_ELEMS", request.param)
 
 
 @pytest.fixture(params=["torch", "torch-small-chunks", BACKENDS[1]])
 def backend_any(request, monkeypatch):
     """Each backend once, plus the torch path forced to process a few rows per chunk."""
     if request.param == "torch-small-chunks":
-        monkeypatch.setattr(linear_kl, "_CHUNK_ELEMS", 500)
+        monkeypatch.setattr(linear_head, "_CHUNK_ELEMS", 500)
         return "torch"
     return request.param
 
@@ -228,7 +228,7 @@ def test_torch_path_never_allocates_tokens_by_vocab(op, monkeypatch):
     """The largest allocation of any op stays far below one [N x V] tensor (the naive path makes several)."""
     from torch.profiler import ProfilerActivity, profile
 
-    monkeypatch.setattr(linear_kl, "_CHUNK_ELEMS", 1 << 14)  # 3 rows per chunk at V = 5000
+    monkeypatch.setattr(linear_head, "_CHUNK_ELEMS", 1 << 14)  # 3 rows per chunk at V = 5000
     g = torch.Generator().manual_seed(0)
     n, h, v = 64, 16, 5000
     hidden, weight = _randn(g, n, h).requires_grad_(True), _randn(g, v, h).requires_grad_(True)

@@ -403,7 +403,7 @@ def fused_linear_kl(
         t_weight, t_bias = _as_activation_dtype(t_hidden, t_weight, t_bias)
         return _ChunkedLinearKL.apply(student_hidden, student_weight, student_bias, t_hidden, t_weight, t_bias,
                                       float(temperature))
-    from .linear_kl_triton import linear_kl_triton
+    from .linear_head_triton import linear_kl_triton
 
     return linear_kl_triton(student_hidden, student_weight, student_bias, *teacher, float(temperature))
 
@@ -426,7 +426,7 @@ def fused_linear_cross_entropy(
     if resolve_backend(backend, hidden.device, op) == "torch":
         weight, bias = _as_activation_dtype(hidden, weight, bias)
         return _ChunkedLinearCE.apply(hidden, weight, bias, target.long(), int(ignore_index), None)
-    from .linear_kl_triton import linear_cross_entropy_triton
+    from .linear_head_triton import linear_cross_entropy_triton
 
     return linear_cross_entropy_triton(hidden, weight, bias, target, int(ignore_index))
 
@@ -459,7 +459,7 @@ def fused_linear_cross_entropy_and_sample(
         draws = _Draws(hidden.shape[0], hidden.device, generator, float(temperature))
         loss = _ChunkedLinearCE.apply(hidden, weight, bias, target.long(), int(ignore_index), draws)
         return loss, draws.samples, draws.argmax
-    from .linear_kl_triton import linear_cross_entropy_triton, linear_sample_triton
+    from .linear_head_triton import linear_cross_entropy_triton, linear_sample_triton
 
     loss = linear_cross_entropy_triton(hidden, weight, bias, target, int(ignore_index))
     with torch.no_grad():
@@ -491,6 +491,6 @@ def fused_linear_sample(
     _check_generator(op, generator)
     if resolve_backend(backend, hidden.device, op) == "torch":
         return _sample_torch(hidden, *_as_activation_dtype(hidden, weight, bias), generator, float(temperature))
-    from .linear_kl_triton import linear_sample_triton
+    from .linear_head_triton import linear_sample_triton
 
     return linear_sample_triton(hidden, weight, bias, generator, float(temperature))

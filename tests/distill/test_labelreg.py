@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megakd.objectives.label_reg import label_reg_loss, smoothed_targets
+from megakd.objectives.labelreg import labelreg_loss, smoothed_targets
 
 K = 5
 
@@ -61,7 +61,7 @@ def _reference(logits, labels, target, alpha=0.0, a=0.95, tau=1.0, tau_sq=False,
 ])
 def test_loss_matches_float64_reference(target, kwargs):
     logits, teacher, labels = _inputs()
-    ours = label_reg_loss(logits, labels, target, teacher_logits=teacher, **kwargs)
+    ours = labelreg_loss(logits, labels, target, teacher_logits=teacher, **kwargs)
     ref = _reference(logits, labels, target, kwargs.get("alpha", 0.0), kwargs.get("a", 0.95),
                      kwargs.get("temperature", 1.0), kwargs.get("tau_squared", False), teacher)
     assert ours.item() == pytest.approx(ref, rel=1e-12, abs=1e-12)
@@ -84,7 +84,7 @@ def test_kd_at_tau_one_is_ce_against_mixed_targets():
         return -(mixed * F.log_softmax(x, -1)).sum(-1).mean()
 
     def kd(x):
-        return label_reg_loss(x, labels, "kd", alpha=alpha, teacher_logits=teacher)
+        return labelreg_loss(x, labels, "kd", alpha=alpha, teacher_logits=teacher)
 
     entropy = -(pt * pt.log()).sum(-1).mean()
     assert kd(logits).item() == pytest.approx((soft_ce(logits) - alpha * entropy).item(), abs=1e-12)
@@ -95,8 +95,8 @@ def test_tfreg_is_ls_with_reparameterised_alpha():
     """TF-reg(α, a) = LS(α') with α' = αK(1−a)/(K−1)."""
     logits, _, labels = _inputs(2)
     alpha, a = 0.5, 0.9
-    tf = label_reg_loss(logits, labels, "tfreg", alpha=alpha, a=a)
-    ls = label_reg_loss(logits, labels, "ls", alpha=alpha * K * (1 - a) / (K - 1))
+    tf = labelreg_loss(logits, labels, "tfreg", alpha=alpha, a=a)
+    ls = labelreg_loss(logits, labels, "ls", alpha=alpha * K * (1 - a) / (K - 1))
     assert tf.item() == pytest.approx(ls.item(), abs=1e-12)
     torch.testing.assert_close(smoothed_targets(labels, K, "tfreg", alpha, a, torch.float64),
                                smoothed_targets(labels, K, "ls", alpha * K * (1 - a) / (K - 1), dtype=torch.float64), rtol=0, atol=1e-15)
@@ -110,27 +110,27 @@ def test_targets_are_distributions_and_alpha_zero_is_onehot():
         assert (q > 0).all()
         assert torch.equal(smoothed_targets(labels, K, target, 0.0), smoothed_targets(labels, K, "onehot"))
     logits = _inputs(3)[0]
-    assert label_reg_loss(logits, labels, "kd", alpha=0.0, teacher_logits=teacher).item() == \
+    assert labelreg_loss(logits, labels, "kd", alpha=0.0, teacher_logits=teacher).item() == \
         pytest.approx(F.cross_entropy(logits, labels).item(), abs=1e-12)
 
 
 def test_teacher_gets_no_gradient_and_missing_teacher_is_an_error():
     logits, teacher, labels = _inputs(4)
     teacher = teacher.clone().requires_grad_(True)
-    label_reg_loss(logits.requires_grad_(True), labels, "kd", alpha=0.5, teacher_logits=teacher).backward()
+    labelreg_loss(logits.requires_grad_(True), labels, "kd", alpha=0.5, teacher_logits=teacher).backward()
     assert teacher.grad is None
     with pytest.raises(ValueError, match="needs teacher logits"):
-        label_reg_loss(logits, labels, "kd", alpha=0.5)
+        labelreg_loss(logits, labels, "kd", alpha=0.5)
     with pytest.raises(ValueError, match="labelreg.target"):
-        label_reg_loss(logits, labels, "mixup")
+        labelreg_loss(logits, labels, "mixup")
 
 
 def test_annealing_kd_schedule_and_loss_match_float64_reference():
     """Table 11's setting (τ_max 10, 20 phase-I epochs, 30 in all): T falls 10 → 1 over phase I, Φ(T) =
     1 − (T − 1)/τ_max scales the teacher's logits, phase II is CE on the labels."""
-    from megakd.finetune.config import LabelRegConfig
-    from megakd.finetune.trainer import LabelRegObjective
-    from megakd.objectives.label_reg import akd_temperature, annealing_kd_loss
+    from megakd.finetune.config import LabelregConfig
+    from megakd.finetune.trainer import LabelregObjective
+    from megakd.objectives.labelreg import akd_temperature, annealing_kd_loss
 
     temperatures = [akd_temperature(e, 20, 10.0) for e in range(30)]
     assert temperatures[0] == 10.0 and temperatures[19] == 1.0 and temperatures[20:] == [None] * 10
@@ -138,8 +138,8 @@ def test_annealing_kd_schedule_and_loss_match_float64_reference():
     assert akd_temperature(0, 1, 10.0) == 1.0  # one phase-I epoch: straight to the teacher's logits
 
     logits, teacher, labels = _inputs(3)
-    cfg = LabelRegConfig(target="akd", temperature=10.0, akd_phase1_epochs=20, teacher="t")
-    objective = LabelRegObjective(cfg, K, teacher)
+    cfg = LabelregConfig(target="akd", temperature=10.0, akd_phase1_epochs=20, teacher="t")
+    objective = LabelregObjective(cfg, K, teacher)
     batch = {"labels": labels, "row": torch.arange(len(labels))}
     z, zt = logits.numpy(), teacher.numpy()
     for epoch in (0, 7, 19):
@@ -153,7 +153,7 @@ def test_annealing_kd_schedule_and_loss_match_float64_reference():
     assert objective.loss_from_logits(logits, batch, 25).item() == pytest.approx(
         _reference(logits, labels, "onehot"), rel=1e-13)  # phase II
     with pytest.raises(ValueError, match="akd"):
-        label_reg_loss(logits, labels, "akd", teacher_logits=teacher)
+        labelreg_loss(logits, labels, "akd", teacher_logits=teacher)
 
 
 @pytest.mark.parametrize("overrides,match", [

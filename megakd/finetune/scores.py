@@ -134,7 +134,7 @@ def agreement(a_logits: np.ndarray, b_logits: np.ndarray) -> float:
     return float(np.mean(np.asarray(a_logits).argmax(-1) == np.asarray(b_logits).argmax(-1)))
 
 
-def mean_std(values: list[float]) -> dict[str, float | list[float]]:
+def mean_std_record(values: list[float]) -> dict[str, float | list[float]]:
     """Mean and sample standard deviation (ddof=1; 0 for one seed) of per-seed values."""
     arr = np.asarray(values, dtype=np.float64)
     return {"mean": float(arr.mean()), "std": float(arr.std(ddof=1)) if len(arr) > 1 else 0.0,

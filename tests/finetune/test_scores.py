@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from scipy.optimize import minimize_scalar
 from scipy.stats import spearmanr
 
-from megakd.finetune.metrics import (
+from megakd.finetune.scores import (
     accuracy,
     agreement,
     calibration_report,
@@ -19,7 +19,7 @@ from megakd.finetune.metrics import (
     f1,
     fit_temperature,
     mcc,
-    mean_std,
+    mean_std_record,
     nll,
     spearman,
 )
@@ -96,10 +96,10 @@ def test_temperature_scaling_recovers_the_overconfidence_factor():
     assert report["nll_ts"] < report["nll"] and report["ece_ts"] < report["ece"]
 
 
-def test_agreement_and_mean_std():
+def test_agreement_and_mean_std_record():
     a = np.array([[1.0, 0.0], [0.0, 1.0], [2.0, 1.0]])
     b = np.array([[0.0, 1.0], [0.0, 1.0], [3.0, 1.0]])
     assert agreement(a, b) == pytest.approx(2 / 3)
-    s = mean_std([1.0, 2.0, 4.0])
+    s = mean_std_record([1.0, 2.0, 4.0])
     assert s["mean"] == pytest.approx(7 / 3) and s["std"] == pytest.approx(np.std([1, 2, 4], ddof=1))
-    assert mean_std([5.0])["std"] == 0.0
+    assert mean_std_record([5.0])["std"] == 0.0

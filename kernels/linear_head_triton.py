@@ -1,4 +1,4 @@
-"""Triton kernels for :mod:`kernels.linear_kl` (imported lazily by the dispatcher).
+"""Triton kernels for :mod:`kernels.linear_head` (imported lazily by the dispatcher).
 
 Forward: one program per block of ``BLOCK_N`` rows walks the vocabulary in ``BLOCK_V`` tiles; each
 logit tile is a ``tl.dot`` over ``BLOCK_H`` slices of the hidden size and is folded into an online

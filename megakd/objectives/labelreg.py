@@ -14,7 +14,7 @@ Every method of Kobyzev et al. is "cross-entropy against a modified target":
   ‖z_s − Φ(T)·z_t‖² (summed over classes, batch mean), with no labels; T falls from τ_max in the
   first epoch to 1 in the last phase-I epoch, linearly over epochs (`akd_temperature`), so the
   target sharpens from z_t/τ_max to z_t. Phase II is plain CE on the labels. It is not a
-  smoothed-target CE, so it has its own functions below instead of a branch of `label_reg_loss`.
+  smoothed-target CE, so it has its own functions below instead of a branch of `labelreg_loss`.
 
 With τ = 1, ``kd`` equals H((1−α)q + α·p^t, p) minus the teacher's entropy (a constant), so it
 has the same gradient as the smoothed-target CE the paper writes; it is computed with the KL so
@@ -75,7 +75,7 @@ def smoothed_targets(labels: Tensor, num_classes: int, target: str, alpha: float
     raise ValueError(f"labelreg.target: expected one of onehot, ls, tfreg here, got {target!r}")
 
 
-def label_reg_loss(
+def labelreg_loss(
     logits: Tensor,
     labels: Tensor,
     target: str = "onehot",

@@ -1,6 +1,6 @@
 """Reading shards from an S3 API against local disk, side by side, and what each rank fetches.
 
-Starts moto's S3 server on a local socket (a dev dependency: `pip install -e ".[dev]"`), writes the
+Starts moto's S3 server in its own process on a local socket (a dev dependency: `pip install -e ".[dev]"`), writes the
 same seq-512 shards of the bundled corpus to local disk and to a bucket (each once in input order
 and once `--shuffle`d for `data.read_block`), then times the loader on both, the paths taking turns
 within each repeat so load on the machine falls on all alike. Prints samples/s per core (a
@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import logging
 import os
+import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -28,16 +30,25 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def start_s3() -> object:
-    """moto's S3 server in a thread; the AWS_* environment points every client (workers too) at it."""
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = ThreadedMotoServer(port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
+def start_s3() -> subprocess.Popen:
+    """moto's S3 server in its own process (so it does not share this process's GIL with the loader);
+    the AWS_* environment points every client (workers too) at it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1",
-                      AWS_ENDPOINT_URL=f"http://{host}:{port}")
+                      AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}")
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline or server.poll() is not None:
+                raise SystemExit(f"moto's S3 server did not start on port {port}") from None
+            time.sleep(0.2)
     import boto3
 
     boto3.client("s3").create_bucket(Bucket="bench")
@@ -137,7 +148,7 @@ def main() -> None:
         share = shard_bytes / 2
         print(f"  rank {rank}: fetched {loader.read_bytes / 1e6:.1f} MB, share {share / 1e6:.1f} MB "
               f"({loader.read_bytes / share:.3f}x; the whole-shard reader: {2 * shard_bytes / share:.0f}x)")
-    server.stop()
+    server.terminate()
 
 
 if __name__ == "__main__":

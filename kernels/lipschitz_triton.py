@@ -116,5 +116,6 @@ def column_sign_grads_triton(weights: Sequence[torch.Tensor], argmax: torch.Tens
         acc_t = _acc(dtype)
         grid = (len(group), triton.cdiv(max(w.shape[0] for w in group), _BLOCK_R))
         _sign_grad_kernel[grid](ptrs, gptrs, shapes, strides, argmax[_table(idx, ptrs.device)].contiguous(),
-                                grad_out.reshape(1).to(acc_t), DTYPE=TL_DTYPES[dtype], ACC=TL_DTYPES[acc_t], BLOCK_R=_BLOCK_R)
+                                grad_out.reshape(1).to(acc_t), DTYPE=TL_DTYPES[dtype], ACC=TL_DTYPES[acc_t],
+                                BLOCK_R=_BLOCK_R)
     return grads

@@ -60,7 +60,8 @@ class RunConfig:
 class DataConfig:
     tokenizer: str = ""  # `megakd data tokenizer` dir or an HF tokenizer dir; empty = built from the bundled corpus
     shards: str = ""  # directory from `megakd data shards`; empty = built from the bundled corpus
-    corpus: Literal["classic", "mixed"] = "classic"  # bundled corpus when tokenizer/shards are unset: classic (Austen + KJV) | mixed (+ modern text + RT train)
+    # bundled corpus when tokenizer/shards are unset: classic (Austen + KJV) | mixed (+ modern text + RT train)
+    corpus: Literal["classic", "mixed"] = "classic"
     # Size of the bundled-corpus tokenizer (unused with data.tokenizer); "auto" = the models'
     # explicit vocab_size if one is given, else BUNDLED_VOCAB_SIZE.
     vocab_size: int | str = "auto"
@@ -99,7 +100,8 @@ def _auto_vocab_encoder() -> EncoderConfig:
 
 @dataclass
 class ModelConfig:
-    objective: Literal["electra", "mlm"] = "electra"  # electra (generator + discriminator); mlm (BERT-MLM: the generator alone)
+    # electra (generator + discriminator); mlm (BERT-MLM: the generator alone)
+    objective: Literal["electra", "mlm"] = "electra"
     # The generator (ELECTRA), the masked LM (BERT-MLM) or the DWT student. vocab_size "auto" (the
     # default) = the tokenizer's size, filled in by `megakd.finish.finish_config`.
     generator: EncoderConfig = field(default_factory=_auto_vocab_encoder)
@@ -358,7 +360,8 @@ class Config:
                     "generator and discriminator to have the same embedding size"
                 )
         if self.train.eval_every < 0 or self.train.eval_samples < 1:
-            raise ConfigError(f"train.eval_every={self.train.eval_every}, train.eval_samples={self.train.eval_samples}: "
+            raise ConfigError(f"train.eval_every={self.train.eval_every}, "
+                              f"train.eval_samples={self.train.eval_samples}: "
                               f"expected >= 0 and >= 1")
         if self.train.eval_every and self.backend.pipeline_stages > 1:
             raise ConfigError("train.eval_every: validation is not supported with backend.pipeline_stages > 1 yet")

@@ -69,7 +69,8 @@ def test_version(capsys):
 @pytest.mark.parametrize("argv, field, expected", [
     (["pretrain", "-c", "X", "run.dir=D", "--resume", "auto", "train.max_steps=8"], "overrides",
      ["run.dir=D", "train.max_steps=8"]),
-    (["distill", "a.b=1", "-c", "X", "c=2", "--resume", "P", "d.e=[1, 2]"], "overrides", ["a.b=1", "c=2", "d.e=[1, 2]"]),
+    (["distill", "a.b=1", "-c", "X", "c=2", "--resume", "P", "d.e=[1, 2]"], "overrides",
+     ["a.b=1", "c=2", "d.e=[1, 2]"]),
     (["finetune", "finetune.seeds=[1,2]", "-c", "X", "finetune.lr=auto"], "overrides",
      ["finetune.seeds=[1,2]", "finetune.lr=auto"]),
     (["plan", "C", "--gpus", "8", "model.x=1", "--gpu-mem", "40"], "overrides", ["model.x=1"]),

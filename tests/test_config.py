@@ -39,7 +39,8 @@ def test_table_a1_values():
 
 def test_electra_mini_long_differs_from_electra_mini_only_where_the_readme_says():
     """The README's "Does pretraining pay off here?" compares the two recipes: they differ in these keys only."""
-    mini, long = (flatten(asdict(load_config(f"configs/{name}.yaml"))) for name in ("electra-mini", "electra-mini-long"))
+    mini, long = (flatten(asdict(load_config(f"configs/{name}.yaml")))
+                  for name in ("electra-mini", "electra-mini-long"))
     changed = {key: (mini[key], long[key]) for key in mini if mini[key] != long[key]}
     assert changed == {
         "run.dir": ("runs/electra-mini", "runs/electra-mini-long"),

@@ -365,7 +365,9 @@ def check_span(text: str) -> list[str]:
         return check_command(text)
     flag = re.match(r"^(--?[\w-]+)", text)
     if flag:
-        return [] if flag.group(1) in known_flags() else [f"option `{flag.group(1)}` is not megakd's, a tool's or a launcher's"]
+        if flag.group(1) in known_flags():
+            return []
+        return [f"option `{flag.group(1)}` is not megakd's, a tool's or a launcher's"]
     colon = re.match(r"^([\w.*]+):\s+(\S+)$", text)
     if colon:
         return check_key(colon.group(1), value=colon.group(2))

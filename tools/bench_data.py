@@ -79,7 +79,8 @@ def main() -> None:
     # The HF path gets the very same samples, as an Arrow dataset on disk (memory-mapped on load).
     hf_dir = Path(args.cache) / f"hf-{shards_dir.parent.name}"
     if not hf_dir.exists():
-        samples = [s.tolist() for e in manifest["shards"] for s in read_shard(shards_dir / e["file"], e, manifest["dtype"])]
+        samples = [s.tolist() for e in manifest["shards"]
+                   for s in read_shard(shards_dir / e["file"], e, manifest["dtype"])]
         datasets.Dataset.from_dict({"input_ids": samples}).save_to_disk(str(hf_dir))
     hf_ds = datasets.load_from_disk(str(hf_dir))
     collator = DataCollatorForLanguageModeling(tok.to_hf(), mlm_probability=0.15)

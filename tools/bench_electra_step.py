@@ -55,7 +55,8 @@ from megakd.models.encoder import EncoderConfig
 from megakd.models.hf_mapping import from_hf_state_dict
 from megakd.objectives.electra import corrupt
 
-# name: (generator (layers, hidden, heads, ffn), discriminator (layers, hidden, heads, ffn), embedding, vocab, seq, batch)
+# name: (generator (layers, hidden, heads, ffn), discriminator (layers, hidden, heads, ffn),
+#        embedding, vocab, seq, batch)
 SHAPES = {
     "tiny": ((2, 64, 2, 256), (3, 128, 4, 512), 64, 8_000, 128, 32),  # configs/electra-tiny.yaml
     "small": ((12, 64, 1, 256), (12, 256, 4, 1024), 128, 30_522, 128, 32),
@@ -121,7 +122,8 @@ class HFStep:
         def hf(cfg: EncoderConfig) -> ElectraConfig:
             return ElectraConfig(vocab_size=cfg.vocab_size, embedding_size=cfg.embed_dim, hidden_size=cfg.hidden_size,
                                  num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-                                 intermediate_size=cfg.intermediate_size, max_position_embeddings=cfg.max_position_embeddings,
+                                 intermediate_size=cfg.intermediate_size,
+                                 max_position_embeddings=cfg.max_position_embeddings,
                                  hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
 
         self.gen = ElectraForMaskedLM(hf(gen_cfg)).to(device)
@@ -207,8 +209,8 @@ def bench(shape: str, steps: int, warmup: int, matmul_n: int, compile_: bool, se
     if compile_:
         sides["megakd_compiled"] = MegakdStep(gen_cfg, disc_cfg, opt, device, precision, compile_=True)
     if separate_qkv:
-        sides["megakd_separate_qkv"] = MegakdStep(*(dataclasses.replace(c, fused_qkv=False) for c in (gen_cfg, disc_cfg)),
-                                                  opt, device, precision)
+        sides["megakd_separate_qkv"] = MegakdStep(
+            *(dataclasses.replace(c, fused_qkv=False) for c in (gen_cfg, disc_cfg)), opt, device, precision)
     if torch_dropout:
         sides["megakd_torch_dropout"] = TorchDropoutStep(MegakdStep(gen_cfg, disc_cfg, opt, device, precision))
     check_same_model(gen_cfg, sides["hf"])
@@ -228,7 +230,8 @@ def bench(shape: str, steps: int, warmup: int, matmul_n: int, compile_: bool, se
     tokens = batch * seq
     flops = model_flops(gen_cfg, disc_cfg, data[0])
     peak = 2 * matmul_n**3 / statistics.median(times["matmul"])
-    result = {"shape": shape, "precision": precision, "tokens_per_step": tokens, "flops_per_token": flops / tokens, "peak_flops": peak}
+    result = {"shape": shape, "precision": precision, "tokens_per_step": tokens, "flops_per_token": flops / tokens,
+              "peak_flops": peak}
     for name in sides:
         step_s = statistics.median(times[name])
         result[f"{name}_tokens_per_s"] = tokens / step_s
@@ -268,7 +271,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cpu or cuda (on CUDA the megakd side uses the Triton kernels)")
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
-                        help="both sides' forwards at fp32, or under bf16 autocast (MFU then against the bf16 matmul peak)")
+                        help="both sides' forwards at fp32, or under bf16 autocast "
+                             "(MFU then against the bf16 matmul peak)")
     parser.add_argument("--ops", type=int, default=0,
                         help="also print each side's N largest operators by share of the step's self time (profiled)")
     parser.add_argument("--matmul-n", type=int, default=2048, help="size of the square matmul that measures the peak")

@@ -44,7 +44,8 @@ def run_side(name: str, launcher: list[str], overrides: list[str], out: Path) ->
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode:
         sys.exit(f"{name}: {' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    rates = [r["samples_per_s"] for r in map(json.loads, (run_dir / "seed_0" / "metrics.jsonl").read_text().splitlines())
+    rates = [r["samples_per_s"]
+             for r in map(json.loads, (run_dir / "seed_0" / "metrics.jsonl").read_text().splitlines())
              if "samples_per_s" in r]
     if len(rates) < 2:
         sys.exit(f"{name}: only {len(rates)} logged intervals; raise --examples or lower --log-every")

@@ -16,7 +16,8 @@ from megakd.data.tokenizer import Tokenizer, train_tokenizer
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--input", nargs="+", required=True, help=".txt/.txt.gz/.jsonl/.jsonl.gz, directories, HF datasets")
+    parser.add_argument("--input", nargs="+", required=True,
+                        help=".txt/.txt.gz/.jsonl/.jsonl.gz, directories, HF datasets")
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--seq-len", type=int, required=True)
     parser.add_argument("--tokenizer", type=Path, help="an existing tokenizer directory (else one is trained)")

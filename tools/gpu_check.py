@@ -105,7 +105,8 @@ def compare_runs(got: Path, want: Path, rtol: float, key: str = "gen_loss") -> C
             raise Failure(f"no common logged steps in {got.name} and {want.name}")
         worst = max(abs(a[s][key] - b[s][key]) / abs(b[s][key]) for s in steps)
         speed = a[steps[-1]].get("tokens_per_s", 0.0)
-        detail = f"max {key} rel diff {worst:.1e} over {len(steps)} logged steps (tol {rtol:.0e}); {speed:,.0f} tokens/s"
+        detail = (f"max {key} rel diff {worst:.1e} over {len(steps)} logged steps (tol {rtol:.0e}); "
+                  f"{speed:,.0f} tokens/s")
         if not worst < rtol:
             raise Failure(detail)
         return detail

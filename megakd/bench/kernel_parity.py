@@ -64,7 +64,8 @@ def check_against_reference(fn: Callable, reference: Callable, xs: Sequence[torc
     detail = f"loss_err={loss_err:.1e} grad_err={grad_err:.1e}"
     # strict: a tolerance of 0 fails every case, which is how a planted failure is made
     if not (math.isfinite(float(out)) and loss_err < loss_tol and grad_err < grad_tol):
-        raise Mismatch(f"{detail} (tolerances {loss_tol:.0e}, {grad_tol:.0e}; loss {float(out):.6g} vs {float(ref):.6g})")
+        raise Mismatch(f"{detail} (tolerances {loss_tol:.0e}, {grad_tol:.0e}; "
+                       f"loss {float(out):.6g} vs {float(ref):.6g})")
     return detail
 
 

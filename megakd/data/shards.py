@@ -102,7 +102,8 @@ def next_fit(pieces: list[np.ndarray], seq_len: int) -> list[np.ndarray]:
     return samples
 
 
-def pack_document(ids: list[int], seq_len: int, cls_id: int, sep_id: int, min_tokens: int) -> tuple[list[list[int]], int, int]:
+def pack_document(ids: list[int], seq_len: int, cls_id: int, sep_id: int,
+                  min_tokens: int) -> tuple[list[list[int]], int, int]:
     """Cut one document into samples; returns (samples, dropped_chunks, dropped_tokens)."""
     body = seq_len - 2
     samples, dropped_chunks, dropped_tokens = [], 0, 0

@@ -96,7 +96,8 @@ def in_group_order(shard_counts: np.ndarray, seed: int, epoch: int, group: int, 
     if block == 1:
         return rng.permutation(total)
     ends = np.cumsum(shard_counts)
-    starts = np.concatenate([np.arange(e - c, e, block) for e, c in zip(ends.tolist(), np.asarray(shard_counts).tolist())])
+    starts = np.concatenate([np.arange(e - c, e, block)
+                             for e, c in zip(ends.tolist(), np.asarray(shard_counts).tolist())])
     lengths = np.minimum(block, np.repeat(ends, -(-np.asarray(shard_counts) // block)) - starts)
     order = rng.permutation(len(starts))
     first, size = starts[order], lengths[order]
@@ -595,7 +596,8 @@ class _RankDataset(IterableDataset):
 def _stop_signals_blocked() -> Iterator[None]:
     """A DataLoader worker that died of a stop signal first would take the run down without a
     checkpoint when the signal goes to the whole process group (Slurm, `timeout`, a terminal's
-    Ctrl-C), so workers ignore them. Hold the stop signals back while DataLoader workers are forked: a child inherits the mask,
+    Ctrl-C), so workers ignore them. Hold the stop signals back while DataLoader workers are
+    forked: a child inherits the mask,
     so none can die of one before `_ignore_stop_signals` runs. Held signals reach the training
     process (its handlers) when the block ends."""
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
@@ -630,7 +632,8 @@ class PretrainingLoader:
     """Endless micro-batches for one rank, with ``state_dict``/``load_state_dict`` for exact resume.
 
     Batch keys: ``input_ids``, ``attention_mask``, ``masked_input_ids``, ``mlm_mask``, ``index``,
-    ``epoch``, and ``segment_ids`` for packed shards (see :func:`megakd.data.masking.collate`). The state counts only batches this object
+    ``epoch``, and ``segment_ids`` for packed shards (see :func:`megakd.data.masking.collate`).
+    The state counts only batches this object
     has handed out, so DataLoader prefetching never leaks into a checkpoint.
 
     ``shards_dir`` is a local directory, an object-store URL or a :class:`ShardStore`. Every sample
@@ -672,7 +675,8 @@ class PretrainingLoader:
         if micro_batch_size < 1 or num_workers < 0 or not 0.0 <= mask_prob <= 1.0 or shuffle_shards < 1 \
                 or not 0.0 <= read_overfetch <= 1e6 or read_block < 1:
             raise UserError(f"micro_batch_size={micro_batch_size}, num_workers={num_workers}, "
-                             f"mask_prob={mask_prob}, shuffle_shards={shuffle_shards}, read_overfetch={read_overfetch}, "
+                             f"mask_prob={mask_prob}, shuffle_shards={shuffle_shards}, "
+                             f"read_overfetch={read_overfetch}, "
                              f"read_block={read_block}: expected ≥ 1, ≥ 0, in [0, 1], ≥ 1, ≥ 0, ≥ 1")
         self.num_workers = num_workers
         self.pin_memory = pin_memory

@@ -1,4 +1,5 @@
-"""Labelled examples for fine-tuning and the pretraining probe: built-in tasks from the bundled corpus, and GLUE-style files.
+"""Labelled examples for fine-tuning and the pretraining probe: built-in tasks from the bundled corpus,
+and GLUE-style files.
 
 Every example carries a stable `index` (its position in the task's full example list, before any
 split or truncation), which SoTeacher's consistency store is keyed by.

@@ -138,7 +138,8 @@ class Tokenizer:
                 "mask_id": self.mask_id}
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({str(self.path)!r}, vocab_size={self.vocab_size}, vocab_hash={self.vocab_hash!r})"
+        return (f"{type(self).__name__}({str(self.path)!r}, vocab_size={self.vocab_size}, "
+                f"vocab_hash={self.vocab_hash!r})")
 
 
 def copy_tokenizer(src_dir: str | Path, out_dir: str | Path) -> Path:

@@ -8,7 +8,8 @@ objective touches (e.g. the tied decoder weight used by the fused MLM loss) is r
 engine's forward, where ZeRO-3 gathers it on access.
 
 Within the shared micro-batch loop (`MicroBatchLoopBackend.train_step`): `backward` gets the
-per-micro-batch mean loss, and `step` runs once per optimizer step. DeepSpeed divides by the accumulation steps itself and
+per-micro-batch mean loss, and `step` runs once per optimizer step. DeepSpeed divides by the
+accumulation steps itself and
 counts micro-batches in `engine.step()`, so `backward` advances that counter off the boundary and
 `step` is the boundary call. Clipping is DeepSpeed's (`gradient_clipping`, always set explicitly:
 DeepSpeed 0.19 clips at 1.0 by default) at `clip_norm * loss_scale`, i.e. on the unweighted
@@ -165,7 +166,8 @@ class EngineConfigs:
     def for_engine(self, gradient_clipping: float, accumulation_steps: int, data_world_size: int) -> dict:
         """The config of one engine: what megakd derives, merged with the user's file."""
         derived = self.derived(gradient_clipping, accumulation_steps, data_world_size)
-        merged = merge_user_config(derived, self.user_config, f"backend.deepspeed_config={self.backend.deepspeed_config}")
+        merged = merge_user_config(derived, self.user_config,
+                                   f"backend.deepspeed_config={self.backend.deepspeed_config}")
         accum_dtype = merged.get("data_types", {}).get("grad_accum_dtype")
         precision = self.precision
         if self.backend.zero_stage == 0 and accum_dtype not in (None, precision):
@@ -312,7 +314,8 @@ class DeepSpeedBackend(DDPBackend):
         for unit in units:
             path = directory / unit.name / DEEPSPEED_TAG
             if not path.is_dir():
-                hint = " (written by the single/ddp backend?)" if (directory / f"{unit.name}{WEIGHTS_SUFFIX}").is_file() else ""
+                hint = (" (written by the single/ddp backend?)"
+                        if (directory / f"{unit.name}{WEIGHTS_SUFFIX}").is_file() else "")
                 raise FileNotFoundError(f"checkpoint {directory} has no DeepSpeed state for '{unit.name}' "
                                         f"(expected {path}){hint}")
             with deepspeed_safe_loading(path):

@@ -191,21 +191,23 @@ def valid_shards_dir(cfg: Config, shards: ShardStore) -> ShardStore | None:
     return ShardStore(cfg.data.valid_shards, retries=cfg.data.read_retries) if cfg.data.valid_shards else None
 
 
-def build_validator(cfg: Config, tokenizer: Tokenizer, shards_dir: ShardStore, micro_batch: int, backend: TrainingBackend,
-                    layout: Layout) -> Validator | None:
+def build_validator(cfg: Config, tokenizer: Tokenizer, shards_dir: ShardStore, micro_batch: int,
+                    backend: TrainingBackend, layout: Layout) -> Validator | None:
     if not cfg.train.eval_every:
         return None
     valid_dir = valid_shards_dir(cfg, shards_dir)
     if valid_dir is None:
         raise ConfigError(f"train.eval_every={cfg.train.eval_every} needs validation shards: set data.valid_shards=DIR "
-                          f"or write them with `megakd data shards --valid-fraction F` (none at {shards_dir.url('valid')})")
+                          f"or write them with `megakd data shards --valid-fraction F` "
+                          f"(none at {shards_dir.url('valid')})")
     loader = PretrainingLoader(valid_dir, tokenizer, micro_batch_size=micro_batch, seed=VALID_SEED,
                                mask_prob=cfg.data.mask_prob)
     return Validator(loader, cfg.train.eval_samples, backend, layout)
 
 
 def attach_teacher(cfg: Config, tokenizer: Tokenizer, student: MaskedLM, device: torch.device) -> TeacherKD:
-    """DWT: load `distill.teacher` frozen on `device`, check it shares `tokenizer`, optionally remap `student` from it."""
+    """DWT: load `distill.teacher` frozen on `device`, check it shares `tokenizer`, optionally remap
+    `student` from it."""
     d = cfg.distill
     stored = load_model(d.teacher, "distill.teacher")
     model: MaskedLM = freeze(stored.get("masked_lm")).to(device)

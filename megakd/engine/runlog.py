@@ -72,7 +72,8 @@ class MetricsWriter:
                 if number == len(lines):
                     log.warning("%s: dropped a torn last line (the previous job stopped while writing it)", self.path)
                     continue
-                raise StoreError(f"{self.path}: line {number} is not JSON; repair or remove the line to resume") from None
+                raise StoreError(f"{self.path}: line {number} is not JSON; "
+                                 "repair or remove the line to resume") from None
         kept = [line for line, record in records if record.get("step", 0) <= step]
         tmp = self.path.with_suffix(".jsonl.tmp")
         try:

@@ -62,7 +62,8 @@ def warm_start(cfg: Config, tokenizer: Tokenizer, generator: MaskedLM, discrimin
         elif key == "init.discriminator":  # a masked LM, classifier or bare encoder: its encoder, a fresh head
             source_model = stored.encoder()
             state = _encoder_under_fresh_head(source_model, built[name])
-            log.info("model.discriminator: %s holds no discriminator; its encoder under an RTD head at random init", path)
+            log.info("model.discriminator: %s holds no discriminator; "
+                     "its encoder under an RTD head at random init", path)
         else:
             stored.get(kind)  # raises: names what the source holds and what was expected
         where = f"{key}={path}"

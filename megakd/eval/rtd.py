@@ -1,4 +1,5 @@
-"""Standalone-generator RTD evaluation (docs/methods.md § Standalone-generator RTD evaluation): score discriminators on one fixed corruption.
+"""Standalone-generator RTD evaluation (docs/methods.md § Standalone-generator RTD evaluation): score
+discriminators on one fixed corruption.
 
 Each discriminator's own jointly-trained generator makes RTD accuracy/F1 incomparable across
 runs (a weaker generator is easier to detect). Here one fixed generator corrupts fixed data: the

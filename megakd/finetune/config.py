@@ -69,7 +69,8 @@ def auto_lr(hidden_size: int) -> float:
 
 @dataclass
 class OptimConfig:
-    """docs/methods.md § Fine-tuning (Table A.2): AdaMax, linear decay after a warm-up fraction, ε 1e-6, β (0.9, 0.98), clip 1.0.
+    """docs/methods.md § Fine-tuning (Table A.2): AdaMax, linear decay after a warm-up fraction, ε 1e-6,
+    β (0.9, 0.98), clip 1.0.
 
     `lr` is a rate, `auto` (`auto_lr` of the encoder's width) or a list of rates chosen on a
     held-out `lr_select_frac` slice of the training split (megakd/finetune/trainer.py).
@@ -110,7 +111,8 @@ class LabelregConfig:
 
 @dataclass
 class SoTeacherConfig:
-    """Student-oriented teacher training (docs/methods.md § SoTeacher). `enabled` trains a teacher, then a student by KD."""
+    """Student-oriented teacher training (docs/methods.md § SoTeacher). `enabled` trains a teacher, then a
+    student by KD."""
 
     enabled: bool = False  # train a SoTeacher teacher (then its student) instead of plain fine-tuning
     lambda_lr: float = 1e-5  # Lipschitz penalty weight
@@ -236,7 +238,8 @@ class FinetuneConfig:
         """What fine-tuning runs on: single, ddp, or DeepSpeed ZeRO 0-2 (fp32) for plain and label-reg runs."""
         b = self.backend
         if b.pipeline_stages != 1:
-            raise ConfigError(f"backend.pipeline_stages: fine-tuning has no pipeline parallelism, got {b.pipeline_stages}")
+            raise ConfigError(f"backend.pipeline_stages: fine-tuning has no pipeline parallelism, "
+                              f"got {b.pipeline_stages}")
         if b.name != "deepspeed":
             if b.zero_stage or b.deepspeed_config:
                 raise ConfigError(f"backend.zero_stage and backend.deepspeed_config need backend.name=deepspeed, "
@@ -249,8 +252,8 @@ class FinetuneConfig:
             raise ConfigError("backend.deepspeed_config: not supported by megakd finetune (its AdaMax has no "
                               "DeepSpeed offload counterpart); remove it")
         if self.finetune.precision != "fp32":
-            raise ConfigError("finetune.precision=bf16 with backend.name=deepspeed: not supported; use backend.name=ddp "
-                              "(bf16 autocast) or finetune.precision=fp32")
+            raise ConfigError("finetune.precision=bf16 with backend.name=deepspeed: not supported; "
+                              "use backend.name=ddp (bf16 autocast) or finetune.precision=fp32")
         if self.soteacher.enabled or self.tgt.enabled:
             raise ConfigError("backend.name=deepspeed: SoTeacher and TGT fine-tuning run on the single and ddp "
                               "backends only; use backend.name=ddp")

@@ -12,7 +12,8 @@ t = 1..T, T = `finetune.epochs` (the papers' λ_CR(t) = (t/T)·λ_max), so the l
 with exactly λ_max under every schedule.
 
 The student is trained with label-regularisation KD from each seed's teacher, RepDistiller's
-convention (docs/methods.md § The KD family): α·CE + (1−α)·τ²·KL(p^t_τ ‖ p^s_τ), α = `soteacher.student_alpha` (0.5), τ =
+convention (docs/methods.md § The KD family): α·CE + (1−α)·τ²·KL(p^t_τ ‖ p^s_τ),
+α = `soteacher.student_alpha` (0.5), τ =
 `soteacher.student_temperature` (4). Reports (`summary.json`): the teacher's dev metrics, its ECE
 and NLL with and without temperature scaling (T fitted by minimum NLL on the dev examples at even
 positions, ECE/NLL reported on the odd ones), the student's dev metrics and the student–teacher

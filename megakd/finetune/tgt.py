@@ -18,7 +18,8 @@ with one x̃ per real example. Generation:
   masked positions. `tgt.ascent` chooses the step:
 
   - ``paper`` (default; the TGT paper's eq. 5 and its extension to discrete data):
-    e ← e + η·∇_e Σ_i ℓ_d(f(x̃_i), h(x̃_i)) with ℓ_d = H(h, f) = −Σ_y h_y log f_y, the soft-label CE the student is trained on, summed over the
+    e ← e + η·∇_e Σ_i ℓ_d(f(x̃_i), h(x̃_i)) with ℓ_d = H(h, f) = −Σ_y h_y log f_y, the soft-label CE
+    the student is trained on, summed over the
     batch so each example's step is its own ℓ_d's gradient. The forward pass runs on the discrete
     decoding x̃ = argmax Dec(e) (student and labeler read exactly the embedding rows of x̃); the
     backward pass is straight-through: the one-hot of x̃ is given the gradient of π = softmax of
@@ -184,8 +185,8 @@ class TGTObjective:
         ce = F.cross_entropy(logits, batch["labels"])
         real_kd, gen_kd = soft_cross_entropy(logits, h_real), soft_cross_entropy(gen_logits, h_gen)
         changed = (generated != batch["input_ids"])[mask].float().mean().item()
-        return ce + real_kd + gen_kd, logits, {"ce": ce.item(), "kd_real": real_kd.item(), "kd_generated": gen_kd.item(),
-                                               "changed_frac": changed}
+        return ce + real_kd + gen_kd, logits, {"ce": ce.item(), "kd_real": real_kd.item(),
+                                               "kd_generated": gen_kd.item(), "changed_frac": changed}
 
 
 def run_tgt(cfg: FinetuneConfig, runtime: Runtime) -> dict:

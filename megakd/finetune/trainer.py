@@ -308,8 +308,9 @@ class SeedTraining:
         self.progress.step += 1
         if result.norms is None:
             self.progress.bad_steps += 1
-            rt.session.skipped_update(self.progress.bad_steps, f"seed {self.seed}: {result.skipped}", self.progress.step,
-                                      MAX_BAD_STEPS, f"fine-tuning's limit of {MAX_BAD_STEPS}", self.out_dir)
+            rt.session.skipped_update(self.progress.bad_steps, f"seed {self.seed}: {result.skipped}",
+                                      self.progress.step, MAX_BAD_STEPS, f"fine-tuning's limit of {MAX_BAD_STEPS}",
+                                      self.out_dir)
             return None, result.stop, result.interrupted
         self.progress.bad_steps = 0
         keys = sorted(k for k in result.stats if k != "tokens")
@@ -334,7 +335,8 @@ class SeedTraining:
             first_epoch, first_batch = divmod(p.step, self.steps_per_epoch)
             tick = time.perf_counter()
             for epoch in range(first_epoch, f.epochs):
-                order = torch.randperm(len(train), generator=torch.Generator().manual_seed(self.seed * 1_000_003 + epoch))
+                order = torch.randperm(len(train),
+                                       generator=torch.Generator().manual_seed(self.seed * 1_000_003 + epoch))
                 for b in range(first_batch if epoch == first_epoch else 0, self.steps_per_epoch):
                     rows = order[b * f.batch_size: (b + 1) * f.batch_size]
                     step_lr = self.unit.lr  # the rate this step uses

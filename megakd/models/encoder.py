@@ -42,7 +42,8 @@ class EncoderConfig:
     position_encoding: str = "absolute"  # "absolute" (learned table) | "t5_relative" (bucketed bias per head)
     relative_buckets: int = 32  # t5_relative: distance buckets (even, >= 4), half per direction
     relative_max_distance: int = 128  # t5_relative: distances from here on share the last bucket
-    relative_init: str = "normal"  # "normal" (N(0, initializer_range)) | "local" (each head starts biased to nearby tokens)
+    # "normal" (N(0, initializer_range)) | "local" (each head starts biased to nearby tokens)
+    relative_init: str = "normal"
     dropout: float = 0.1  # hidden dropout
     attention_dropout: float = 0.1  # dropout on the attention probabilities
     layer_norm_eps: float = 1e-12  # ε of every LayerNorm

@@ -137,7 +137,8 @@ def hf_config(config: EncoderConfig, kind: str) -> ElectraConfig | BertConfig:
     _check_kind(kind)
     config.validate()
     if config.position_encoding != "absolute":
-        raise ValueError(f"model.position_encoding: native HF classes need 'absolute', got {config.position_encoding!r}")
+        raise ValueError(f"model.position_encoding: native HF classes need 'absolute', "
+                         f"got {config.position_encoding!r}")
     if config.init != "normal":
         raise ValueError(f"model.init: native HF classes have no Admin residual scales, got {config.init!r}")
     common = dict(

@@ -1,4 +1,5 @@
-"""Label regularisation as one smoothed-target cross-entropy with pluggable targets (docs/methods.md § The KD family, § Label regularization for fine-tuning).
+"""Label regularisation as one smoothed-target cross-entropy with pluggable targets
+(docs/methods.md § The KD family, § Label regularization for fine-tuning).
 
 Every method of Kobyzev et al. is "cross-entropy against a modified target":
 

@@ -72,7 +72,8 @@ def declare(run: FindingRun) -> ReportFn:
                 table.append([init, method, mean_std_text(values), effect])
         verdict, reason = verdict_of(measured)
         plot = _plot(measured, run.out_dir / "repro" / "labelreg.png")
-        setup = (f"`{run.command}`: RT, `configs/finetune-rt.yaml` defaults ({epochs} epoch{'s' if epochs > 1 else ''}, "
+        setup = (f"`{run.command}`: RT, `configs/finetune-rt.yaml` defaults "
+                 f"({epochs} epoch{'s' if epochs > 1 else ''}, "
                  f"`lr: auto`), students = the discriminator of {run.pretrained} "
                  "and the same architecture at random init; "
                  f"seeds {', '.join(map(str, run.seeds))}. Methods with the paper's Table 9 settings: KD α 0.5, τ 1 "

@@ -177,7 +177,8 @@ def _verdict(measured: dict, finite: bool) -> tuple[str, str]:
     return "reproduced", (f"DecoupledOptim's generator is bit-identical for every λ, and without Adam's ε the whole "
                           f"model is identical up to rounding (≤ {max(exact):.2g}); original ELECTRA's parameters "
                           f"differ by {min(joint):.3g}–{max(joint):.3g} of their total movement. At the paper's "
-                          f"ε = 1e-6 the model still differs by {min(at_eps):.3g}–{max(at_eps):.3g} of its movement, all "
+                          f"ε = 1e-6 the model still differs by {min(at_eps):.3g}–{max(at_eps):.3g} "
+                          "of its movement, all "
                           "of it in the discriminator: its gradients at this scale are small enough for ε to matter, "
                           "which is the 'up to ε' of the argument, not λ reaching the update another way.")
 

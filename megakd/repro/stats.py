@@ -99,7 +99,8 @@ def compare(a: list[float], b: list[float], higher_is_better: bool = True) -> tu
 
 
 def claims_verdict(outcomes: list[int]) -> str:
-    """The verdict of a finding made of directional claims, each +1 (holds), −1 (reversed) or 0 (no significant difference).
+    """The verdict of a finding made of directional claims, each +1 (holds), −1 (reversed) or 0
+    (no significant difference).
 
     Reproduced if every claim holds; not reproduced at this scale if any is significantly
     reversed; otherwise inconclusive (the measured differences are within seed noise).

@@ -58,7 +58,8 @@ def declare(run: FindingRun) -> ReportFn:
         verdict, reason = verdict_of(measured)
         plot = _plot(measured, run.out_dir / "repro" / "tgt.png")
         setup = (f"`{run.command}`: RT, {epochs} epoch{'s' if epochs > 1 else ''}, `lr: auto`; generator = the "
-                 f"ELECTRA generator of {run.pretrained}; labeler = its discriminator fine-tuned on RT (seed {LABELER_SEED}); students = the "
+                 f"ELECTRA generator of {run.pretrained}; labeler = its discriminator fine-tuned on RT "
+                 f"(seed {LABELER_SEED}); students = the "
                  f"discriminator's architecture at random init, seeds {', '.join(map(str, run.seeds))}. KD: α 0.5, "
                  "τ 1 from the labeler (the real-example half of TGT's loss); TGT: `configs/tgt-rt.yaml` (15 % of "
                  "tokens resampled; gradient mode: one ascent step of η 1 on H(labeler, student), straight-through). "

@@ -2,7 +2,8 @@
 
 A checkpoint `step_NNNNNNNN/` holds `config.yaml`, `tokenizer/`, `manifest.json` and one state per
 optimizer unit: `<unit>.safetensors` (single/ddp backends and pipeline runs: the model weights; the
-optimizer state is beside it in `<unit>.optim.pt`) or `<unit>/` (the DeepSpeed backend: `engine.save_checkpoint(step_dir / unit, tag="ds")` around a loss module whose
+optimizer state is beside it in `<unit>.optim.pt`) or `<unit>/` (the DeepSpeed backend:
+`engine.save_checkpoint(step_dir / unit, tag="ds")` around a loss module whose
 `model` attribute is the unit's model, so consolidated keys start with "model."). A unit holds
 one model under that model's name ("generator", "discriminator"), or both as one ElectraPair with
 shared embeddings ("electra", original ELECTRA). Which units a run trains is its training

@@ -123,7 +123,8 @@ def load_model(src: str | Path, role: str = "") -> StoredModels:
         return StoredModels(ckpt.path, role, {"masked_lm": ckpt.generator}, ckpt.tokenizer_dir,
                             {"masked_lm": "bert_mlm"})
     return StoredModels(ckpt.path, role, {"discriminator": ckpt.discriminator, "masked_lm": ckpt.generator},
-                        ckpt.tokenizer_dir, {"discriminator": "electra_discriminator", "masked_lm": "electra_generator"})
+                        ckpt.tokenizer_dir,
+                        {"discriminator": "electra_discriminator", "masked_lm": "electra_generator"})
 
 
 def freeze(model: nn.Module) -> nn.Module:

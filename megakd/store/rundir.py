@@ -56,8 +56,8 @@ STEERING_FIELDS = ("fused_qkv",)
 # State-bearing keys that cannot change within a run even when named: the saved tensors, data
 # cursors or engine layout would not fit the new value. Start a new run from a model directory
 # or HF export instead.
-FIXED = ("model.", "electra.decoupled", "train.seed", "train.precision", "data.mask_prob", "data.seq_len", "data.vocab_size", "backend.name",
-         "backend.zero_stage", "backend.pipeline_stages")
+FIXED = ("model.", "electra.decoupled", "train.seed", "train.precision", "data.mask_prob", "data.seq_len",
+         "data.vocab_size", "backend.name", "backend.zero_stage", "backend.pipeline_stages")
 
 
 class RunDirTakenOver(StoreError):

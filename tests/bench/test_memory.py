@@ -1,5 +1,5 @@
-"""Planner memory against references: DeepSpeed's own ZeRO estimators on real models, docs/methods.md § Pretraining recipes
-parameter counts, and the bytes autograd really saves for an encoder layer."""
+"""Planner memory against references: DeepSpeed's own ZeRO estimators on real models,
+docs/methods.md § Pretraining recipes parameter counts, and the bytes autograd really saves for an encoder layer."""
 
 from __future__ import annotations
 

@@ -189,7 +189,8 @@ def test_checkpoint_config_that_does_not_match_weights(electra_run, tmp_path):
     cfg["model"]["discriminator"]["intermediate_size"] *= 2
     (step / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
     write_manifest(step, 2)  # a consistent checkpoint whose config does not describe its weights
-    with pytest.raises(ConversionError, match=r"discriminator\.safetensors: 'encoder\.layers\.0\.ffn\.fc_in\.weight' has "
+    with pytest.raises(ConversionError, match=r"discriminator\.safetensors: "
+                                              r"'encoder\.layers\.0\.ffn\.fc_in\.weight' has "
                                               r"shape \[192, 48\] but .*config\.yaml \(model\.discriminator\) "
                                               r"expects \[384, 48\]"):
         to_hf(step, tmp_path / "out")
@@ -203,7 +204,8 @@ def test_missing_unit_corrupt_unit_and_not_a_checkpoint(electra_run, tmp_path):
     with pytest.raises(ConversionError, match=r"discriminator\.safetensors: missing \(listed in .*manifest\.json\)"):
         to_hf(step, tmp_path / "out")
     write_manifest(step, 2)
-    with pytest.raises(ConversionError, match=r"no state for unit 'discriminator' \(expected discriminator\.safetensors"):
+    with pytest.raises(ConversionError,
+                       match=r"no state for unit 'discriminator' \(expected discriminator\.safetensors"):
         to_hf(step, tmp_path / "out")
     (step / "discriminator.safetensors").write_bytes(b"not a safetensors file")
     write_manifest(step, 2)

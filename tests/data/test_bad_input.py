@@ -31,7 +31,8 @@ def damaged_member(shards, name, offset):
     """(sample key, start, end) of the member of shard `name` holding byte `offset` (version 2)."""
     entry = json.loads((shards / MANIFEST).read_text())
     entry = next(s for s in entry["shards"] if s["file"] == name)
-    j, (start, end) = next((j, span) for j, span in enumerate(member_spans(shards, name)) if span[0] <= offset < span[1])
+    j, (start, end) = next((j, span) for j, span in enumerate(member_spans(shards, name))
+                           if span[0] <= offset < span[1])
     return f"{entry['first_index'] + j:012d}", start, end
 
 

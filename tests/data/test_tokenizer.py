@@ -10,7 +10,8 @@ from .conftest import corpus_docs
 def test_special_layout_matches_deberta_v3(tokenizer):
     pieces = [tokenizer.sp.id_to_piece(i) for i in range(5)]
     assert pieces == ["[PAD]", "[CLS]", "[SEP]", "[UNK]", "[MASK]"]
-    assert (tokenizer.pad_id, tokenizer.cls_id, tokenizer.sep_id, tokenizer.unk_id, tokenizer.mask_id) == (0, 1, 2, 3, 4)
+    assert (tokenizer.pad_id, tokenizer.cls_id, tokenizer.sep_id, tokenizer.unk_id,
+            tokenizer.mask_id) == (0, 1, 2, 3, 4)
     assert tokenizer.special_ids == frozenset(range(5))
     assert tokenizer.vocab_size == 600
     meta = json.loads((tokenizer.path / META_FILE).read_text())

@@ -55,7 +55,8 @@ def test_kd_loss_matches_float64_reference(tau):
     hs = torch.randn(13, 6, dtype=torch.float64, generator=g, requires_grad=True)
     ws = torch.randn(V, 6, dtype=torch.float64, generator=g, requires_grad=True)
     bs = torch.randn(V, dtype=torch.float64, generator=g, requires_grad=True)
-    ht, wt, bt = (torch.randn(*s, dtype=torch.float64, generator=g, requires_grad=True) for s in ((13, 4), (V, 4), (V,)))
+    ht, wt, bt = (torch.randn(*s, dtype=torch.float64, generator=g, requires_grad=True)
+                  for s in ((13, 4), (V, 4), (V,)))
     loss = kd_loss(hs, ws, bs, ht, wt, bt, tau, backend="torch")
     ref = _kl_reference(hs @ ws.T + bs, (ht @ wt.T + bt).detach(), tau)
     assert loss.item() == pytest.approx(ref.item(), rel=1e-12, abs=1e-14)
@@ -73,7 +74,8 @@ def test_alpha_schedules():
     assert [alpha_schedule("constant", 4, 1, s, T) for s in (0, 5, 10)] == [4, 4, 4]
     assert [alpha_schedule("linear", 4, 1, s, T) for s in (0, 2, 5, 10)] == pytest.approx([4, 3.4, 2.5, 1])
     cos = [alpha_schedule("cosine", 4, 1, s, T) for s in (0, 2, 5, 8, 10)]
-    assert cos == pytest.approx([4, 1 + 1.5 * (1 + math.cos(0.2 * math.pi)), 2.5, 1 + 1.5 * (1 + math.cos(0.8 * math.pi)), 1])
+    assert cos == pytest.approx([4, 1 + 1.5 * (1 + math.cos(0.2 * math.pi)), 2.5,
+                                 1 + 1.5 * (1 + math.cos(0.8 * math.pi)), 1])
     assert [alpha_schedule("step", 4, 1, s, T) for s in (0, 4, 5, 10)] == [4, 4, 1, 1]
     assert [alpha_schedule("step", 4, 1, s, T, step_at=0.25) for s in (2, 3)] == [4, 1]
     assert alpha_schedule("linear", 4, 1, 0, 1) == 4  # a one-step run uses the start value
@@ -274,7 +276,8 @@ def test_dwt_recipes_use_the_papers_loss_weights(recipe, teacher_layers, alpha_s
     assert schedule == sorted(schedule, reverse=True)  # constant or decaying, never rising
     # the 6-layer student at the mini setting; the teacher is the same recipe with fewer layers
     assert cfg.model.generator.num_layers == 6 and cfg.model.objective == "mlm"
-    assert cfg.data == load_config("configs/dwt-mini.yaml").data and cfg.optim == load_config("configs/bert-mini.yaml").optim
+    assert (cfg.data == load_config("configs/dwt-mini.yaml").data
+            and cfg.optim == load_config("configs/bert-mini.yaml").optim)
     teacher = load_config(f"configs/{teacher_recipe}", list(teacher_overrides)).model.generator
     assert teacher == dataclasses.replace(cfg.model.generator, num_layers=teacher_layers)
 
@@ -285,7 +288,8 @@ def test_dwt_weak_long_is_dwt_weak_on_its_teachers_budget():
     teacher = load_config("configs/bert-mini-long.yaml")
     assert long.distill == dataclasses.replace(weak.distill, teacher=teacher.run.dir)
     assert long.model == weak.model and long.optim == weak.optim and long.data == weak.data
-    assert long.train == dataclasses.replace(weak.train, precision=teacher.train.precision, max_steps=teacher.train.max_steps)
+    assert long.train == dataclasses.replace(weak.train, precision=teacher.train.precision,
+                                             max_steps=teacher.train.max_steps)
     assert teacher.model.generator == dataclasses.replace(long.model.generator, num_layers=4)
     assert "megakd pretrain -c configs/bert-mini-long.yaml" in (REPO / "configs" / "dwt-weak-long.yaml").read_text()
 

@@ -99,7 +99,8 @@ def test_tfreg_is_ls_with_reparameterised_alpha():
     ls = labelreg_loss(logits, labels, "ls", alpha=alpha * K * (1 - a) / (K - 1))
     assert tf.item() == pytest.approx(ls.item(), abs=1e-12)
     torch.testing.assert_close(smoothed_targets(labels, K, "tfreg", alpha, a, torch.float64),
-                               smoothed_targets(labels, K, "ls", alpha * K * (1 - a) / (K - 1), dtype=torch.float64), rtol=0, atol=1e-15)
+                               smoothed_targets(labels, K, "ls", alpha * K * (1 - a) / (K - 1), dtype=torch.float64),
+                               rtol=0, atol=1e-15)
 
 
 def test_targets_are_distributions_and_alpha_zero_is_onehot():

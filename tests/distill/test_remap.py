@@ -103,7 +103,8 @@ def test_zero_padding_keeps_teacher_block_and_cuts_new_inputs():
     assert torch.equal(s[fc_in][:20, 16:], torch.zeros(20, 8, dtype=torch.float64))  # new inputs → old units: 0
     assert torch.equal(s[fc_in][20:, :], init[fc_in][20:, :])  # new units keep the random init
     assert torch.equal(s[fc_out][:16, 20:], torch.zeros(16, 20, dtype=torch.float64))
-    assert torch.equal(s["encoder.embeddings.word_embeddings.weight"][:, :16], t["encoder.embeddings.word_embeddings.weight"])
+    assert torch.equal(s["encoder.embeddings.word_embeddings.weight"][:, :16],
+                       t["encoder.embeddings.word_embeddings.weight"])
 
 
 def test_remap_errors_name_the_field():

@@ -50,7 +50,8 @@ def torchrun(nprocs: int, runs: list[dict], spec_path: Path, timeout: float = 60
            f"--master_port={free_port()}", str(WORKER), str(spec_path)]
     proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=timeout)
     if proc.returncode:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n"
+                             f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

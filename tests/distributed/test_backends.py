@@ -93,7 +93,7 @@ def test_zero3_checkpoint_consolidates_into_hf_export(runs, tmp_path):
     out = export_run(runs / "zero3", tmp_path / "hf")
     hf = ElectraForPreTraining.from_pretrained(out / "discriminator")
     ref = read_unit_state(latest_checkpoint(runs / "reference"), "discriminator")
-    torch.testing.assert_close(hf.electra.embeddings.word_embeddings.weight, ref["encoder.embeddings.word_embeddings.weight"],
-                               rtol=0, atol=WEIGHT_ATOL)
+    torch.testing.assert_close(hf.electra.embeddings.word_embeddings.weight,
+                               ref["encoder.embeddings.word_embeddings.weight"], rtol=0, atol=WEIGHT_ATOL)
     torch.testing.assert_close(hf.discriminator_predictions.dense_prediction.weight.flatten(),
                                ref["head.prediction.weight"].flatten(), rtol=0, atol=WEIGHT_ATOL)

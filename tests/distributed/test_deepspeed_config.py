@@ -80,7 +80,8 @@ def test_cli_refuses_a_contradicting_file_in_one_line(tiny_data, tmp_path, capsy
     user.write_text("{not json")
     assert main(["pretrain", "-c", str(CONFIG), *args]) == 2
     assert f"{user} is not valid JSON" in capsys.readouterr().err
-    assert main(["pretrain", "-c", str(CONFIG), *tiny_overrides(tiny_data, run), f"backend.deepspeed_config={user}"]) == 2
+    assert main(["pretrain", "-c", str(CONFIG), *tiny_overrides(tiny_data, run),
+                 f"backend.deepspeed_config={user}"]) == 2
     assert "backend.deepspeed_config needs backend.name=deepspeed" in capsys.readouterr().err
 
 
@@ -135,7 +136,8 @@ def test_zero2_cpu_offload_matches_the_run_without_offload(tiny_data, tmp_path):
         files = sorted((tmp_path / run / "checkpoints").rglob("*optim_states.pt"))
         assert len(files) == 4  # 2 models x 2 ranks
         for file in files:
-            groups = torch.load(file, weights_only=False)["optimizer_state_dict"]["base_optimizer_state"]["param_groups"]
+            state = torch.load(file, weights_only=False)["optimizer_state_dict"]
+            groups = state["base_optimizer_state"]["param_groups"]
             assert ("bias_correction" in groups[0]) == cpu_adam, file
 
 

@@ -36,7 +36,8 @@ def test_compiled_training_tracks_eager(tiny_data, tmp_path, monkeypatch):
     _train(tiny_data, tmp_path / "eager", **steps)
     compiled = _train(tiny_data, tmp_path / "compiled", **steps, **{"train.compile": True})
     # In place: the encoders really are compiled, and the parameter names are the eager ones.
-    assert all(layer._compiled_call_impl is not None for u in compiled.units.values() for layer in u.model.encoder.layers)
+    assert all(layer._compiled_call_impl is not None
+               for u in compiled.units.values() for layer in u.model.encoder.layers)
     assert not any("_orig_mod" in k for u in compiled.units.values() for k in u.model.state_dict())
     eager, comp = _losses(tmp_path / "eager"), _losses(tmp_path / "compiled")
     assert len(eager) == len(comp) == 20

@@ -28,7 +28,8 @@ def test_refused_before_the_run_dir_is_claimed(tiny_data, tmp_path, capsys, bare
     assert main(["pretrain", "-c", str(CONFIG), *tiny_overrides(tiny_data, run, **{"backend.name": name})]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
-    assert f"backend.name={name} on a CUDA machine needs a launcher" in err and "launch/torchrun.sh 1 [COMMAND] -c CONFIG" in err
+    assert f"backend.name={name} on a CUDA machine needs a launcher" in err
+    assert "launch/torchrun.sh 1 [COMMAND] -c CONFIG" in err
     assert not run.exists()
 
 

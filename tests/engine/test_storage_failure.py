@@ -37,7 +37,8 @@ def _metrics(run_dir):
 
 
 def _params(trainer):
-    return {f"{u.name}.{k}": v.detach().clone() for u in trainer.units.values() for k, v in u.model.state_dict().items()}
+    return {f"{u.name}.{k}": v.detach().clone()
+            for u in trainer.units.values() for k, v in u.model.state_dict().items()}
 
 
 def _fail_when_logged(server, metrics, lines):
@@ -70,7 +71,8 @@ def test_storage_lost_mid_run_saves_before_the_step_and_resumes_bit_exactly(tiny
         _train(tiny_data, run, server.url)
     watcher.join()
     message = str(err.value)
-    assert "\n" not in message and message.startswith(f"{server.url}/shard-") and "still failing after 2 tries" in message
+    assert ("\n" not in message and message.startswith(f"{server.url}/shard-")
+            and "still failing after 2 tries" in message)
     saved = checkpoint.latest_checkpoint(run)
     step = checkpoint.step_of(saved)
     assert 3 <= step < 16

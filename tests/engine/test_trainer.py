@@ -35,7 +35,8 @@ def _metrics(run_dir):
 
 
 def _params(trainer):
-    return {f"{u.name}.{k}": v.detach().clone() for u in trainer.units.values() for k, v in u.model.state_dict().items()}
+    return {f"{u.name}.{k}": v.detach().clone()
+            for u in trainer.units.values() for k, v in u.model.state_dict().items()}
 
 
 CONTRACT_KEYS = {"step", "gen_loss", "gen_acc", "disc_loss", "disc_acc", "rtd_precision", "rtd_recall", "rtd_f1",

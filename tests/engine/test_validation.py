@@ -111,7 +111,8 @@ def _reference_validation(tiny_data, step_dir, micro_batch: int, batches: int,
             labels += y.tolist()
     return {"val_gen_loss": ce / masked, "val_gen_acc": correct / masked, "val_disc_loss": bce / tokens,
             "val_disc_acc": (tokens - fp - fn) / tokens, "val_rtd_f1": 2 * tp / (2 * tp + fp + fn),
-            "val_rtd_auc": _pairwise_auc(scores, labels), "auc_one_pair": 1 / (sum(labels) * (len(labels) - sum(labels)))}
+            "val_rtd_auc": _pairwise_auc(scores, labels),
+            "auc_one_pair": 1 / (sum(labels) * (len(labels) - sum(labels)))}
 
 
 # Annealed 3 -> 1 over 8 steps, the validation after step 4 draws at temperature 2.

@@ -165,7 +165,8 @@ INDEXED_SHARD_FAULTS = [
     ("gzip-genuine-manifest", gzipped,
      r"shard \S+/SHARD: \d+ bytes, manifest.json says \d+ \(truncated or replaced\?\)$"),
     ("gzip-same-size-genuine-manifest", gzipped_same_size, rf"shard \S+/SHARD: {DIGEST}"),
-    ("gzip-member-forged-index", forged_gzip_first_member, UNREADABLE.format(r"TruncatedHeaderError: truncated header")),
+    ("gzip-member-forged-index", forged_gzip_first_member,
+     UNREADABLE.format(r"TruncatedHeaderError: truncated header")),
     ("gzip-resealed", resealed(gzipped),
      r"manifest.json: shard 'SHARD' has samples=\d+, more than its bytes=\d+ can hold"),
 ]

@@ -68,7 +68,8 @@ def test_lock_names_its_holder(tmp_path):
     first.acquire()
     first.announce()
     try:
-        with pytest.raises(StoreError, match=rf"in use by another megakd job \(host .*, pid {os.getpid()}, job [0-9a-f]+\)"):
+        with pytest.raises(StoreError,
+                           match=rf"in use by another megakd job \(host .*, pid {os.getpid()}, job [0-9a-f]+\)"):
             second.acquire()
     finally:
         first.release()

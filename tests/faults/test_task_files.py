@@ -91,7 +91,8 @@ ROWS = [
      r"per field$"),
     ("jsonl-field-over-128KiB", "train.jsonl", jsonl({"sentence": BIG_UTF8, "label": 0}), "train", (),
      r"row 1: field 'sentence' of 131074 bytes \(line 1\): expected at most 128 KiB"),
-    ("truncated-gzip", "train.tsv.gz", gzip.compress(HEADER + b"".join(b"Film %d.\t1\n" % i for i in range(4000)))[:600],
+    ("truncated-gzip", "train.tsv.gz",
+     gzip.compress(HEADER + b"".join(b"Film %d.\t1\n" % i for i in range(4000)))[:600],
      "train", (), r"not a readable gzip file \(Compressed file ended .*\); expected a .gz task file written whole$"),
     ("dev-label-true", "dev.tsv", HEADER + b"A fine film.\ttrue\n", "dev", (),
      r"row 1: label 'true' \(line 2, column 'label'\): expected an integer in \[0, 2\)"),
@@ -169,7 +170,8 @@ def test_strict_reader_loads_valid_files_as_before(tmp_path):
     assert [e.label for e in tasks.load_split(task, "train")] == [int(r["label"]) for r in want]
     # "1" in a TSV is the integer 1 and "null" is the text "null"; CRLF and blank lines as csv reads them.
     (tmp_path / "t.tsv").write_bytes(b"sentence\tlabel\r\nnull\t1\r\n\r\nSay \"hi\".\t0\r\n")
-    (tmp_path / "t.jsonl").write_bytes(b'{"sentence": "null", "label": 1, "extra": [1]}\n\n{"sentence": "B", "label": 0}')
+    (tmp_path / "t.jsonl").write_bytes(b'{"sentence": "null", "label": 1, "extra": [1]}\n\n'
+                                       b'{"sentence": "B", "label": 0}')
     for name in ("t.tsv", "t.jsonl"):
         task = TaskConfig(name="files", train=str(tmp_path / name), dev=str(tmp_path / name))
         assert [(e.index, e.text_a, e.label) for e in tasks.load_split(task, "dev")][:1] == [(2, "null", 1)]

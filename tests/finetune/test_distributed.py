@@ -101,7 +101,8 @@ def assert_identical_runs(got: Path, want: Path, trainings: list[str]) -> None:
         ra, rb = (list(map(json.loads, (d / name / "metrics.jsonl").read_text().splitlines())) for d in (got, want))
         strip = lambda rows: [{k: v for k, v in r.items() if k != "samples_per_s"} for r in rows]  # noqa: E731
         assert strip(ra) == strip(rb), name
-        assert json.loads((got / name / "result.json").read_text()) == json.loads((want / name / "result.json").read_text())
+        assert (json.loads((got / name / "result.json").read_text())
+                == json.loads((want / name / "result.json").read_text()))
     seed = trainings[-1]
     assert np.array_equal(np.load(got / seed / "dev_logits.npy"), np.load(want / seed / "dev_logits.npy"))
     assert_same_classifier(got / seed / "model", want / seed / "model", atol=0)
@@ -198,6 +199,7 @@ def test_kill_9_then_resume_auto_is_bit_exact(runs, tiny_data, tmp_path):
     proc.send_signal(signal.SIGKILL)
     assert proc.wait() == -signal.SIGKILL
     assert not (run / "seed_0" / "result.json").exists()
-    resumed = start([sys.executable, "-m", "megakd.cli", args[0], "--resume", "auto", *args[1:]], tmp_path / "second.log")
+    resumed = start([sys.executable, "-m", "megakd.cli", args[0], "--resume", "auto", *args[1:]],
+                    tmp_path / "second.log")
     finish(resumed, tmp_path / "second.log")
     assert_identical_runs(run, runs / "single", TRAININGS)

@@ -75,7 +75,8 @@ def test_tensorboard_and_wandb_keep_one_run_per_seed_dir(tiny_data, tmp_path):
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["backend.name=deepspeed", "backend.zero_stage=3"], "backend.zero_stage: fine-tuning supports DeepSpeed ZeRO 0, 1 or 2"),
+    (["backend.name=deepspeed", "backend.zero_stage=3"],
+     "backend.zero_stage: fine-tuning supports DeepSpeed ZeRO 0, 1 or 2"),
     (["backend.zero_stage=1"], "need backend.name=deepspeed"),
     (["backend.name=deepspeed", "soteacher.enabled=true", "soteacher.student.path=x"], "SoTeacher and TGT"),
     (["backend.name=deepspeed", "finetune.precision=bf16"], "finetune.precision=bf16 with backend.name=deepspeed"),

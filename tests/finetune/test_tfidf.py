@@ -18,7 +18,8 @@ ROOT = Path(__file__).parents[2]
 
 
 def test_features_match_the_formula():
-    train = [Example(0, "Good good film.", None, 1), Example(1, "bad film", None, 0), Example(2, "good plot", "A film", 1)]
+    train = [Example(0, "Good good film.", None, 1), Example(1, "bad film", None, 0),
+             Example(2, "good plot", "A film", 1)]
     assert terms(train[2]) == ["good", "plot", "good plot", "b:a", "b:film", "b:a film"]
     vec = TfidfVectorizer(min_df=2).fit(train)
     assert list(vec.vocabulary) == ["film", "good"]  # df 2 each, then by the term

@@ -291,7 +291,8 @@ def test_sequence_longer_than_position_table_is_refused() -> None:
 
 
 def test_local_relative_init_biases_each_head_by_distance() -> None:
-    """relative_init=local: bias(q, k) = −2^−h · (smallest |offset| of the bucket of k − q), per the reference bucketing."""
+    """relative_init=local: bias(q, k) = −2^−h · (smallest |offset| of the bucket of k − q), per the
+    reference bucketing."""
     config = tiny(position_encoding="t5_relative", relative_buckets=16, relative_max_distance=40,
                   relative_init="local")
     bias = Encoder(config).relative_bias(50)[0]  # [heads, L, L]

@@ -188,7 +188,8 @@ class MegakdForSequenceClassification(MegakdPreTrainedModel):
 
 
 class MegakdForTokenClassification(MegakdPreTrainedModel):
-    """Per-token labels (NER, POS): dropout then a linear layer on every hidden state, as ElectraForTokenClassification."""
+    """Per-token labels (NER, POS): dropout then a linear layer on every hidden state, as
+    ElectraForTokenClassification."""
 
     def __init__(self, config):
         super().__init__(config)

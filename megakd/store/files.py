@@ -182,11 +182,15 @@ def human_bytes(n: float) -> str:
 
 
 def is_disk_full(err: BaseException) -> bool:
-    """ENOSPC/EDQUOT, also when a library wrapped the OSError in a RuntimeError (torch.save does)."""
+    """ENOSPC/EDQUOT, also when a library wrapped the OSError in a RuntimeError (torch.save does).
+
+    torch.save's zip writer may instead report only its symptom, a short write ("unexpected pos N
+    vs M"): the bytes it asked for were not written, which on a local file is a full disk.
+    """
     while err is not None:
         if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
-        if "No space left on device" in str(err) or "file write failed" in str(err):
+        if any(sign in str(err) for sign in ("No space left on device", "file write failed", "unexpected pos ")):
             return True
         err = err.__cause__ or err.__context__
     return False

@@ -25,6 +25,7 @@ from megakd.config import load_config
 from megakd.engine.optim import lr_multiplier
 from megakd.store.checkpoint import write_manifest
 from tests.faults.harness import REPO, megakd, snapshot
+from tests.finetune.test_distributed import tiny_finetune
 from tests.helpers import tiny_overrides
 
 CONFIG = REPO / "configs" / "electra-tiny.yaml"
@@ -390,6 +391,19 @@ def test_disk_full_during_save_names_the_directory_and_cleans_up(tiny_data, tiny
     assert "KiB" in line or " B " in line
     assert not any((run / "checkpoints").iterdir())  # the partial checkpoint is gone
     assert (run / "metrics.jsonl").is_file()
+
+
+@pytest.mark.slow
+def test_finetune_disk_full_during_save_is_the_same_one_line_and_cleans_up(tiny_data, small_disk):
+    """Fine-tuning saves through the same run session as pretraining: a full disk while writing a
+    seed's checkpoint ends the command with the same one line, and no partial checkpoint stays."""
+    disk = small_disk(size="96k")
+    run = disk / "run"
+    out = megakd(*tiny_finetune(tiny_data[0], run, "finetune.lr=1e-3"))
+    line = assert_one_line_error(out, f"{run / 'seed_0' / 'checkpoints'}: no space left on device while saving step",
+                                 "the partial checkpoint was removed, older checkpoints are intact")
+    assert "written" in line
+    assert not list((run / "seed_0" / "checkpoints").glob(".tmp-*"))
 
 
 def test_disk_full_at_the_locks_first_write_is_one_line_and_starts_nothing(tiny_data, tiny_disk):

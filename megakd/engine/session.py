@@ -172,19 +172,20 @@ class RunSession:
         raise StoreError(f"{tmp.parent}: {what} while saving step {step} ({human_bytes(written)} written"
                          f"{needed}); the partial checkpoint was removed, older checkpoints are intact") from None
 
-    # -- non-finite steps --------------------------------------------------------------------------
-    @staticmethod
-    def skipped_update(in_a_row: int, what: str, step: int, limit: int, limit_text: str, where: Path) -> None:
-        """Report an update skipped at `step` because of `what`, the `in_a_row`-th in a row (the loop keeps
-        the count in its checkpointed state); raise `TooManyBadSteps` at `limit`.
 
-        `limit_text` says where the limit comes from; `where` holds the checkpoints left untouched.
-        """
-        log.warning("%s at step %d: update skipped (%d in a row)", what, step, in_a_row)
-        if in_a_row >= limit:
-            raise TooManyBadSteps(f"{limit_text}: {in_a_row} steps in a row had a non-finite loss or gradient norm "
-                                  f"(last: {what}); stopped at step {step - 1} without saving, the checkpoints in "
-                                  f"{where / 'checkpoints'} are untouched")
+# -- non-finite steps ---------------------------------------------------------------------------
+
+def skipped_update(in_a_row: int, what: str, step: int, limit: int, limit_text: str, where: Path) -> None:
+    """Report an update skipped at `step` because of `what`, the `in_a_row`-th in a row (the loop keeps
+    the count in its checkpointed state); raise `TooManyBadSteps` at `limit`.
+
+    `limit_text` says where the limit comes from; `where` holds the checkpoints left untouched.
+    """
+    log.warning("%s at step %d: update skipped (%d in a row)", what, step, in_a_row)
+    if in_a_row >= limit:
+        raise TooManyBadSteps(f"{limit_text}: {in_a_row} steps in a row had a non-finite loss or gradient norm "
+                              f"(last: {what}); stopped at step {step - 1} without saving, the checkpoints in "
+                              f"{where / 'checkpoints'} are untouched")
 
 
 # -- random streams -------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from megakd.engine.backends import STORAGE_FAILED, StepResult, TrainingBackend, 
 from megakd.engine.layouts import Layout
 from megakd.engine.probe import Probe
 from megakd.engine.runlog import MetricsWriter, plot_metrics
-from megakd.engine.session import RunSession, rng_state, seed_rng, set_rng_state
+from megakd.engine.session import RunSession, rng_state, seed_rng, set_rng_state, skipped_update
 from megakd.engine.units import StepContext, Unit, never
 from megakd.engine.validation import Validator
 from megakd.errors import UserError
@@ -348,8 +348,7 @@ class Trainer:
         """Count a skipped update; `train.max_bad_steps` of them in a row stop the run unsaved."""
         self.bad_steps += 1
         limit = self.cfg.train.max_bad_steps
-        self.session.skipped_update(self.bad_steps, what, self.step + 1, limit, f"train.max_bad_steps={limit}",
-                                    self.run_dir)
+        skipped_update(self.bad_steps, what, self.step + 1, limit, f"train.max_bad_steps={limit}", self.run_dir)
 
     # -- metrics ---------------------------------------------------------------------------------
     def _record(self, norms_sum: dict[str, float], steps: int, seconds: float) -> dict:

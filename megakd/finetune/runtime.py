@@ -178,11 +178,6 @@ class Runtime:
             log.info("%s: nothing was written but config.yaml; removed it, so run.dir is unused again",
                      self.run_dir)
 
-    # -- stop signals ----------------------------------------------------------------------------
-    def stop_flags(self) -> list[float]:
-        """[stop requested, by SIGINT] on this rank, to be summed with the step's other flags."""
-        return [float(flag) for flag in self.session.stop_flags()]
-
     # -- collectives -------------------------------------------------------------------------------
     def sum(self, tensor: Tensor) -> Tensor:
         """Sum over ranks (the identity in one process), returned on the CPU."""

@@ -54,7 +54,7 @@ from megakd.data.tokenizer import Tokenizer
 from megakd.engine.layouts import Layout, MicroStepOutput
 from megakd.engine.optim import build_scheduler, param_groups
 from megakd.engine.runlog import MetricsWriter
-from megakd.engine.session import rng_state, set_rng_state
+from megakd.engine.session import rng_state, set_rng_state, skipped_update
 from megakd.engine.units import StepContext, Unit
 from megakd.finetune.config import FinetuneConfig, LabelregConfig, ModelInitConfig, auto_lr
 from megakd.finetune.models import Pretrained, build_classifier, load_pretrained
@@ -106,16 +106,19 @@ class ClassifierLayout(Layout):
 
     name = "classifier"
 
-    def __init__(self, unit: Unit):
+    def __init__(self, unit: Unit, world_size: int):
         super().__init__([unit], kd=None)
         self.unit = unit
-        self.epoch = 0  # the loop sets it: objectives' schedules (AKD, SoTeacher) depend on it
+        self.world_size = world_size
+        # Set by the loop before each step: the objectives' schedules (AKD, SoTeacher) depend on the
+        # epoch; `weight` is this rank's loss weight n_r·W/n for the step's global batch.
+        self.epoch = 0
+        self.weight = 1.0
 
     def micro_step(self, run, batch, step):
         out = run.forward(self.unit, batch, self.epoch)
-        weight = float(batch["weight"])
-        run.backward(self.unit, out["loss"] * weight)
-        share = weight / float(batch["world_size"])  # this rank's part of a global-batch mean
+        run.backward(self.unit, out["loss"] * self.weight)
+        share = self.weight / self.world_size  # this rank's part of a global-batch mean
         logs = {"loss": out["loss"].detach(), **out["logs"]}
         return MicroStepOutput([out["loss"].detach()], {k: torch.as_tensor(v, dtype=torch.float64).detach() * share
                                                         for k, v in logs.items()})
@@ -247,7 +250,7 @@ class SeedTraining:
         self.unit = Unit(name=UNIT, loss_module=ClassifierLoss(model, objective), model=model, optimizer=optimizer,
                          scheduler=build_scheduler(optimizer, schedule, self.total), clip_norm=f.clip_norm)
         runtime.backend.wrap_units([self.unit], 1)
-        self.layout = ClassifierLayout(self.unit)
+        self.layout = ClassifierLayout(self.unit, runtime.world_size)
         self.progress = Progress()
         # Dropout: rank 0 draws the seed's one-process stream, other ranks their own.
         torch.manual_seed(seed + 1_000_003 * runtime.rank)
@@ -300,17 +303,15 @@ class SeedTraining:
         rt = self.runtime
         local, offset, real, weight = rt.local_rows(rows)
         batch = {**train.batch(local), "row": local, "offset": torch.tensor(offset), "real": torch.tensor(real),
-                 "batch_rows": torch.tensor(len(rows)), "weight": torch.tensor(weight, dtype=torch.float64),
-                 "world_size": torch.tensor(rt.world_size)}
-        self.layout.epoch = epoch
+                 "batch_rows": torch.tensor(len(rows))}
+        self.layout.epoch, self.layout.weight = epoch, weight
         context = StepContext(index=self.progress.step, stop_flags=rt.session.stop_flags)
         result = rt.backend.train_step(self.layout, iter([batch]), context)
         self.progress.step += 1
         if result.norms is None:
             self.progress.bad_steps += 1
-            rt.session.skipped_update(self.progress.bad_steps, f"seed {self.seed}: {result.skipped}",
-                                      self.progress.step, MAX_BAD_STEPS, f"fine-tuning's limit of {MAX_BAD_STEPS}",
-                                      self.out_dir)
+            skipped_update(self.progress.bad_steps, f"seed {self.seed}: {result.skipped}", self.progress.step,
+                           MAX_BAD_STEPS, f"fine-tuning's limit of {MAX_BAD_STEPS}", self.out_dir)
             return None, result.stop, result.interrupted
         self.progress.bad_steps = 0
         keys = sorted(k for k in result.stats if k != "tokens")

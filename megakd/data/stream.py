@@ -597,9 +597,8 @@ def _stop_signals_blocked() -> Iterator[None]:
     """A DataLoader worker that died of a stop signal first would take the run down without a
     checkpoint when the signal goes to the whole process group (Slurm, `timeout`, a terminal's
     Ctrl-C), so workers ignore them. Hold the stop signals back while DataLoader workers are
-    forked: a child inherits the mask,
-    so none can die of one before `_ignore_stop_signals` runs. Held signals reach the training
-    process (its handlers) when the block ends."""
+    forked: a child inherits the mask, so none can die of one before `_ignore_stop_signals` runs.
+    Held signals reach the training process (its handlers) when the block ends."""
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         yield
@@ -633,8 +632,8 @@ class PretrainingLoader:
 
     Batch keys: ``input_ids``, ``attention_mask``, ``masked_input_ids``, ``mlm_mask``, ``index``,
     ``epoch``, and ``segment_ids`` for packed shards (see :func:`megakd.data.masking.collate`).
-    The state counts only batches this object
-    has handed out, so DataLoader prefetching never leaks into a checkpoint.
+    The state counts only batches this object has handed out, so DataLoader prefetching never
+    leaks into a checkpoint.
 
     ``shards_dir`` is a local directory, an object-store URL or a :class:`ShardStore`. Every sample
     is verified as it is read (indexed shards: each member against its index digest, see

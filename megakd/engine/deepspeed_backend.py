@@ -9,11 +9,10 @@ engine's forward, where ZeRO-3 gathers it on access.
 
 Within the shared micro-batch loop (`MicroBatchLoopBackend.train_step`): `backward` gets the
 per-micro-batch mean loss, and `step` runs once per optimizer step. DeepSpeed divides by the
-accumulation steps itself and
-counts micro-batches in `engine.step()`, so `backward` advances that counter off the boundary and
-`step` is the boundary call. Clipping is DeepSpeed's (`gradient_clipping`, always set explicitly:
-DeepSpeed 0.19 clips at 1.0 by default) at `clip_norm * loss_scale`, i.e. on the unweighted
-gradient, exactly as the single-process backend does.
+accumulation steps itself and counts micro-batches in `engine.step()`, so `backward` advances that
+counter off the boundary and `step` is the boundary call. Clipping is DeepSpeed's
+(`gradient_clipping`, always set explicitly: DeepSpeed 0.19 clips at 1.0 by default) at
+`clip_norm * loss_scale`, i.e. on the unweighted gradient, exactly as the single-process backend does.
 
 User settings (`backend.deepspeed_config=FILE.json`) are merged into what megakd derives with
 HF's `"auto"` convention: `"auto"` takes megakd's value, a value that contradicts a key megakd

@@ -30,7 +30,7 @@ def _train(tiny_data, run_dir, resume=None, **extra):
 def _metrics(run_dir):
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     for r in rows:
-        r.pop("tokens_per_s")
+        r.pop("tokens_per_s", None)
     return rows
 
 
@@ -260,3 +260,26 @@ def test_single_backend_in_a_launched_rank_is_refused_naming_the_fix(monkeypatch
         build_backend(cfg)
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert build_backend(cfg).world_size == 1
+
+
+def test_added_hooks_run_when_due_and_write_their_lines(tiny_data, tmp_path):
+    """`Trainer.add_hook`, as docs/architecture.md shows it: a hook joins the step's log line, one with
+    `own_line` writes a line of its own, each only at the steps its period makes it due (a hook that
+    returns None writes nothing), and the metrics of the run are those of a run without hooks."""
+    from megakd.engine.trainer import StepHook
+
+    cfg = load_config("configs/electra-tiny.yaml", tiny_overrides_for(
+        tiny_data, tmp_path / "hooked", **{"train.max_steps": 4, "train.log_every": 2}))
+    trainer = build_trainer(cfg)
+    seen = []
+    trainer.add_hook(StepHook(2, lambda step: seen.append(step) or {"joined": step * 10}))
+    trainer.add_hook(StepHook(3, lambda step: {"alone": step}, own_line=True))
+    trainer.add_hook(StepHook(1, lambda step: None))
+    trainer.open_run(None)
+    trainer.train()
+    assert seen == [2, 4]
+    rows = _metrics(tmp_path / "hooked")
+    assert [(r["step"], r.get("joined"), r.get("alone")) for r in rows] == [(2, 20, None), (3, None, 3), (4, 40, None)]
+    _train(tiny_data, tmp_path / "plain", **{"train.max_steps": 4, "train.log_every": 2})
+    plain = _metrics(tmp_path / "plain")
+    assert [{k: v for k, v in r.items() if k != "joined"} for r in rows if "alone" not in r] == plain

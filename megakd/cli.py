@@ -7,7 +7,6 @@ user input (config keys, files) end the process with a one-line message and exit
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import fnmatch
 import inspect
@@ -31,7 +30,6 @@ from megakd.configio import (
 )
 from megakd.errors import LaunchError, UserError
 from megakd.repro import FINDINGS
-from megakd.signals import STOP_SIGNALS
 
 log = logging.getLogger("megakd")
 
@@ -76,61 +74,26 @@ def _train(args: argparse.Namespace, entry: str) -> int:
         return 0
     from megakd.engine import pretrain
 
-    # The run directory stays locked (rank 0) until the export below is published.
     run = getattr(pretrain, entry)
-    result = run(cfg, resume=args.resume, allow_change=tuple(args.allow_change), keep_lock=True)
-    try:
-        return _finish(cfg, result)
-    finally:
-        if result.lock is not None:
-            result.lock.release()
+    export = None
+    if cfg.run.export_hf:  # written by rank 0 once the run finished, under its lock (`RunSession.export`)
+        from megakd.convert import export_run
 
-
-def _finish(cfg, result) -> int:
-    """The end of `_train`, under the run directory's lock: the exit code, after the HF export."""
+        export = export_run
+    result = run(cfg, resume=args.resume, allow_change=tuple(args.allow_change), export=export)
     if result.preempted:
         log.warning("stopped at step %d; run the same command with --resume auto to continue", result.step)
         return EXIT_INTERRUPTED if result.interrupted else 0
-    if cfg.run.export_hf and int(os.environ.get("RANK", "0")) == 0:
-        from megakd.convert import export_run
-        from megakd.store.rundir import publish_export
-
-        try:
-            with _stop_signals_raise():
-                # Published only while this job still owns the run directory (checked before the rename).
-                log.info("exported HuggingFace model to %s", publish_export(result.run_dir, export_run))
-        except _StoppedDuringExport as stop:
-            log.warning("stopped by %s during the HuggingFace export: nothing was exported (the partial export "
-                        "was removed; the checkpoint of step %d is intact); run the same command with --resume "
-                        "auto, or megakd convert to-hf %s %s/hf --force", signal.Signals(stop.signum).name,
-                        result.step, result.run_dir, result.run_dir)
-            return EXIT_INTERRUPTED if stop.signum == signal.SIGINT else 0
+    if result.export_stopped_by is not None:
+        log.warning("stopped by %s during the HuggingFace export: nothing was exported (the partial export was "
+                    "removed; the checkpoint of step %d is intact); run the same command with --resume auto, or "
+                    "megakd convert to-hf %s %s/hf --force", signal.Signals(result.export_stopped_by).name,
+                    result.step, result.run_dir, result.run_dir)
+        return EXIT_INTERRUPTED if result.export_stopped_by == signal.SIGINT else 0
+    if result.exported is not None:
+        log.info("exported HuggingFace model to %s", result.exported)
     log.info("finished %d steps; run directory %s", result.step, result.run_dir)
     return 0
-
-
-class _StoppedDuringExport(BaseException):
-    """A stop signal arrived during the end-of-run export (a BaseException, as KeyboardInterrupt is, so
-    that no `except Exception` on the way swallows it and the export's temporary directory is removed)."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
-
-@contextlib.contextmanager
-def _stop_signals_raise():
-    """SIGTERM, SIGUSR1 and SIGINT stop the end-of-run export cleanly instead of killing the process
-    mid-write (which left a `.hf.partial-*` directory in the run dir for good)."""
-    def stop(signum, _frame):
-        raise _StoppedDuringExport(signum)
-
-    previous = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def cmd_finetune(args: argparse.Namespace) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -230,19 +231,19 @@ def _millions(model: torch.nn.Module) -> float:
 
 
 def run_pretraining(cfg: Config, resume: str | None = None, allow_change: tuple[str, ...] = (),
-                    keep_lock: bool = False) -> TrainResult:
-    """Train (or continue) the run `cfg` describes. The HF export at the end is the command's job: with
-    `keep_lock` the run directory stays locked for it (`result.lock`, released by the caller)."""
+                    export: Callable[[Path, Path], object] | None = None) -> TrainResult:
+    """Train (or continue) the run `cfg` describes; a run that finished ends with `export(run_dir, out)`
+    (the command's HuggingFace export, `megakd.convert.export_run`) into run.dir/hf, under the run's lock."""
     trainer = build_trainer(cfg, resume=resume)
     try:
         trainer.open_run(resume, allow_change)
-        return trainer.train(keep_lock=keep_lock)
+        return trainer.train(export=export)
     finally:
         trainer.close()
 
 
 def run_distill(cfg: Config, resume: str | None = None, allow_change: tuple[str, ...] = (),
-                keep_lock: bool = False) -> TrainResult:
+                export: Callable[[Path, Path], object] | None = None) -> TrainResult:
     """`megakd distill` (DWT, docs/methods.md § DWT): pretraining with `distill.teacher` required.
 
     The student is `model.generator`: a BERT-MLM (`model.objective=mlm`, DWT as published) or an
@@ -253,4 +254,4 @@ def run_distill(cfg: Config, resume: str | None = None, allow_change: tuple[str,
     if not cfg.distill.teacher:
         raise ConfigError("distill.teacher: expected a teacher (run, checkpoint, model dir or HF MLM dir); "
                           "without one use `megakd pretrain`")
-    return run_pretraining(cfg, resume=resume, allow_change=allow_change, keep_lock=keep_lock)
+    return run_pretraining(cfg, resume=resume, allow_change=allow_change, export=export)

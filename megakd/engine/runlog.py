@@ -11,13 +11,17 @@ import secrets
 import threading
 from pathlib import Path
 
+from megakd.engine.hooks import Hook, StepEnd
 from megakd.store.files import StoreError, human_bytes, is_disk_full
 
 log = logging.getLogger(__name__)
 
 
-class MetricsWriter:
-    """Appends one JSON object per logged step and mirrors scalars to TensorBoard / wandb."""
+class MetricsWriter(Hook):
+    """Appends one JSON object per logged step and mirrors scalars to TensorBoard / wandb.
+
+    As a hook (after the hooks that fill a step's lines) it writes each step's lines and closes at the end.
+    """
 
     def __init__(self, run_dir: Path, *, tensorboard: bool, wandb: bool, wandb_project: str,
                  wandb_mode: str, config: dict, resume_step: int = 0):
@@ -124,6 +128,14 @@ class MetricsWriter:
             if key != "step" and isinstance(value, (int, float)):
                 self.tb.add_scalar(key, value, step)
         self.tb.flush()  # on disk now, so a full disk shows here rather than in the writer's thread
+
+    def after_step(self, end: StepEnd) -> None:
+        for line in end.lines:
+            if line:
+                self.write(line)
+
+    def end(self, step: int, finished: bool) -> None:
+        self.close()
 
     def close(self) -> None:
         if self.tb is not None:

@@ -11,7 +11,12 @@ their batches and what they log. What must behave the same in every job lives he
   any failure before rank 0 publishes it, and again after (a full disk on one rank ends every
   rank with one line instead of a hang);
 - **random streams**: every stream a rank draws from, captured and restored as one state;
-- **non-finite steps**: a skipped update is counted, `limit` in a row stop the run.
+- **non-finite steps**: a skipped update is counted, `limit` in a row stop the run;
+- **the end-of-run export**: written by rank 0 under the lock, published whole or not at all, and
+  stopped cleanly by a stop signal.
+
+The work a loop does after each step and at its end (log line, evaluations, metrics file, progress
+bar, checkpoint cadence, plots) are hooks, `megakd/engine/hooks.py`.
 
 docs/architecture.md § The run session shows how the two loops use it.
 """
@@ -85,10 +90,17 @@ class RunSession:
         """Give the run directory up (rank 0's lock); nothing to do where it is not held."""
         self._holding.close()
 
-    def hand_over_lock(self) -> rundir.RunDirLock:
-        """Keep the lock past `release`, for an end-of-run export written under it; the caller releases it."""
-        self._holding.pop_all()
-        return self.lock
+    # -- the end-of-run export ---------------------------------------------------------------------
+    def export(self, write: Callable[[Path, Path], object], name: str = "hf") -> tuple[Path | None, int | None]:
+        """Rank 0, while the run directory is still held: `write(run_dir, out)` published as run_dir/`name`
+        (`rundir.publish_export`: only while this job owns it, nothing partial left behind). A stop signal
+        during it removes the partial export instead of killing the process mid-write: returns
+        (the export, None) or (None, the signal)."""
+        try:
+            with _stop_signals_raise():
+                return rundir.publish_export(self.run_dir, write, name), None
+        except _StoppedDuringExport as stop:
+            return None, stop.signum
 
     # -- stop signals ------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -171,6 +183,28 @@ class RunSession:
         what = "no space left on device" if is_disk_full(error) else first_line(error)
         raise StoreError(f"{tmp.parent}: {what} while saving step {step} ({human_bytes(written)} written"
                          f"{needed}); the partial checkpoint was removed, older checkpoints are intact") from None
+
+
+class _StoppedDuringExport(BaseException):
+    """A stop signal during the export (a BaseException, as KeyboardInterrupt is, so that no
+    `except Exception` on the way swallows it and the export's temporary directory is removed)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _stop_signals_raise() -> Iterator[None]:
+    def stop(signum, _frame):
+        raise _StoppedDuringExport(signum)
+
+    previous = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 # -- non-finite steps ---------------------------------------------------------------------------

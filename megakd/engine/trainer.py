@@ -9,7 +9,6 @@ metrics.
 from __future__ import annotations
 
 import logging
-import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from megakd.configio import config_to_dict, read_yaml_file, save_config
 from megakd.data.storage import StorageError as DataStorageError
 from megakd.data.tokenizer import copy_tokenizer
 from megakd.engine.backends import STORAGE_FAILED, StepResult, TrainingBackend, stat_sums
+from megakd.engine.hooks import AtEnd, Checkpoints, Clock, Hook, Hooks, ProgressBar, StepEnd, StepHook
 from megakd.engine.layouts import Layout
 from megakd.engine.probe import Probe
 from megakd.engine.runlog import MetricsWriter, plot_metrics
@@ -41,26 +41,8 @@ class TrainResult:
     preempted: bool  # stopped on a signal, after writing a checkpoint
     run_dir: Path
     interrupted: bool = False  # the signal was SIGINT on some rank (the command exits 130, not 0)
-    # With `train(keep_lock=True)`: the run directory's lock, still held on rank 0 for the command's
-    # end-of-run export; the caller releases it.
-    lock: rundir.RunDirLock | None = None
-
-
-@dataclass
-class StepHook:
-    """Periodic work after an optimizer step (validation, the probe; add one with `Trainer.add_hook`).
-
-    Every `period` steps (0: never) `run(step)` returns values for metrics.jsonl (None: nothing),
-    joined to the step's log line or, with `own_line`, written as a line of their own. It runs on
-    every rank (it may use collectives); its time does not count as training time in tokens_per_s.
-    """
-
-    period: int
-    run: Callable[[int], dict | None]
-    own_line: bool = False
-
-    def due(self, step: int) -> bool:
-        return self.period > 0 and step % self.period == 0
+    exported: Path | None = None  # the end-of-run export, where one was asked for and published (rank 0)
+    export_stopped_by: int | None = None  # the signal that stopped the export (nothing was exported)
 
 
 class Trainer:
@@ -85,25 +67,47 @@ class Trainer:
         self._opened = False
         self._metrics: MetricsWriter | None = None  # rank 0's, while `_train` runs (its `failure` stops the run)
         self._probe: Probe | None = None  # built at the first probe step (loading and tokenizing the task)
-        self.hooks: list[StepHook] = []
+        # Gradient norms summed since the last log line, and over how many steps (not checkpointed).
+        self._norms_sum: dict[str, float] = defaultdict(float)
+        self._norm_steps = 0
+        self._clock: Clock | None = None  # training time since the last log line, while `_train` runs
+        self.hooks: list[Hook] = []  # after the log line, before the metrics file (see `_hooks`)
         if validator is not None:
             self.add_hook(StepHook(cfg.train.eval_every, validator.evaluate))
         self.add_hook(StepHook(cfg.train.probe_every, self._probe_line, own_line=True))
 
-    def add_hook(self, hook: StepHook) -> None:
-        """Run `hook` after the steps it is due at, in the order hooks were added."""
+    def add_hook(self, hook: Hook) -> None:
+        """Run `hook` after every applied step (values it adds to the step's lines reach metrics.jsonl),
+        after the hooks added before it, and its `end` when the run ends."""
         self.hooks.append(hook)
 
-    def _run_hooks(self, rec: dict) -> list[dict]:
-        """This step's metrics.jsonl lines: its log line `rec` (empty: none) with the due hooks' values."""
-        lines = [rec]
+    def _hooks(self) -> Hooks:
+        """The run's hooks in order: the log line, validation, the probe and added hooks, then (rank 0)
+        the metrics file, the progress bar, checkpoint cadence and (rank 0) the plots."""
+        cfg, main = self.cfg, self.backend.is_main
+        hooks = Hooks()
+        hooks.add(StepHook(cfg.train.log_every, lambda step: self._record(self._clock.lap()),
+                           also_at=cfg.train.max_steps))
         for hook in self.hooks:
-            values = hook.run(self.step) if hook.due(self.step) else None
-            if values is not None and hook.own_line:
-                lines.append({"step": self.step, **values})
-            elif values is not None:
-                lines[0] = {**lines[0], "step": self.step, **values}
-        return [line for line in lines if line]
+            hooks.add(hook)
+        if main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            if self._config_changes:
+                rundir.record_history(self.run_dir, self._saved_config, self.step)
+            save_config(cfg, self.run_dir / "config.yaml")
+            self._metrics = MetricsWriter(
+                self.run_dir, tensorboard=cfg.run.tensorboard, wandb=cfg.run.wandb,
+                wandb_project=cfg.run.wandb_project, wandb_mode=cfg.run.wandb_mode,
+                config=config_to_dict(cfg), resume_step=self.step,
+            )
+            hooks.add(self._metrics)
+        hooks.add(ProgressBar(cfg.train.max_steps, self.step, _bar_values, enabled=main and cfg.run.progress_bar))
+        every = cfg.train.save_every
+        hooks.add(Checkpoints(self.save, lambda step: bool(every) and step % every == 0, at_end=True,
+                              last_saved=self.step))
+        if main and cfg.run.plots:
+            hooks.add(AtEnd(lambda: plot_metrics(self.run_dir / "metrics.jsonl", self.run_dir / "plots")))
+        return hooks
 
     def _probe_line(self, step: int) -> dict | None:
         rec = self.run_probe()
@@ -325,6 +329,9 @@ class Trainer:
         if result.norms is None:
             self._skipped(result.skipped)
         else:
+            for key, value in result.norms.items():
+                self._norms_sum[key] += value
+            self._norm_steps += 1
             self.bad_steps = 0
             self.step += 1
         return result
@@ -351,7 +358,9 @@ class Trainer:
         skipped_update(self.bad_steps, what, self.step + 1, limit, f"train.max_bad_steps={limit}", self.run_dir)
 
     # -- metrics ---------------------------------------------------------------------------------
-    def _record(self, norms_sum: dict[str, float], steps: int, seconds: float) -> dict:
+    def _record(self, seconds: float) -> dict:
+        """The log line: the interval's sums over all ranks as the layout's ratios, mean gradient norms,
+        throughput over `seconds` of training; the interval starts again."""
         names = sorted(self.interval)
         # The loaders' retry counts (cumulative, per rank) ride on the same all-reduce: the job's total.
         retries = torch.tensor([float(self.loader.read_retries)], dtype=torch.float64).to(self.backend.device)
@@ -359,9 +368,12 @@ class Trainer:
         totals = totals.cpu().tolist()
         s = dict(zip(names, totals))
         rec: dict = {"step": self.step, **self.layout.ratios(s), "read_retries": int(totals[-1])}
-        rec.update(self.layout.optimizer_metrics({k: v / max(1, steps) for k, v in norms_sum.items()}))
+        steps = max(1, self._norm_steps)
+        rec.update(self.layout.optimizer_metrics({k: v / steps for k, v in self._norms_sum.items()}))
         rec["tokens_per_s"] = s.get("tokens", 0.0) / max(seconds, 1e-9)
         self.interval.clear()
+        self._norms_sum.clear()
+        self._norm_steps = 0
         return rec
 
     # -- the loop ----------------------------------------------------------------------------------
@@ -371,92 +383,54 @@ class Trainer:
         metrics_failed = self._metrics is not None and self._metrics.failure is not None
         return stop or metrics_failed, interrupted
 
-    def train(self, keep_lock: bool = False) -> TrainResult:
+    def train(self, export: Callable[[Path, Path], object] | None = None) -> TrainResult:
         """Train to train.max_steps (a new run unless `open_run` resumed one); the run dir is locked until the end.
 
-        With `keep_lock`, a run that returns keeps the lock in `result.lock` (rank 0), so the command's
-        end-of-run export is written under it; the caller releases it.
+        `export(run_dir, out)`: the end-of-run export, written by rank 0 into run_dir/hf once the run
+        finished (not when stopped), still under the run directory's lock (`RunSession.export`).
         """
         if not self._opened:
             self.open_run(None)
         try:
             result = self._train()
-            if keep_lock:
-                result.lock = self.session.hand_over_lock()
+            if export is not None and not result.preempted:
+                self.backend.close()  # the export is rank 0's alone: the other ranks may leave now
+                if self.backend.is_main:
+                    result.exported, result.export_stopped_by = self.session.export(export)
             return result
         finally:
             self.session.release()
 
     def _train(self) -> TrainResult:
-        cfg = self.cfg
-        writer = None
-        if self.backend.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            if self._config_changes:
-                rundir.record_history(self.run_dir, self._saved_config, self.step)
-            save_config(cfg, self.run_dir / "config.yaml")
-            writer = self._metrics = MetricsWriter(
-                self.run_dir, tensorboard=cfg.run.tensorboard, wandb=cfg.run.wandb,
-                wandb_project=cfg.run.wandb_project, wandb_mode=cfg.run.wandb_mode,
-                config=config_to_dict(cfg), resume_step=self.step,
-            )
-        bar = None
-        if self.backend.is_main and cfg.run.progress_bar:
-            from tqdm import tqdm
-
-            bar = tqdm(total=cfg.train.max_steps, initial=self.step, unit="step", dynamic_ncols=True)
-        preempted = interrupted = False
-        last_saved = self.step
-        try:
-            with self.session.stop_signals():
+        hooks = self._hooks()
+        preempted = interrupted = finished = False
+        with self.session.stop_signals():
+            try:
                 self.layout.train()
                 batches = StepBatches(iter(self.loader), can_hold=self.backend.holds_steps)
-                norms_sum: dict[str, float] = defaultdict(float)
-                steps_in_interval, t0 = 0, time.perf_counter()
-                while self.step < cfg.train.max_steps:
+                self._clock = Clock(hooks)
+                while self.step < self.cfg.train.max_steps:
                     step_start = self.loader.state_dict(), self._rng_state()
                     result = self._step(batches)
                     if result.skipped == STORAGE_FAILED:
                         self._stop_on_storage_failure(batches, *step_start)
-                    norms, stop, interrupted = result.norms, result.stop, result.interrupted
-                    if norms is not None:
-                        for k, v in norms.items():
-                            norms_sum[k] += v
-                        steps_in_interval += 1
-                        if bar is not None:
-                            bar.update(1)
-                        rec = {}
-                        if self.step % cfg.train.log_every == 0 or self.step == cfg.train.max_steps:
-                            rec = self._record(norms_sum, steps_in_interval, time.perf_counter() - t0)
-                            if bar is not None:
-                                bar.set_postfix({k: f"{rec[k]:.3g}" for k in ("gen_loss", "disc_loss", "rtd_f1",
-                                                                                 "tokens_per_s") if k in rec})
-                            norms_sum.clear()
-                            steps_in_interval, t0 = 0, time.perf_counter()
-                        started = time.perf_counter()
-                        records = self._run_hooks(rec)
-                        t0 += time.perf_counter() - started  # tokens_per_s counts training time only
-                        if writer is not None:
-                            for record in records:
-                                writer.write(record)
-                    if stop:
+                    if result.norms is not None:
+                        hooks.after_step(self.step, stopping=result.stop)
+                    if result.stop:
                         self.save()
-                        preempted = True
+                        preempted, interrupted = True, result.interrupted
                         log.warning("stopped at step %d on a signal; continue with --resume auto", self.step)
                         break
-                    if norms is not None and cfg.train.save_every and self.step % cfg.train.save_every == 0:
-                        self.save()
-                        last_saved = self.step
-                if not preempted and last_saved != self.step:
-                    self.save()
-        finally:
-            if bar is not None:
-                bar.close()
-            if writer is not None:
-                writer.close()
-        if self.backend.is_main and cfg.run.plots and not preempted:
-            plot_metrics(self.run_dir / "metrics.jsonl", self.run_dir / "plots")
+                finished = not preempted
+            finally:
+                hooks.end(self.step, finished)  # the last checkpoint, the plots; closes the metrics file
         return TrainResult(step=self.step, preempted=preempted, run_dir=self.run_dir, interrupted=interrupted)
+
+
+def _bar_values(end: StepEnd) -> dict | None:
+    """The progress bar's figures, from the step's log line (if it has one)."""
+    line = end.lines[0]
+    return {k: f"{line[k]:.3g}" for k in ("gen_loss", "disc_loss", "rtd_f1", "tokens_per_s") if k in line} or None
 
 
 class StepBatches:

@@ -35,7 +35,6 @@ import json
 import logging
 import math
 import shutil
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,12 +44,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from tqdm import tqdm
 
 from megakd.config import ConfigError, ScheduleConfig
 from megakd.configio import config_to_dict, save_config
 from megakd.data.tasks import EncodedTask, load_split
 from megakd.data.tokenizer import Tokenizer
+from megakd.engine.hooks import Checkpoints, Clock, Hooks, ProgressBar, StepEnd, StepHook
 from megakd.engine.layouts import Layout, MicroStepOutput
 from megakd.engine.optim import build_scheduler, param_groups
 from megakd.engine.runlog import MetricsWriter
@@ -252,6 +251,10 @@ class SeedTraining:
         runtime.backend.wrap_units([self.unit], 1)
         self.layout = ClassifierLayout(self.unit, runtime.world_size)
         self.progress = Progress()
+        # What the hooks read about the step just run (`run` and `step` set them).
+        self._epoch, self._step_lr, self._skipped_last = 0, lr, False
+        self._clock: Clock | None = None
+        self._dev_logits: np.ndarray | None = None  # the eval split's logits after the latest epoch
         # Dropout: rank 0 draws the seed's one-process stream, other ranks their own.
         torch.manual_seed(seed + 1_000_003 * runtime.rank)
 
@@ -299,94 +302,103 @@ class SeedTraining:
     # -- one step ----------------------------------------------------------------------------------
     def step(self, train: EncodedTask, rows: Tensor, epoch: int) -> tuple[dict[str, float] | None, bool, bool]:
         """One optimizer step on the global batch `rows` through `backend.train_step`: (global-batch means
-        of the logs, or None if the update was skipped; stop requested; by SIGINT)."""
-        rt = self.runtime
+        of the logs, or None if the update was skipped; stop requested; by SIGINT). An applied step's
+        logs are added to the epoch's and the log interval's sums."""
+        rt, p = self.runtime, self.progress
         local, offset, real, weight = rt.local_rows(rows)
         batch = {**train.batch(local), "row": local, "offset": torch.tensor(offset), "real": torch.tensor(real),
                  "batch_rows": torch.tensor(len(rows))}
         self.layout.epoch, self.layout.weight = epoch, weight
-        context = StepContext(index=self.progress.step, stop_flags=rt.session.stop_flags)
+        context = StepContext(index=p.step, stop_flags=rt.session.stop_flags)
         result = rt.backend.train_step(self.layout, iter([batch]), context)
-        self.progress.step += 1
+        p.step += 1
+        self._skipped_last = result.norms is None
         if result.norms is None:
-            self.progress.bad_steps += 1
-            skipped_update(self.progress.bad_steps, f"seed {self.seed}: {result.skipped}", self.progress.step,
-                           MAX_BAD_STEPS, f"fine-tuning's limit of {MAX_BAD_STEPS}", self.out_dir)
+            p.bad_steps += 1
+            skipped_update(p.bad_steps, f"seed {self.seed}: {result.skipped}", p.step, MAX_BAD_STEPS,
+                           f"fine-tuning's limit of {MAX_BAD_STEPS}", self.out_dir)
             return None, result.stop, result.interrupted
-        self.progress.bad_steps = 0
+        p.bad_steps = 0
         keys = sorted(k for k in result.stats if k != "tokens")
         totals = rt.sum(torch.stack([result.stats[k].cpu() for k in keys])).tolist()
-        return {**dict(zip(keys, totals)), "grad_norm": result.norms[UNIT]}, result.stop, result.interrupted
+        logs = {**dict(zip(keys, totals)), "grad_norm": result.norms[UNIT]}
+        p.epoch_sum += logs["loss"]
+        for k, v in logs.items():
+            p.interval[k] = p.interval.get(k, 0.0) + v
+        p.interval_steps += 1
+        p.interval_samples += len(rows)
+        return logs, result.stop, result.interrupted
 
     # -- the loop ----------------------------------------------------------------------------------
     def run(self, train: EncodedTask, dev: EncodedTask, eval_split: str) -> np.ndarray | None:
         """Train to the last step; returns the eval split's logits of the last epoch (None if it ended
         before this process started, on a checkpoint at the very end)."""
-        cfg, f, rt, p = self.cfg, self.cfg.finetune, self.runtime, self.progress
-        writer = None
-        if rt.is_main:
-            writer = MetricsWriter(self.out_dir, tensorboard=cfg.run.tensorboard, wandb=cfg.run.wandb,
-                                   wandb_project=cfg.run.wandb_project, wandb_mode=cfg.run.wandb_mode,
-                                   config=config_to_dict(cfg), resume_step=p.step)
-        bar = tqdm(total=self.total, initial=p.step, desc=f"seed {self.seed}", dynamic_ncols=True,
-                   disable=not (cfg.run.progress_bar and rt.is_main))
-        dev_logits = None
+        f, p = self.cfg.finetune, self.progress
+        hooks = self._hooks(dev, eval_split)
         self.model.train()
+        finished = False
         try:
             first_epoch, first_batch = divmod(p.step, self.steps_per_epoch)
-            tick = time.perf_counter()
+            self._clock = Clock(hooks)
             for epoch in range(first_epoch, f.epochs):
                 order = torch.randperm(len(train),
                                        generator=torch.Generator().manual_seed(self.seed * 1_000_003 + epoch))
                 for b in range(first_batch if epoch == first_epoch else 0, self.steps_per_epoch):
                     rows = order[b * f.batch_size: (b + 1) * f.batch_size]
-                    step_lr = self.unit.lr  # the rate this step uses
+                    self._epoch, self._step_lr = epoch, self.unit.lr  # the rate this step uses
                     logs, stop, interrupted = self.step(train, rows, epoch)
-                    bar.update(1)
-                    if logs is not None:
-                        bar.set_postfix(epoch=epoch, loss=f"{logs['loss']:.4f}")
-                        p.epoch_sum += logs["loss"]
-                        for k, v in logs.items():
-                            p.interval[k] = p.interval.get(k, 0.0) + v
-                        p.interval_steps += 1
-                        p.interval_samples += len(rows)
-                        if p.step % f.log_every == 0 or p.step == self.total:
-                            seconds = time.perf_counter() - tick
-                            if writer is not None:
-                                writer.write({"step": p.step, "epoch": epoch, "lr": step_lr,
-                                              **{k: v / p.interval_steps for k, v in p.interval.items()},
-                                              "samples_per_s": p.interval_samples / max(seconds, 1e-9)})
-                            p.interval, p.interval_steps, p.interval_samples = {}, 0, 0
-                            tick = time.perf_counter()
-                    epoch_end = b == self.steps_per_epoch - 1
-                    if epoch_end:
-                        started = time.perf_counter()
-                        dev_logits = self.end_epoch(epoch, dev, eval_split, writer)
-                        tick += time.perf_counter() - started  # samples_per_s counts training time only
+                    hooks.after_step(p.step, stopping=stop, values=logs)
                     if stop:
                         self.save()
                         raise Stopped(interrupted)
-                    if (epoch_end and p.step < self.total) or (cfg.run.save_every and p.step % cfg.run.save_every == 0):
-                        self.save()
+            finished = True
         finally:
-            bar.close()
-            if writer is not None:
-                writer.close()
-        return dev_logits
+            hooks.end(p.step, finished)
+        return self._dev_logits
 
-    def end_epoch(self, epoch: int, dev: EncodedTask, eval_split: str, writer: MetricsWriter | None) -> np.ndarray:
+    def _hooks(self, dev: EncodedTask, eval_split: str) -> Hooks:
+        """In order: the log line, the epoch's evaluation, then (rank 0) the metrics file, the progress bar,
+        checkpoint cadence (each epoch's end but the last, and every `run.save_every` steps)."""
+        cfg, rt, every = self.cfg, self.runtime, self.cfg.run.save_every
+        hooks = Hooks()
+        hooks.add(StepHook(cfg.finetune.log_every, self._log_line, also_at=self.total))
+        hooks.add(StepHook(self.steps_per_epoch, lambda step: self.end_epoch(dev, eval_split), own_line=True))
+        if rt.is_main:
+            hooks.add(MetricsWriter(self.out_dir, tensorboard=cfg.run.tensorboard, wandb=cfg.run.wandb,
+                                    wandb_project=cfg.run.wandb_project, wandb_mode=cfg.run.wandb_mode,
+                                    config=config_to_dict(cfg), resume_step=self.progress.step))
+        hooks.add(ProgressBar(self.total, self.progress.step, self._bar_values, desc=f"seed {self.seed}",
+                              enabled=cfg.run.progress_bar and rt.is_main))
+        hooks.add(Checkpoints(self.save, lambda step: (step % self.steps_per_epoch == 0 and step < self.total)
+                              or (bool(every) and step % every == 0), at_end=False, last_saved=self.progress.step))
+        return hooks
+
+    def _log_line(self, step: int) -> dict | None:
+        """Means over the steps applied since the last line (none at a skipped step: they wait for the next)."""
+        p = self.progress
+        if self._skipped_last:
+            return None
+        line = {"step": step, "epoch": self._epoch, "lr": self._step_lr,
+                **{k: v / p.interval_steps for k, v in p.interval.items()},
+                "samples_per_s": p.interval_samples / max(self._clock.lap(), 1e-9)}
+        p.interval, p.interval_steps, p.interval_samples = {}, 0, 0
+        return line
+
+    def _bar_values(self, end: StepEnd) -> dict | None:
+        return None if end.values is None else {"epoch": self._epoch, "loss": f"{end.values['loss']:.4f}"}
+
+    def end_epoch(self, dev: EncodedTask, eval_split: str) -> dict:
+        """The epoch's mean train loss and `dev`'s metrics (its logits kept for the result), as a metrics line."""
         p = self.progress
         p.epoch_losses.append(p.epoch_sum / self.steps_per_epoch)
         p.epoch_sum = 0.0
-        dev_logits = predict(self.model, dev, self.cfg.finetune.eval_batch_size, self.runtime)
-        p.metrics = task_metrics(dev_logits, dev.labels.numpy(), self.cfg.task.num_labels)
-        p.curve.append({"epoch": epoch, "train_loss": p.epoch_losses[-1], **p.metrics})
-        if writer is not None:
-            writer.write({"step": p.step, "epoch": epoch, "train_loss": p.epoch_losses[-1],
-                          **{f"{eval_split}_{k}": v for k, v in p.metrics.items()}})
-        log.info("seed %d epoch %d: train loss %.4f, %s %s", self.seed, epoch, p.epoch_losses[-1], eval_split,
+        self._dev_logits = predict(self.model, dev, self.cfg.finetune.eval_batch_size, self.runtime)
+        p.metrics = task_metrics(self._dev_logits, dev.labels.numpy(), self.cfg.task.num_labels)
+        p.curve.append({"epoch": self._epoch, "train_loss": p.epoch_losses[-1], **p.metrics})
+        log.info("seed %d epoch %d: train loss %.4f, %s %s", self.seed, self._epoch, p.epoch_losses[-1], eval_split,
                  ", ".join(f"{k} {v:.4f}" for k, v in p.metrics.items()))
-        return dev_logits
+        return {"epoch": self._epoch, "train_loss": p.epoch_losses[-1],
+                **{f"{eval_split}_{k}": v for k, v in p.metrics.items()}}
 
 
 def train_seed(cfg: FinetuneConfig, seed: int, model: SequenceClassifier, tokenizer: Tokenizer,

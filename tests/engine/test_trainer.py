@@ -266,7 +266,7 @@ def test_added_hooks_run_when_due_and_write_their_lines(tiny_data, tmp_path):
     """`Trainer.add_hook`, as docs/architecture.md shows it: a hook joins the step's log line, one with
     `own_line` writes a line of its own, each only at the steps its period makes it due (a hook that
     returns None writes nothing), and the metrics of the run are those of a run without hooks."""
-    from megakd.engine.trainer import StepHook
+    from megakd.engine.hooks import StepHook
 
     cfg = load_config("configs/electra-tiny.yaml", tiny_overrides_for(
         tiny_data, tmp_path / "hooked", **{"train.max_steps": 4, "train.log_every": 2}))

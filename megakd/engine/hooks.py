@@ -1,0 +1,159 @@
+"""Hooks: the work a training loop does after a step and when it ends, registered instead of inlined.
+
+Both loops (pretraining's `Trainer`, fine-tuning's `SeedTraining`) are a step, then `Hooks.after_step`,
+until the last step or a stop, then `Hooks.end`. The log line, validation, the probe, the metrics
+file, the progress bar, checkpoint cadence and plots are hooks, so adding periodic work (a new
+evaluation, a logger) is one `add` and no change to a loop. docs/architecture.md § The run session
+shows the order the loops register them in.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+
+@dataclass
+class StepEnd:
+    """What hooks see after a step: its number, its metrics.jsonl lines so far, whether the run stops."""
+
+    step: int
+    # lines[0] is the step's log line ({} until a hook fills it); hooks may join it or append lines
+    lines: list[dict]
+    stopping: bool = False  # all ranks agreed to stop: the loop checkpoints and leaves after the hooks
+    values: dict | None = None  # the step's statistics, as the loop reports them (None: update skipped)
+
+
+class Hook:
+    """One piece of run-wide work; a subclass overrides what it needs. Hooks run on every rank (they
+    may use collectives), in the order they were added."""
+
+    def after_step(self, end: StepEnd) -> None:
+        """After a step the loop counted."""
+
+    def end(self, step: int, finished: bool) -> None:
+        """Once, when the loop is left: `finished` if it reached its last step (no stop, no error)."""
+
+
+@dataclass
+class StepHook(Hook):
+    """Every `period` steps (0: never; also at step `also_at`) `run(step)` gives values for metrics.jsonl
+    (None: nothing), joined to the step's log line or, with `own_line`, written as a line of their own."""
+
+    period: int
+    run: Callable[[int], dict | None]
+    own_line: bool = False
+    also_at: int | None = None
+
+    def due(self, step: int) -> bool:
+        return (self.period > 0 and step % self.period == 0) or step == self.also_at
+
+    def after_step(self, end: StepEnd) -> None:
+        values = self.run(end.step) if self.due(end.step) else None
+        if values is not None and self.own_line:
+            end.lines.append({"step": end.step, **values})
+        elif values is not None:
+            end.lines[0] = {**end.lines[0], "step": end.step, **values}
+
+
+class Hooks:
+    """A loop's hooks, and the seconds spent in them (throughput counts training time only, `Clock`)."""
+
+    def __init__(self) -> None:
+        self._hooks: list[Hook] = []
+        self.seconds = 0.0
+
+    def add(self, hook: Hook | None) -> None:
+        """Run `hook` after the ones already added (None: nothing to add, e.g. rank 0's writer elsewhere)."""
+        if hook is not None:
+            self._hooks.append(hook)
+
+    def after_step(self, step: int, stopping: bool = False, values: dict | None = None) -> list[dict]:
+        """Run every hook for `step`; its metrics.jsonl lines (empty ones dropped)."""
+        started = time.perf_counter()
+        end = StepEnd(step, [{}], stopping, values)
+        try:
+            for hook in self._hooks:
+                hook.after_step(end)
+        finally:
+            self.seconds += time.perf_counter() - started
+        return [line for line in end.lines if line]
+
+    def end(self, step: int, finished: bool) -> None:
+        """Every hook's `end`, even after one fails (the first error is raised; later hooks then see
+        `finished=False`, so nothing builds on a failed final save)."""
+        error: BaseException | None = None
+        for hook in self._hooks:
+            try:
+                hook.end(step, finished and error is None)
+            except BaseException as err:
+                error = error or err
+        if error is not None:
+            raise error
+
+
+class Clock:
+    """Seconds of training between log lines: wall time minus the time spent in hooks."""
+
+    def __init__(self, hooks: Hooks) -> None:
+        self.hooks = hooks
+        self._start, self._in_hooks = time.perf_counter(), hooks.seconds
+
+    def lap(self) -> float:
+        """Training seconds since the previous lap (or since the clock was made); starts the next one."""
+        now, in_hooks = time.perf_counter(), self.hooks.seconds
+        seconds = (now - self._start) - (in_hooks - self._in_hooks)
+        self._start, self._in_hooks = now, in_hooks
+        return seconds
+
+
+class ProgressBar(Hook):
+    """A tqdm bar of steps; `postfix(end)` gives the values to show after a step (None: keep the last)."""
+
+    def __init__(self, total: int, initial: int, postfix: Callable[[StepEnd], dict | None], *, enabled: bool,
+                 desc: str | None = None) -> None:
+        self.postfix = postfix
+        self.bar = tqdm(total=total, initial=initial, unit="step", desc=desc, dynamic_ncols=True, disable=not enabled)
+
+    def after_step(self, end: StepEnd) -> None:
+        self.bar.update(1)
+        values = self.postfix(end)
+        if values:
+            self.bar.set_postfix(values)
+
+    def end(self, step: int, finished: bool) -> None:
+        self.bar.close()
+
+
+class Checkpoints(Hook):
+    """Checkpoint cadence: `save()` after the steps `due(step)` names and, with `at_end`, after the last
+    step unless that one was just saved. Not when stopping: the loop saves that step itself, once."""
+
+    def __init__(self, save: Callable[[], Path], due: Callable[[int], bool], *, at_end: bool,
+                 last_saved: int) -> None:
+        self.save, self.due, self.at_end, self.last_saved = save, due, at_end, last_saved
+
+    def after_step(self, end: StepEnd) -> None:
+        if not end.stopping and self.due(end.step):
+            self.save()
+            self.last_saved = end.step
+
+    def end(self, step: int, finished: bool) -> None:
+        if finished and self.at_end and self.last_saved != step:
+            self.save()
+            self.last_saved = step
+
+
+class AtEnd(Hook):
+    """`run()` once, after a run that finished (e.g. the plots of metrics.jsonl)."""
+
+    def __init__(self, run: Callable[[], object]) -> None:
+        self.run = run
+
+    def end(self, step: int, finished: bool) -> None:
+        if finished:
+            self.run()

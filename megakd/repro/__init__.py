@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from megakd.repro.report import FindingReport, write_section
+from megakd.repro.report import FindingReport, code_version, write_section
 
 if TYPE_CHECKING:  # runs imports torch and the engine; `megakd --help` needs only FINDINGS
     from megakd.repro.runs import Costs, FindingRun, Job, Plan, ReportFn
@@ -74,6 +74,7 @@ def run_findings(names: list[str], out: str | Path, work: str | Path, quick: boo
     from megakd.repro.runs import Costs, execute, finding_jobs, plan
 
     costs = costs or Costs()
+    measured_with = code_version()  # before anything runs: the code that measures
     runs, report_fns, jobs = declare(names, out, work, quick, seeds, recipe, costs)
     log.info("%s", plan(jobs, workers).table(names, costs))
     Path(work).mkdir(parents=True, exist_ok=True)
@@ -84,6 +85,7 @@ def run_findings(names: list[str], out: str | Path, work: str | Path, quick: boo
         for name, run in runs.items():
             if name not in reports and finding_jobs(run) <= results.keys():
                 reports[name] = report_fns[name]()
+                reports[name].measured_with = measured_with
                 write_section(reports[name], out, order=FINDINGS)
                 log.info("finding %s: %s; section written to %s", name, reports[name].verdict, out)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,7 +21,9 @@ The papers' findings re-run at CPU scale on the bundled corpus by `megakd repro 
 finding) and written here section by section. Each section gives what the paper reports, what
 was measured here (mean ± std over seeds, with the command that measured it), and a verdict:
 reproduced, not reproduced at this scale, or inconclusive, with the reason. Nothing is tuned
-until a finding appears: the settings are fixed in `megakd/repro/` before the run.
+until a finding appears: the settings are fixed in `megakd/repro/` before the run. Each section
+ends with the commit of the code that measured it; `megakd repro all --plan` lists the sections
+whose measuring code (megakd/, kernels/, configs/) has changed since.
 
 Where a section pretrains each arm once and its seeds are fine-tuning seeds (its setup says
 which), a p-value over those seeds says how sure the difference is *for those pretrained
@@ -44,6 +47,7 @@ class FindingReport:
     verdict: str
     reason: str
     plots: list[str] = field(default_factory=list)  # paths relative to the report's directory
+    measured_with: str = ""  # the code that measured it (`code_version`), stamped by `megakd repro`
 
     def markdown(self) -> str:
         if self.verdict not in VERDICTS:
@@ -55,7 +59,12 @@ class FindingReport:
         parts += [f"![{self.name}]({plot})" for plot in self.plots]
         if self.plots:
             parts.append("")
-        parts += [f"**Verdict: {self.verdict}.** {self.reason}", f"<!-- /finding:{self.name} -->"]
+        parts.append(f"**Verdict: {self.verdict}.** {self.reason}")
+        if self.measured_with:
+            stamp = self.measured_with
+            parts += ["", f"*Measured with megakd {stamp} (`megakd repro all --plan` says whether the code has changed "
+                      f"since).* <!-- measured-with: {stamp} -->"]
+        parts.append(f"<!-- /finding:{self.name} -->")
         return "\n".join(parts)
 
 
@@ -91,6 +100,62 @@ def write_section(report: FindingReport, path: str | Path, order: tuple[str, ...
     tmp.write_text(text.rstrip("\n") + "\n")
     tmp.replace(path)
     return path
+
+
+# What a finding's numbers depend on: a section measured before a commit that touched these is older.
+MEASURING_CODE = ("megakd", "kernels", "configs")
+SOURCE_ROOT = Path(__file__).parents[2]
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", "-C", str(SOURCE_ROOT), *args], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def code_version() -> str:
+    """The commit of the measuring code (`+changes`: megakd/, kernels/ or configs/ differ from it), or
+    `version X` outside a git checkout."""
+    commit = _git("rev-parse", "--short=7", "HEAD")
+    if commit is None:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return f"version {version('megakd')}"
+        except PackageNotFoundError:
+            return "version unknown"
+    return commit + ("+changes" if _git("status", "--porcelain", "--", *MEASURING_CODE) else "")
+
+
+def section_versions(report: str | Path) -> dict[str, str | None]:
+    """Each finding section of `report` and its `measured-with` stamp (None: not recorded)."""
+    text = Path(report).read_text() if Path(report).is_file() else ""
+    found = {}
+    for m in re.finditer(r"<!-- finding:(\w+) -->(.*?)<!-- /finding:\1 -->", text, re.DOTALL):
+        stamp = re.search(r"<!-- measured-with: (.+?) -->", m.group(2))
+        found[m.group(1)] = stamp.group(1) if stamp else None
+    return found
+
+
+def staleness(report: str | Path) -> list[str]:
+    """One line per section of `report`: the code that measured it and how many commits have changed the
+    measuring code (megakd/, kernels/, configs/) since, so an older measurement shows before it is trusted."""
+    lines = []
+    for name, stamp in section_versions(report).items():
+        commit = re.fullmatch(r"([0-9a-f]{7,40})(\+changes)?", stamp or "")
+        count = _git("rev-list", "--count", f"{commit.group(1)}..HEAD", "--", *MEASURING_CODE) if commit else None
+        if stamp is None:
+            lines.append(f"{name}: measuring code not recorded (re-run it to stamp it)")
+        elif count is None:
+            lines.append(f"{name}: measured with {stamp}, which this checkout cannot compare with")
+        elif count == "0" and not commit.group(2):
+            lines.append(f"{name}: measured with {stamp}, the current measuring code")
+        else:
+            lines.append(f"{name}: measured with {stamp}; {count} commit(s) changed megakd/, kernels/ or configs/ "
+                         "since: older code, re-run it to measure this version")
+    return lines
 
 
 def pyplot():

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from megakd.cli import main
-from megakd.repro.report import VERDICTS
+from megakd.repro.report import VERDICTS, code_version
 
 
 def _section(report: Path, name: str) -> str:
@@ -49,6 +49,7 @@ def test_quick_findings_write_their_sections(tmp_path):
         verdict = re.search(r"\*\*Verdict: (.+?)\.\*\* \S", section).group(1)
         assert verdict in VERDICTS
         assert (out.parent / "repro" / f"{name}.png").stat().st_size > 0 and f"![{name}](repro/{name}.png)" in section
+        assert f"<!-- measured-with: {code_version()} -->" in section
     assert out.read_text().index("finding:disc_lr") < out.read_text().index("finding:soteacher")
     # The shared encoder soteacher fine-tunes is cached: a second finding reuses it instead of pretraining.
     cached = sorted((work / "pretrained").iterdir())

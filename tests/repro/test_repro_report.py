@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
 
 import pytest
 
@@ -53,3 +55,45 @@ def test_quick_lambda_finding_writes_its_section(tmp_path):
     assert verdict in VERDICTS
     assert (out.parent / "repro" / "lambda.png").stat().st_size > 0 and "![lambda](repro/lambda.png)" in section
     assert not any((tmp_path / "work").iterdir())  # scratch runs removed
+
+
+def _git(repo, *args):
+    subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True,
+                   env={**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+                        "GIT_COMMITTER_EMAIL": "t@t"})
+
+
+def _head(repo) -> str:
+    return subprocess.run(["git", "-C", str(repo), "rev-parse", "--short=7", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def test_sections_say_which_code_measured_them_and_whether_it_changed_since(tmp_path, monkeypatch):
+    """A section is stamped with the measuring commit; `repro --plan`'s lines mark it once megakd/, kernels/
+    or configs/ change, not when only docs do, and mark an unstamped section and uncommitted code."""
+    from megakd.repro import report
+
+    repo = tmp_path / "src"
+    (repo / "megakd").mkdir(parents=True)
+    (repo / "megakd" / "a.py").write_text("x = 1\n")
+    _git(repo, "init", "-q")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-qm", "one")
+    monkeypatch.setattr(report, "SOURCE_ROOT", repo)
+    head = _head(repo)
+    assert report.code_version() == head
+    out = tmp_path / "REPRODUCTION.md"
+    write_section(FindingReport(**{**vars(_report("stamped")), "measured_with": report.code_version()}), out)
+    write_section(_report("old"), out)
+    assert report.section_versions(out) == {"stamped": head, "old": None}
+    assert report.staleness(out) == [f"stamped: measured with {head}, the current measuring code",
+                                     "old: measuring code not recorded (re-run it to stamp it)"]
+    (repo / "notes.md").write_text("docs only\n")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-qm", "docs")
+    assert "the current measuring code" in report.staleness(out)[0]
+    (repo / "megakd" / "a.py").write_text("x = 2\n")
+    assert report.code_version() == _head(repo) + "+changes"  # measured with code that no commit holds
+    _git(repo, "commit", "-qam", "code")
+    assert report.staleness(out)[0] == (f"stamped: measured with {head}; 1 commit(s) changed megakd/, kernels/ or "
+                                        "configs/ since: older code, re-run it to measure this version")

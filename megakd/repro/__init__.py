@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from megakd.repro.findings import ELECTRA_RECIPE_FINDINGS, FINDINGS, MODULES
 from megakd.repro.report import FindingReport, code_version, write_section
 
 if TYPE_CHECKING:  # runs imports torch and the engine; `megakd --help` needs only FINDINGS
@@ -21,14 +22,6 @@ if TYPE_CHECKING:  # runs imports torch and the engine; `megakd --help` needs on
 
 log = logging.getLogger(__name__)
 
-# name -> module; `megakd repro all` declares them in this order (soteacher's shared encoder is the
-# one labelreg and tgt fine-tune too: one job).
-MODULES = {"lambda": "lambda_finding", "disc_lr": "disc_lr", "dwt": "dwt", "soteacher": "soteacher",
-           "labelreg": "labelreg", "tgt": "tgt"}
-FINDINGS = tuple(MODULES)
-# The findings whose recipe is an ELECTRA pretraining recipe (configs/electra-mini.yaml by default);
-# `all --recipe R` passes R to these (lambda keeps electra-tiny, dwt its BERT-MLM student recipe).
-ELECTRA_RECIPE_FINDINGS = ("disc_lr", "soteacher", "labelreg", "tgt")
 
 
 def declare(names: list[str], out: str | Path, work: str | Path, quick: bool = False,
@@ -91,6 +84,10 @@ def run_findings(names: list[str], out: str | Path, work: str | Path, quick: boo
 
     try:
         execute(jobs, results, workers, write_finished)
+        if not quick and recipe is None:  # the table describes the findings' own full-mode settings
+            from megakd.repro.scale import write_scale
+
+            write_scale(out)
     finally:
         shutil.rmtree(Path(work) / "kept", ignore_errors=True)  # teachers and labelers kept for later jobs
     return [reports[name] for name in names]

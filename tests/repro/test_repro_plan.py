@@ -76,8 +76,14 @@ def test_schedule_takes_the_critical_path_first_and_respects_dependencies():
 
 def test_plan_command_prints_the_table_and_runs_nothing(tmp_path, capsys):
     work = tmp_path / "work"
-    assert main(["repro", "all", "--plan", "--work", str(work), "--unit-seconds", "electra_mini_step=0.92"]) == 0
-    lines = capsys.readouterr().out.splitlines()
+    report = Path(__file__).parents[2] / "docs" / "REPRODUCTION.md"
+    assert main(["repro", "all", "--plan", "--work", str(work), "--unit-seconds", "electra_mini_step=0.92",
+                 "--out", str(report)]) == 0
+    out = capsys.readouterr().out
+    lines, sections = out.split("\n\n")[0].splitlines(), out.split("\n\n")[1].splitlines()
+    # then which code measured each section of the report (the table above plans a re-run)
+    assert sections[0] == f"{report}, section by section:"
+    assert sorted(line.split(":")[0].strip() for line in sections[1:]) == sorted(FINDINGS)
     assert "electra_mini_step 0.92 s" in lines[0] and "2 job(s) at a time" in lines[0]
     assert [line.split()[0] for line in lines[2:]] == [*FINDINGS, "total"]
     total = float(lines[-1].split()[-1])
@@ -91,7 +97,7 @@ def test_plan_command_prints_the_table_and_runs_nothing(tmp_path, capsys):
 def test_several_findings_share_the_cores_in_one_plan(tmp_path, capsys):
     def done_at(*names: str) -> dict[str, float]:
         assert main(["repro", *names, "--plan", "--work", str(tmp_path)]) == 0
-        rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+        rows = [line.split() for line in capsys.readouterr().out.split("\n\n")[0].splitlines()[2:]]
         return {row[0]: float(row[-1]) for row in rows}
 
     together = done_at("tgt", "dwt", "tgt")  # a repeated name is one finding

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -97,3 +98,13 @@ def test_sections_say_which_code_measured_them_and_whether_it_changed_since(tmp_
     _git(repo, "commit", "-qam", "code")
     assert report.staleness(out)[0] == (f"stamped: measured with {head}; 1 commit(s) changed megakd/, kernels/ or "
                                         "configs/ since: older code, re-run it to measure this version")
+
+
+def test_the_reports_scale_table_is_the_one_the_findings_settings_give():
+    """docs/REPRODUCTION.md's scale gap is computed, not typed: a change to a finding's settings or recipe
+    that leaves the table stale fails here (regenerate with megakd.repro.scale.write_scale)."""
+    from megakd.repro.scale import END, START, scale_markdown
+
+    text = (Path(__file__).parents[2] / "docs" / "REPRODUCTION.md").read_text()
+    assert text[text.index(START): text.index(END) + len(END)] == scale_markdown()
+    assert text.index(END) < text.index("<!-- finding:")

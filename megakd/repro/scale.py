@@ -1,0 +1,194 @@
+"""The scale gap of each finding in numbers: the paper's regime beside the one `megakd repro` runs.
+
+docs/REPRODUCTION.md carries this table between `<!-- scale -->` markers; a test checks that it is
+the table this module computes from the findings' own settings, so it cannot drift from what runs.
+The papers' figures are the papers' (docs/methods.md); parameter counts of the papers' ELECTRA are
+computed from `configs/electra-base.yaml` (its 128K vocabulary), the others are the public models'.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from megakd.bench.memory import parameter_counts
+from megakd.config import load_config
+from megakd.finetune.config import FinetuneConfig, auto_lr
+from megakd.finish import finish_config
+from megakd.repro.findings import FINDINGS, MODULES
+
+CONFIGS = Path(__file__).parents[2] / "configs"
+START, END = "<!-- scale -->", "<!-- /scale -->"
+
+
+@dataclass(frozen=True)
+class PaperRegime:
+    model: str  # the model the claim is about
+    params: float | None  # its parameters (None: computed from `config`)
+    teacher_ratio: str  # teacher (or labeler) parameters over the student's
+    pretraining: str  # what it was pretrained on, as the paper says
+    tokens: float | None  # token positions seen in pretraining (None: computed from `config`, or not stated)
+    optimizer: str  # peak LR(s) and batch of the training the claim is about (pretraining or fine-tuning)
+    uncertainty: str  # the paper's own: runs per configuration, error bars
+    config: str | None = None  # a megakd recipe of the paper's model, to count from
+
+
+PAPERS: dict[str, PaperRegime] = {
+    "lambda": PaperRegime("original ELECTRA, base (generator + discriminator)", None, "-",
+                          "125K steps × 2048 × 512", None, "one LR, 5e-4 (Fig. 1.3), batch 2048",
+                          "curves; runs per point not stated", "electra-base.yaml"),
+    "disc_lr": PaperRegime("DecoupledOptim ELECTRA, base (generator + discriminator)", None, "-",
+                           "125K steps × 2048 × 512", None, "η_G 2e-4, η_D up to 1.5e-3 (7.5×), batch 2048",
+                           "runs per point not stated; diverged runs omitted", "electra-base.yaml"),
+    "dwt": PaperRegime("6 × 768 BERT student", 67e6, "0.78× (weak) to 0.46×",
+                       "20 epochs of 30M sentences (length not stated)", None, "5e-4, batch 128",
+                       "one run per configuration, no error bars"),
+    "soteacher": PaperRegime("WRN40-2 teacher → WRN40-1 student (CIFAR-100 images)", 2.2e6, "3.9×",
+                             "none (trained from scratch)", None, "SGD 0.05, batch 64, 240 epochs",
+                             "mean ± std of 3 seeds"),
+    "labelreg": PaperRegime("DistilRoBERTa student, RoBERTa-large teacher", 82e6, "4.3×",
+                            "the public pretrained DistilRoBERTa", None, "2e-5, batch 32, 30 epochs",
+                            "mean ± std of 5 runs; Wilcoxon over 8 seeds (SST-5)"),
+    "tgt": PaperRegime("DistilBERT student, RoBERTa-large labeler, BART-base generator", 66e6, "5.4×",
+                       "the public pretrained DistilBERT", None, "Adam 3e-5, batch 128",
+                       "its numeric tables are lost: qualitative only"),
+}
+
+# megakd's side: the parameter_counts entry the claim is about, and the teacher over the student.
+# soteacher, labelreg and tgt fine-tune one shared encoder and use a copy of it as the teacher or
+# labeler (megakd/repro/labelreg.py, soteacher.py, tgt.py), so their ratio is 1.
+MEASURED = {"lambda": "total", "disc_lr": "total", "dwt": "generator", "soteacher": "discriminator",
+            "labelreg": "discriminator", "tgt": "discriminator"}
+SAME_SIZE_TEACHER = ("soteacher", "labelreg", "tgt")
+
+
+def _finetune_config(name: str) -> Path:
+    """The fine-tuning recipe of a fine-tuning finding's compared arms."""
+    if name == "soteacher":
+        from megakd.repro.soteacher import SOTEACHER_RT
+
+        return SOTEACHER_RT
+    if name == "tgt":
+        from megakd.repro.tgt import TGT_RT
+
+        return TGT_RT
+    from megakd.repro.runs import FINETUNE_RT
+
+    return FINETUNE_RT
+
+
+def _training(name: str, cfg) -> str:
+    """Peak LR(s) and batch here: the fine-tuning of an encoder-judging finding, else the pretraining."""
+    if name not in SAME_SIZE_TEACHER:
+        lrs = {cfg.optim.generator.lr, cfg.optim.discriminator.lr} if cfg.model.objective == "electra" \
+            else {cfg.optim.generator.lr}
+        return f"{' / '.join(f'{lr:g}' for lr in sorted(lrs))}, batch {cfg.train.global_batch_size}"
+    from megakd.repro.runs import FULL_FINETUNE
+
+    f = load_config(_finetune_config(name), list(FULL_FINETUNE), cls=FinetuneConfig)
+    lr = auto_lr(cfg.model.discriminator.hidden_size) if f.finetune.lr == "auto" else f.finetune.lr
+    return (f"AdaMax {lr:g}, batch {f.finetune.batch_size}, {f.finetune.epochs} epochs over "
+            f"{f.task.max_train_examples:,} RT sentences")
+
+
+def _finding_config(name: str, extra: tuple[str, ...] = ()):
+    """The pretraining config a finding's full mode runs (its recipe, overrides and step count)."""
+    settings = importlib.import_module(f"megakd.repro.{MODULES[name]}").FULL
+    overrides = [*settings.pretrain, *([f"train.max_steps={settings.steps}"] if settings.steps else []), *extra]
+    return finish_config(load_config(settings.recipe, overrides))
+
+
+def _tokens(cfg) -> float:
+    return float(cfg.train.max_steps) * cfg.train.global_batch_size * cfg.data.seq_len
+
+
+def _count(value: float) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if value >= size:
+            return f"{value / size:.3g}{unit}"
+    return f"{value:.3g}"
+
+
+def _times(ratio: float) -> str:
+    return f"{ratio:,.0f}×" if ratio >= 10 else f"{ratio:.2g}×"
+
+
+def scale_rows() -> list[list[str]]:
+    """One row per finding: model and parameters, teacher ratio, pretraining and LR, paper → here, with
+    the paper's size over this report's, and the paper's own uncertainty."""
+    rows = []
+    for name in FINDINGS:
+        paper, cfg = PAPERS[name], _finding_config(name)
+        here = parameter_counts(cfg)[MEASURED[name]]
+        paper_cfg = finish_config(load_config(CONFIGS / paper.config, [])) if paper.config else None
+        paper_params = paper.params or parameter_counts(paper_cfg)["total"]
+        paper_tokens = paper.tokens or (_tokens(paper_cfg) if paper_cfg else None)
+        if name in SAME_SIZE_TEACHER:
+            teacher = "1× (the same encoder)"
+        elif name == "dwt":
+            layers = _dwt_teacher_layers()
+            weak = parameter_counts(_finding_config(name, (f"model.generator.num_layers={layers[0]}",)))["generator"]
+            weakest = parameter_counts(_finding_config(name, (f"model.generator.num_layers={layers[-1]}",)))
+            teacher = f"{weak / here:.2f}× to {weakest['generator'] / here:.2f}×"
+        else:
+            teacher = "-"
+        tokens_gap = f" ({_times(paper_tokens / _tokens(cfg))} fewer here)" if paper_tokens else ""
+        rows.append([
+            f"`{name}`",
+            f"{paper.model} → {Path(_recipe(name)).name} ({_encoder_shape(cfg, MEASURED[name])})",
+            f"{_count(paper_params)} → {_count(here)} ({_times(paper_params / here)} fewer here)",
+            f"{paper.teacher_ratio} → {teacher}",
+            f"{paper.pretraining} → {cfg.train.max_steps:,} steps × {cfg.train.global_batch_size} × "
+            f"{cfg.data.seq_len} = {_count(_tokens(cfg))} positions{tokens_gap}",
+            f"{paper.optimizer} → {_training(name, cfg)}",
+            paper.uncertainty,
+        ])
+    return rows
+
+
+def _recipe(name: str) -> Path:
+    return importlib.import_module(f"megakd.repro.{MODULES[name]}").FULL.recipe
+
+
+def _dwt_teacher_layers() -> list[int]:
+    from megakd.repro.dwt import TEACHERS
+
+    return list(TEACHERS.values())
+
+
+def _encoder_shape(cfg, which: str) -> str:
+    model = cfg.model.discriminator if which == "discriminator" or (which == "total" and
+                                                                  cfg.model.objective == "electra") \
+        else cfg.model.generator
+    return f"{model.num_layers} × {model.hidden_size}"
+
+
+COLUMNS = ["finding", "model: paper → here", "parameters", "teacher ÷ student", "pretraining",
+           "peak LR, batch", "the paper's own uncertainty"]
+
+
+def scale_markdown() -> str:
+    """The scale section of docs/REPRODUCTION.md, between its markers."""
+    lines = [START, "## Scale: each paper's regime beside this report's", "",
+             "Computed by `megakd/repro/scale.py` from the settings each finding runs (full mode). A verdict "
+             "here is about this regime; where a gap is large the section says what cannot show at this size.",
+             "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(row) + " |" for row in scale_rows()]
+    return "\n".join([*lines, END])
+
+
+def write_scale(report: str | Path) -> None:
+    """Insert or replace the scale section of `report` (before its first finding)."""
+    path = Path(report)
+    text = path.read_text()
+    section = scale_markdown()
+    if START in text:
+        text = re.sub(re.escape(START) + ".*?" + re.escape(END), lambda _: section, text, flags=re.DOTALL)
+    else:
+        first = text.find("<!-- finding:")
+        text = (text[:first] + section + "\n\n" + text[first:]) if first >= 0 else text.rstrip() + "\n\n" + section
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text.rstrip("\n") + "\n")
+    tmp.replace(path)

@@ -154,7 +154,13 @@ def cmd_repro(args: argparse.Namespace) -> int:
         costs = Costs.parse(args.unit_seconds or [])
     except ValueError as e:
         raise UserError(str(e)) from None
+    if args.calibrate and not args.plan:
+        raise UserError("--calibrate: times this machine for --plan; add --plan")
     if args.plan:
+        if args.calibrate:
+            costs = costs.calibrated(Path(args.work))
+            print(f"calibrated on this machine: one configs/electra-mini.yaml step on one thread took "
+                  f"{costs.electra_mini_step:.3g} s; every unit scaled by the same ratio")
         plan = plan_findings(names, args.work, quick=args.quick, seeds=seeds, recipe=args.recipe,
                              workers=args.jobs, costs=costs)
         print(plan.table(names, costs))
@@ -573,6 +579,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print the estimated minutes per finding and in total, and run nothing")
     p.add_argument("--unit-seconds", nargs="+", metavar="NAME=SECONDS",
                    help="the plan's cost model: seconds per unit of work")
+    p.add_argument("--calibrate", action="store_true",
+                   help="with --plan: time a few training steps here (about 20 s) and plan with this machine's speed")
     p.set_defaults(func=cmd_repro)
 
     corpus = "megakd/data/corpus/austen.jsonl.gz megakd/data/corpus/kjv.jsonl.gz"

@@ -68,6 +68,9 @@ QUICK_NOTE = (" Quick mode: a 1-layer, 32-wide encoder pretrained for 12 steps, 
               "(500 dev sentences): a structure check rather than a measurement.")
 
 
+CALIBRATION_STEPS = 5  # timed steps of `Costs.calibrated`
+
+
 @dataclass(frozen=True)
 class Costs:
     """Seconds per unit of work for one job on one thread, the plan's cost model.
@@ -96,6 +99,23 @@ class Costs:
             except ValueError:
                 raise ValueError(f"--unit-seconds {item}: {value!r} is not a number of seconds") from None
         return cls(**values)
+
+    def calibrated(self, work: Path) -> Costs:
+        """These costs on this machine: a timed step of configs/electra-mini.yaml on one thread, as a job of
+        `--jobs 2` runs, against `electra_mini_step`; every unit is scaled by that ratio (the fine-tuning
+        epoch and the set-up are the same kind of CPU work). Takes about 20 s."""
+        from megakd.bench.cluster import training_throughput
+
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            cfg = load_config(PRETRAIN_RECIPE, [f"run.dir={work / 'calibration'}", "run.progress_bar=false"])
+            step = training_throughput(cfg, steps=CALIBRATION_STEPS, warmup=2, peak_tflops=1.0,
+                                       profile_steps=0)["step_s"]
+        finally:
+            torch.set_num_threads(threads)
+        ratio = step / self.electra_mini_step
+        return Costs(**{f.name: getattr(self, f.name) * ratio for f in fields(self)})
 
     def pretrain_step(self, cfg: Config, teacher: Config | None = None) -> float:
         """Seconds of one step of `cfg` (with `teacher`: plus the frozen teacher's forward pass)."""

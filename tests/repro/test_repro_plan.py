@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import re
 import time
 from pathlib import Path
 
@@ -141,3 +142,21 @@ def test_a_second_process_waits_for_the_run_another_is_training(tmp_path):
     assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1}\n'  # not trained again
     assert sorted(p.name for p in run_dir.iterdir()) == ["metrics.jsonl", "repro-done"]
     assert sorted(os.listdir(work / "pretrained")) == sorted([run_dir.name, run_dir.name + ".lock"])
+
+
+@pytest.mark.slow
+def test_calibrated_plan_is_this_machines_step_time_times_the_plan(tmp_path, capsys):
+    """`--plan --calibrate` times electra-mini here and scales every unit by one ratio, so the whole plan is
+    the default plan times (measured step / default step)."""
+    def plan_minutes(*extra: str) -> tuple[float, list[str]]:
+        assert main(["repro", "all", "--plan", "--work", str(tmp_path / "work"), "--out", str(tmp_path / "r.md"),
+                     *extra]) == 0
+        lines = capsys.readouterr().out.split("\n\n")[0].splitlines()
+        return float(lines[-1].split()[-1]), lines
+
+    default, _ = plan_minutes()
+    calibrated, lines = plan_minutes("--calibrate")
+    measured = float(re.search(r"electra_mini_step (\S+) s", lines[1]).group(1))  # the plan's unit
+    assert float(re.search(r"took (\S+) s", lines[0]).group(1)) == pytest.approx(measured, rel=0.01)
+    assert calibrated / default == pytest.approx(measured / Costs().electra_mini_step, rel=0.01)
+    assert main(["repro", "all", "--calibrate"]) == 2  # only with --plan

@@ -169,6 +169,9 @@ class Settings:
     steps: int = 0  # pretraining steps of each of its runs (0: the recipe's own)
     pretrain: tuple[str, ...] = ()  # overrides of every pretraining run
     finetune: tuple[str, ...] = ()  # overrides of every fine-tuning run
+    # Pretraining draws per arm (train.seed of each): two runs of one recipe differ by more than most
+    # measured effects, so a finding that pretrains its arms counts only what every draw agrees on.
+    draws: tuple[int, ...] = (0,)
 
 
 @dataclass

@@ -110,3 +110,8 @@ def claims_verdict(outcomes: list[int]) -> str:
     if any(o == -1 for o in outcomes):
         return "not reproduced at this scale"
     return "inconclusive"
+
+
+def draws_verdict(verdicts: list[str]) -> str:
+    """A finding measured on several pretraining draws: the draws' common verdict, inconclusive if they differ."""
+    return verdicts[0] if len(set(verdicts)) == 1 else "inconclusive"

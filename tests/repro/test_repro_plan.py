@@ -43,12 +43,12 @@ def test_full_report_fits_the_budget_on_two_cores(tmp_path):
 
 
 def test_plan_counts_a_finding_from_its_steps_seeds_and_sentences(tmp_path):
-    """disc_lr: 4 pretraining runs of 1,200 electra-mini steps, 4 fine-tuning runs of 3 seeds x 3 epochs
-    on 3,000 sentences, each job plus its start-up."""
+    """disc_lr: 4 ratios x 2 draws = 8 pretraining runs of 1,200 electra-mini steps, 8 fine-tuning runs of 3
+    seeds x 3 epochs on 3,000 sentences, each job plus its start-up."""
     costs = Costs(electra_mini_step=0.5, rt_epoch=60.0, job_start=7.0)
     work, _ = plan_findings(["disc_lr"], tmp_path, workers=1, costs=costs).finding_minutes("disc_lr")
     assert "task.max_train_examples=3000" in FULL_FINETUNE
-    expected = 4 * (7.0 + 1200 * 0.5) + 4 * (7.0 + 60.0 * 3000 / RT_TRAIN_SENTENCES * 3 * 3)
+    expected = 8 * (7.0 + 1200 * 0.5) + 8 * (7.0 + 60.0 * 3000 / RT_TRAIN_SENTENCES * 3 * 3)
     assert work * 60 == pytest.approx(expected)
     # the shared encoder is one job when three findings fine-tune it
     shared = plan_findings(["soteacher", "labelreg", "tgt"], tmp_path, workers=1, costs=costs)

@@ -28,8 +28,8 @@ def _table(section: str) -> tuple[list[str], list[list[str]]]:
 def test_quick_findings_write_their_sections(tmp_path):
     out, work = tmp_path / "docs" / "REPRODUCTION.md", tmp_path / "work"
     expected = {
-        "disc_lr": (["η_D", "LR", "RTD F1 (last 10 %)", "gen acc (last 10 %)", "RT dev accuracy"],
-                    ["×0.5", "×1", "×2", "×4"], [4]),
+        "disc_lr": (["η_D / η_G", "η_D", "RTD F1 (last 10 %, per draw)", "gen acc (last 10 %, per draw)",
+                     "RT dev accuracy, draw 0", "RT dev accuracy, draw 1"], ["1×", "3.75×", "7.5×", "15×"], [4, 5]),
         "soteacher": (["teacher", "teacher acc", "ECE", "NLL", "ECE+TS", "NLL+TS", "student acc", "agreement"],
                       ["standard", "SoTeacher"], [1, 2, 3, 4, 5, 6, 7]),
     }

@@ -12,24 +12,36 @@ NOISY = [0.80, 0.70, 0.76]  # mean above BASE, but not significantly
 
 
 def _sweep(f1: list[float], acc: list[list[float]], finite: tuple[bool, ...] = (True,) * 4) -> dict:
-    return {m: {"rtd_f1": f, "acc": a, "finite": ok} for m, f, a, ok in zip(disc_lr.MULTIPLIERS, f1, acc, finite)}
+    return {r: {"rtd_f1": f, "acc": a, "finite": ok} for r, f, a, ok in zip(disc_lr.RATIOS, f1, acc, finite)}
 
 
-def test_disc_lr_rule():
+def test_disc_lr_rule_for_one_draw():
     rising = _sweep([0.20, 0.25, 0.30, 0.32], [BASE, BASE, UP, NOISY])
-    assert disc_lr.verdict_of(rising)[0] == "reproduced"
-    assert "×2 against ×0.5" in disc_lr.verdict_of(rising)[1]  # the better high-LR arm by accuracy
-    assert disc_lr.verdict_of(_sweep([0.30, 0.25, 0.20, 0.22], [BASE, BASE, UP, UP]))[0] == \
+    assert disc_lr.draw_verdict(rising)[0] == "reproduced"
+    assert "7.5× against 1×" in disc_lr.draw_verdict(rising)[1]  # the better high ratio by accuracy
+    assert disc_lr.draw_verdict(_sweep([0.30, 0.25, 0.20, 0.22], [BASE, BASE, UP, UP]))[0] == \
         "not reproduced at this scale"  # F1 falls
-    assert disc_lr.verdict_of(_sweep([0.20, 0.25, 0.30, 0.32], [BASE, BASE, DOWN, DOWN]))[0] == \
+    assert disc_lr.draw_verdict(_sweep([0.20, 0.25, 0.30, 0.32], [BASE, BASE, DOWN, DOWN]))[0] == \
         "not reproduced at this scale"  # accuracy falls
-    assert disc_lr.verdict_of(_sweep([0.20, 0.25, 0.30, 0.32], [BASE, BASE, NOISY, BASE]))[0] == "inconclusive"
-    plateau = disc_lr.verdict_of(_sweep([0.0, 0.01, 0.0, 0.02], [BASE, BASE, UP, UP]))
+    assert disc_lr.draw_verdict(_sweep([0.20, 0.25, 0.30, 0.32], [BASE, BASE, NOISY, BASE]))[0] == "inconclusive"
+    plateau = disc_lr.draw_verdict(_sweep([0.0, 0.01, 0.0, 0.02], [BASE, BASE, UP, UP]))
     assert plateau[0] == "inconclusive" and "plateau" in plateau[1]
-    assert disc_lr.verdict_of(_sweep([0.2, 0.3, 0.3, 0.3], [BASE, BASE, UP, UP], (True, False, True, True)))[0] == \
-        "inconclusive"
+    assert disc_lr.draw_verdict(_sweep([0.2, 0.3, 0.3, 0.3], [BASE, BASE, UP, UP], (False, True, True, True)))[0] \
+        == "inconclusive"  # the 1× reference diverged
     unstable = _sweep([0.2, 0.3, 0.3, 0.3], [BASE, BASE, UP, UP], (True, True, False, False))
-    assert disc_lr.verdict_of(unstable)[0] == "not reproduced at this scale"
+    assert disc_lr.draw_verdict(unstable)[0] == "not reproduced at this scale"
+
+
+def test_disc_lr_counts_a_finding_only_when_both_draws_agree():
+    rising = _sweep([0.20, 0.25, 0.30, 0.32], [BASE, BASE, UP, UP])
+    flat = _sweep([0.20, 0.25, 0.30, 0.32], [BASE, BASE, NOISY, BASE])
+    verdict, reason = disc_lr.verdict_of({0: rising, 1: rising})
+    assert verdict == "reproduced" and "draw 0: reproduced" in reason and "draw 1: reproduced" in reason
+    verdict, reason = disc_lr.verdict_of({0: rising, 1: flat})
+    assert verdict == "inconclusive" and reason.startswith("The draws disagree")
+    # the same arm 0.05 apart between draws: an effect of that size is said to be within the spread
+    shifted = _sweep([0.20, 0.25, 0.30, 0.32], [[a + 0.05 for a in BASE], BASE, UP, UP])
+    assert "spread of an arm's mean RT accuracy: up to 0.050" in disc_lr.verdict_of({0: rising, 1: shifted})[1]
 
 
 def _dwt(losses: dict[str, list[float]]) -> dict:

@@ -501,6 +501,53 @@ class S3Process(ServerProcess):
         shutil.rmtree(self.state, ignore_errors=True)
 
 
+class GCSProcess(ServerProcess):
+    """gcp-storage-emulator (the GCS JSON API) in a child process. It keeps its objects on disk in
+    ``state``, so a new server on the same port serves the same objects, as a real store does."""
+
+    kind = "gcs"
+
+    def __init__(self, state: Path) -> None:
+        super().__init__()
+        self.state = Path(state).resolve()
+        self.state.mkdir(parents=True, exist_ok=True)
+        self.start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def env(self) -> dict[str, str]:
+        # gcsfs >= 2026 first asks a gRPC control API for the bucket's layout, which no emulator
+        # serves (a 60 s timeout per bucket); its plain JSON-API file system is what megakd reads.
+        return {"STORAGE_EMULATOR_HOST": self.endpoint, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+
+    def _args(self) -> list[str]:
+        return ["--state", str(self.state)]
+
+    def _fs(self):
+        import gcsfs
+
+        return gcsfs.GCSFileSystem(token="anon", project="test", endpoint_url=self.endpoint)
+
+    def make_bucket(self, name: str) -> None:
+        fs = self._fs()
+        if not fs.exists(name):
+            fs.mkdir(name)
+
+    def upload(self, local_dir: Path, url: str) -> None:
+        """Every file under ``local_dir`` to the ``gs://bucket/prefix`` ``url`` (the bucket made if new)."""
+        path = url.removeprefix("gs://")
+        self.make_bucket(path.partition("/")[0])
+        fs = self._fs()
+        for file in sorted(p for p in Path(local_dir).rglob("*") if p.is_file()):
+            fs.pipe_file(f"{path}/{file.relative_to(local_dir).as_posix()}", file.read_bytes())
+
+    def close(self) -> None:
+        super().close()
+        shutil.rmtree(self.state, ignore_errors=True)
+
+
 class HTTPProcess(ServerProcess):
     """:class:`RangeHTTPServer` on ``root`` in a child process."""
 
@@ -583,6 +630,16 @@ def _serve_s3(port: int, state: Path) -> None:
     threading.Event().wait()
 
 
+def _serve_gcs(port: int, state: Path) -> None:
+    from gcp_storage_emulator.server import create_server
+
+    logging.getLogger("gcp_storage_emulator").setLevel(logging.ERROR)
+    server = create_server("127.0.0.1", port, data_dir=str(state))  # reads what an earlier server stored
+    _wait_for_listen()
+    server.start()
+    threading.Event().wait()
+
+
 def _serve_http(port: int, root: Path) -> None:
     _wait_for_listen()
     RangeHTTPServer(root, port=port)
@@ -593,6 +650,19 @@ def _serve_http(port: int, root: Path) -> None:
 def s3_process(tmp_path):
     """An :class:`S3Process` (empty), with the AWS_* variables that reach it set for the test."""
     server = S3Process(tmp_path / "s3_state")
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            for k, v in server.env().items():
+                mp.setenv(k, v)
+            yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def gcs_process(tmp_path):
+    """A :class:`GCSProcess` (empty), with the variables that make gcsfs reach it set for the test."""
+    server = GCSProcess(tmp_path / "gcs_state")
     try:
         with pytest.MonkeyPatch.context() as mp:
             for k, v in server.env().items():
@@ -618,12 +688,15 @@ def http_process():
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="a test server in this process (see ServerProcess)")
-    parser.add_argument("kind", choices=["s3", "http"])
+    parser.add_argument("kind", choices=["s3", "gcs", "http"])
     parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--state", type=Path, help="s3: the objects to start with, as <bucket>/<key> files")
+    parser.add_argument("--state", type=Path, help="s3: the objects to start with, as <bucket>/<key> files; "
+                        "gcs: the emulator's storage directory")
     parser.add_argument("--root", type=Path, help="http: the directory served")
     args = parser.parse_args()
     if args.kind == "s3":
         _serve_s3(args.port, args.state)
+    elif args.kind == "gcs":
+        _serve_gcs(args.port, args.state)
     else:
         _serve_http(args.port, args.root)

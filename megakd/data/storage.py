@@ -6,7 +6,9 @@ the storage library's usual credentials (``AWS_*``, ``GOOGLE_APPLICATION_CREDENT
 the config file. Reads of a URL are retried on transient errors (a reset connection, a timeout, a
 5xx or throttling answer) with exponential backoff; each retry is counted (``retries``) and a
 read that still fails after the last try raises :class:`StorageError` naming the URL. A missing
-object or a refused permission is not transient and fails at once.
+object or a refused permission is not transient and fails at once. Reads made inside
+:func:`cancel_on` give up (:class:`ReadCancelled`) once its event is set: between tries and during
+the backoff waits, so an abandoned read-ahead stops at once instead of retrying a dead endpoint.
 
 A store is picklable and opens its fsspec filesystem lazily in the process that reads, so a
 DataLoader worker never inherits a parent's connection pool or event loop.
@@ -18,7 +20,9 @@ import contextlib
 import hashlib
 import logging
 import os
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +36,37 @@ EXTRAS = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "http": "aiohttp", "https
 
 class StorageError(UserError):
     """A read or write of shard storage that failed for good (after the retries, for a transient error)."""
+
+
+class ReadCancelled(BaseException):
+    """A read given up because the reader that wanted it was closed (see :func:`cancel_on`).
+
+    Neither a storage failure nor damaged data: a ``BaseException``, so no ``except Exception`` on the
+    way up (the retry loop, the shard parser, the bad-shard bookkeeping) takes it for either.
+    """
+
+
+_cancel = threading.local()  # .event: the cancel event of this thread's reads (cancel_on), if any
+
+
+@contextlib.contextmanager
+def cancel_on(event: threading.Event | None) -> Iterator[None]:
+    """Reads of this thread inside the block raise :class:`ReadCancelled` once ``event`` is set: before
+    each try, instead of a retry after a failed one, and out of a backoff wait (which waits on the
+    event). A request already under way is not interrupted; the read ends when it returns."""
+    previous = getattr(_cancel, "event", None)
+    _cancel.event = event
+    try:
+        yield
+    finally:
+        _cancel.event = previous
+
+
+def check_cancelled() -> None:
+    """Raise :class:`ReadCancelled` if this thread's reads were cancelled (:func:`cancel_on`)."""
+    event = getattr(_cancel, "event", None)
+    if event is not None and event.is_set():
+        raise ReadCancelled("read cancelled: its reader was closed")
 
 
 def is_remote(spec: str | Path) -> bool:
@@ -117,10 +152,14 @@ class ShardStore:
     def retrying(self, what: str, name: str, call):
         """``call()``, retried with exponential backoff while its error is transient."""
         delay, started = self.backoff_s, time.monotonic()
+        cancel: threading.Event | None = getattr(_cancel, "event", None)
         for attempt in range(self.retries + 1):
+            check_cancelled()
             try:
                 return call()
             except Exception as error:  # fsspec backends raise many types; `transient` sorts them
+                if cancel is not None and cancel.is_set():
+                    raise ReadCancelled(f"{self.url(name)}: {what} cancelled") from None  # not a failure
                 if not transient(error):
                     if isinstance(error, UserError):
                         raise  # already one line naming the object (a damaged shard, a bad sample)
@@ -135,7 +174,10 @@ class ShardStore:
                 self.retried += 1
                 logger.warning("%s: %s failed (%s: %s); retry %d of %d in %.2f s", self.url(name), what,
                                type(error).__name__, error, attempt + 1, self.retries, delay)
-                time.sleep(delay)
+                if cancel is None:
+                    time.sleep(delay)
+                elif cancel.wait(delay):
+                    raise ReadCancelled(f"{self.url(name)}: {what} cancelled during the backoff") from None
                 delay = min(2 * delay, self.max_backoff_s)
                 if self.remote:
                     self._fs = None  # a fresh connection pool for the next try
@@ -280,6 +322,7 @@ class ContentCache:
         deadline = time.monotonic() + self.wait_s
         while time.monotonic() < deadline:
             time.sleep(0.02)
+            check_cancelled()
             if (data := self._valid(path, digest)) is not None:
                 return data
             try:

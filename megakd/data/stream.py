@@ -42,6 +42,7 @@ import multiprocessing
 import signal
 import tarfile
 import threading
+import weakref
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -55,7 +56,15 @@ from webdataset.tariterators import base_plus_ext
 
 from megakd.data.masking import collate
 from megakd.data.shards import INDEX_DTYPE, MANIFEST, member_digest, read_manifest, sample_key
-from megakd.data.storage import ContentCache, ShardStore, StorageError, transient
+from megakd.data.storage import (
+    ContentCache,
+    ReadCancelled,
+    ShardStore,
+    StorageError,
+    cancel_on,
+    check_cancelled,
+    transient,
+)
 from megakd.data.tokenizer import Tokenizer
 from megakd.errors import UserError
 from megakd.signals import STOP_SIGNALS
@@ -145,6 +154,7 @@ class _HashingReader:
         self.size = 0
 
     def read(self, n: int = -1) -> bytes:
+        check_cancelled()  # a closed read-ahead stops streaming a whole shard between reads, too
         data = self._f.read(n)
         self.digest.update(data)
         self.size += len(data)
@@ -407,18 +417,34 @@ class ShardGroup:
 
 
 class _Prefetch(threading.Thread):
-    """Reads one shard group in the background (a daemon: a run that ends never waits for it)."""
+    """Reads one shard group in the background (a daemon: a run that ends never waits for it).
+
+    ``cancel()`` gives the read up: its reads stop between shards, between retries and out of a
+    backoff wait (:func:`megakd.data.storage.cancel_on`), and the thread ends with
+    :class:`ReadCancelled` as its ``error``, which nobody reads: the group was dropped, so nothing it
+    held (samples, bad shards, a storage error) reaches the loader.
+    """
 
     def __init__(self, read, group: ShardGroup) -> None:
-        super().__init__(daemon=True)
+        super().__init__(daemon=True, name=f"read-ahead epoch {group.epoch} group {group.index}")
         self.read, self.group, self.error = read, group, None
+        self.cancelled = threading.Event()
         self.start()
 
     def run(self) -> None:
         try:
-            self.read(self.group)
+            self.read(self.group, self.cancelled)
         except BaseException as error:  # handed to the reader's thread, which raises it
             self.error = error
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def close(self, timeout: float) -> bool:
+        """Cancel, and wait up to ``timeout`` s for the thread to end; whether it has."""
+        self.cancel()
+        self.join(timeout)
+        return not self.is_alive()
 
     def result(self) -> ShardGroup:
         self.join()
@@ -478,12 +504,24 @@ class SampleReader:
         local = j - (group.shard_ends[owner] - self.counts[group.shards][owner])
         return [np.unique(local[owner == i]) for i in range(len(group.shards))]
 
-    def _load_shard(self, group: ShardGroup, shard: int, wanted: np.ndarray | None):
-        """The shard's samples (all of them, or the in-shard positions ``wanted``), or None if it is bad."""
+    def _load_shard(self, group: ShardGroup, shard: int, wanted: np.ndarray | None,
+                    cancel: threading.Event | None = None):
+        """The shard's samples (all of them, or the in-shard positions ``wanted``), or None if it is bad.
+
+        Once ``cancel`` is set (a read-ahead given up) it raises :class:`ReadCancelled` instead, and
+        records nothing: a read cut short is neither data nor a bad shard.
+        """
         p = self.plan
         name = p.files[shard]
         if name in self.known_bad:
             return None
+        with cancel_on(cancel):
+            check_cancelled()
+            return self._load_or_skip(group, shard, name, wanted, cancel)
+
+    def _load_or_skip(self, group: ShardGroup, shard: int, name: str, wanted: np.ndarray | None,
+                      cancel: threading.Event | None):
+        p = self.plan
         try:
             if wanted is None:
                 return p.store.retrying("read", name, lambda: read_whole_shard(
@@ -494,20 +532,23 @@ class SampleReader:
             return read_members(p.store, p.entries[shard], index, wanted, p.dtype, vocab_size=p.vocab_size,
                                 seq_len=p.seq_len, overfetch=p.overfetch)
         except (ShardError, FileNotFoundError) as e:
+            if cancel is not None and cancel.is_set():
+                raise ReadCancelled(f"{p.store.url(name)}: read cancelled") from None
             if not p.skip_bad_shards:
                 raise ShardError(str(e)) from None
             group.bad.append((name, str(e)))
             return None
 
-    def _read(self, group: ShardGroup) -> None:
-        """Read what this reader needs of the group's shards; an object store's shards concurrently."""
+    def _read(self, group: ShardGroup, cancel: threading.Event | None = None) -> None:
+        """Read what this reader needs of the group's shards; an object store's shards concurrently.
+        ``cancel``: see :meth:`_load_shard`."""
         wanted = self.wanted(group) if self.plan.indexed else [None] * len(group.shards)
         jobs = [(int(shard), w) for shard, w in zip(group.shards, wanted)]
         if self.plan.store.remote and len(jobs) > 1:
             with ThreadPoolExecutor(min(8, len(jobs))) as pool:
-                group.loaded = list(pool.map(lambda job: self._load_shard(group, *job), jobs))
+                group.loaded = list(pool.map(lambda job: self._load_shard(group, *job, cancel), jobs))
         else:
-            group.loaded = [self._load_shard(group, *job) for job in jobs]
+            group.loaded = [self._load_shard(group, *job, cancel) for job in jobs]
 
     def _next_key(self, group: ShardGroup) -> tuple[int, int]:
         groups, _ = self.epoch_groups(group.epoch)
@@ -520,6 +561,8 @@ class SampleReader:
         if ahead is not None and ahead.group.key == (epoch, index):
             group = ahead.result()
         else:
+            if ahead is not None:  # the position moved elsewhere: nobody will use that group
+                ahead.cancel()
             group = self.group_at(epoch, index)
             self._read(group)
         for name, reason in group.bad:
@@ -529,6 +572,17 @@ class SampleReader:
         self.current = group
         if self.prefetch:
             self._ahead = _Prefetch(self._read, self.group_at(*self._next_key(group)))
+
+    def close(self, timeout: float = 2.0) -> bool:
+        """Give up the read-ahead (if any) and wait up to ``timeout`` s for its thread to end; whether it
+        has (a request already under way is not interrupted). The reader stays usable: a later
+        :meth:`sample` reads again."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None or ahead.close(timeout):
+            return True
+        logger.debug("read-ahead of epoch %d group %d still finishing a request after %.1f s", ahead.group.epoch,
+                     ahead.group.index, timeout)
+        return False
 
     def sample(self, position: int) -> tuple[int, int, np.ndarray] | None:
         """(epoch, global index, ids) at ``position``, or None if its shard is bad (and skipped)."""
@@ -558,6 +612,15 @@ class _RankDataset(IterableDataset):
     def __init__(self, plan: ReadPlan, first_batch: int) -> None:
         self.plan = plan
         self.first_batch = first_batch
+        self._readers: list[SampleReader] = []  # made in this process (num_workers=0), for close()
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_readers": []}
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Give up the read-ahead of the readers iterating in this process (a worker's ends with its process)."""
+        for reader in self._readers:  # kept: one that goes on reading reads ahead again, and is closed again
+            reader.close(timeout)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
@@ -565,6 +628,7 @@ class _RankDataset(IterableDataset):
         p = self.plan
         bad: list[tuple[str, str]] = []
         reader = SampleReader(p, bad, every=workers)
+        self._readers.append(reader)
         batch_number = self.first_batch + worker
         retried, fetched = p.store.retried, p.store.fetched
         try:
@@ -732,14 +796,31 @@ class PretrainingLoader:
         self._fingerprint = hashlib.sha256(
             json.dumps([manifest["shards"], manifest["tokenizer"]], sort_keys=True).encode()).hexdigest()[:16]
         self._next_batch = 0  # this rank's next micro-batch number (see the module docstring)
+        self._datasets: weakref.WeakSet = weakref.WeakSet()  # those of the open iterators, for close()
 
     @property
     def skipped_shards(self) -> int:
         """Distinct shards skipped so far on this rank (only with ``skip_bad_shards=True``)."""
         return len(self.bad_shards)
 
+    def close(self, timeout: float = 2.0) -> None:
+        """Give up the shard read-ahead of the iterators handed out so far, waiting up to ``timeout`` s
+        for each to end (see :meth:`__iter__`): for the end of a run, a loader given up after an error,
+        a test done with it. Nothing else changes: an iterator that goes on reads its next group when
+        it gets there, and ``iter()`` starts at the loader's position as before."""
+        for dataset in list(self._datasets):
+            dataset.close(timeout)
+
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        """Micro-batches from this loader's position on.
+
+        When the iterator ends (closed, dropped, or raising), the shard group its reader read ahead
+        is given up at once (:meth:`close`): against a store that stopped answering, that read would
+        otherwise go on retrying for a minute. The read-ahead of DataLoader workers ends with the
+        worker processes, when the iterator is released (or at exit).
+        """
         dataset = _RankDataset(self.plan, self._next_batch)
+        self._datasets.add(dataset)
         # A private generator: DataLoader otherwise draws its base seed from the global RNG on
         # every iter(), which would shift dropout randomness and break bit-exact resume.
         loader = DataLoader(dataset, batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory,
@@ -747,18 +828,21 @@ class PretrainingLoader:
                             worker_init_fn=_ignore_stop_signals if self.num_workers else None)
         with _stop_signals_blocked():  # workers start here, with the stop signals held back
             batches = iter(loader)
-        for batch in batches:
-            if "_error" in batch:
-                raise batch["_error"]
-            self._next_batch = batch.pop("_batch") + 1
-            retries, fetched = batch.pop("_io")
-            self.read_retries += retries
-            self.read_bytes += fetched
-            for name, reason in batch.pop("_bad"):
-                self.bad_shards.setdefault(name, reason)
-            if batch.pop("_empty", False):
-                continue
-            yield batch
+        try:
+            for batch in batches:
+                if "_error" in batch:
+                    raise batch["_error"]
+                self._next_batch = batch.pop("_batch") + 1
+                retries, fetched = batch.pop("_io")
+                self.read_retries += retries
+                self.read_bytes += fetched
+                for name, reason in batch.pop("_bad"):
+                    self.bad_shards.setdefault(name, reason)
+                if batch.pop("_empty", False):
+                    continue
+                yield batch
+        finally:
+            dataset.close()  # closed, dropped or raising: the group read ahead is no one's now
 
     @property
     def position(self) -> int:
@@ -796,6 +880,7 @@ class PretrainingLoader:
         for key in ("data_fingerprint", "seed", "mask_prob", "read_block"):
             if state.get(key, 1 if key == "read_block" else None) != mine[key]:  # states before read_block had 1
                 raise UserError(f"loader state: {key}={state.get(key)!r} does not match this loader's {mine[key]!r}")
+        self.close(timeout=0)  # a position set anew: what open iterators read ahead is no one's now
         if all(state.get(k) == mine[k] for k in ("world_size", "rank", "micro_batch_size")):
             self._next_batch = int(state["next_batch"])
             return

@@ -9,11 +9,13 @@ away or when an object was tampered with, and never take a half-uploaded prefix 
 from __future__ import annotations
 
 # ruff: noqa: F811  (pytest fixtures imported from tests.remote_servers are test arguments)
+import gc
 import itertools
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -22,11 +24,19 @@ import pytest
 import torch
 
 from megakd.data.shards import INDEX_DTYPE, MANIFEST, read_manifest, sample_key, write_shards
-from megakd.data.storage import ShardStore, StorageError
-from megakd.data.stream import PretrainingLoader, ShardError
+from megakd.data.storage import ReadCancelled, ShardStore, StorageError, cancel_on
+from megakd.data.stream import PretrainingLoader, SampleReader, ShardError, _Prefetch
 from megakd.errors import UserError
 from tests.data.conftest import corpus_docs, write_jsonl
-from tests.remote_servers import http_process, http_server, s3, s3_env, s3_process, s3_server  # noqa: F401, F811 (fixtures)
+from tests.remote_servers import (  # noqa: F401, F811 (fixtures)
+    free_port,
+    http_process,
+    http_server,
+    s3,
+    s3_env,
+    s3_process,
+    s3_server,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 
@@ -199,6 +209,104 @@ def test_s3_server_down_for_good_is_one_line_naming_the_object(local, source, s3
     assert "\n" not in message and "still failing after 3 tries" in message, message
     url = message.split(": ", 1)[0]
     assert url.startswith(s3.url("x") + "/") and url.endswith((".tar", ".idx")), message
+
+
+# -- d2. a read-ahead given up ------------------------------------------------------------------------
+# A reader reads the next shard group in a thread. When the loader is given up (closed, dropped) or
+# the position moves past that group, the thread must stop at once, not go on retrying a dead store
+# for the minute of the default backoff (0.25 s doubling to 30 s, 8 retries), and what it was reading
+# must count neither as data nor as a bad shard.
+def read_aheads(before: set | frozenset = frozenset()) -> list[_Prefetch]:
+    return [t for t in threading.enumerate() if isinstance(t, _Prefetch) and t.is_alive() and t not in before]
+
+
+def wait_for(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("abandon", ["close", "drop", "reposition"])
+def test_read_ahead_against_a_stopped_server_ends_when_the_loader_is_given_up(local, http_process, tokenizer,
+                                                                              caplog, abandon):
+    server = http_process(local)
+    before = set(read_aheads())
+    # The default retry policy, under which the read-ahead retried the dead server for ~62 s; shuffle_shards=1:
+    # a group is one shard of 37 samples, so batch 5 (positions 32..39) enters group 1.
+    got = loader(ShardStore(server.url), tokenizer, shuffle_shards=1, skip_bad_shards=True)
+    batches = iter(got)
+    next(batches)  # group 0 read, group 1 read ahead
+    wait_for(lambda: not read_aheads(before))
+    server.stop()  # killed: every connection refused from now on
+    take(batches, 4)  # into group 1 (already read); group 2 is read ahead from nothing
+    [ahead] = read_aheads(before)
+    wait_for(lambda: got.plan.store.retried > 0)  # it failed and waits to retry
+    assert ahead.is_alive()
+    started = time.monotonic()
+    if abandon == "close":
+        got.close()
+    elif abandon == "drop":
+        del batches
+        gc.collect()
+    else:  # a position set anew (the trainer rewinds a step that storage failed): the old iterator is done
+        got.load_state_dict(got.state_dict())
+    ahead.join(2.0)
+    assert not ahead.is_alive(), f"read-ahead still running {time.monotonic() - started:.1f} s after {abandon}"
+    assert isinstance(ahead.error, ReadCancelled)  # not a StorageError
+    assert ahead.group.bad == [] and got.bad_shards == {} and got.skipped_shards == 0
+    assert "skipping bad shard" not in caplog.text
+
+
+def test_read_ahead_passed_over_is_cancelled(local, served, tokenizer):
+    """A reader whose positions skip the group it read ahead (a DataLoader worker whose batches miss
+    it, a reposition) gives that read up, and the group it does read is the local one."""
+    got = loader(ShardStore(served.url, backoff_s=30.0), tokenizer, shuffle_shards=1)
+    want = loader(local, tokenizer, shuffle_shards=1)
+    reader, expected = SampleReader(got.plan, []), SampleReader(want.plan, [], prefetch=False)
+    before = set(read_aheads())
+    assert reader.sample(0)[1] == expected.sample(0)[1]  # group 0; group 1 read ahead
+    wait_for(lambda: not read_aheads(before))
+    served.fail(10**6)  # 503 from now on
+    assert reader.sample(40)[1] == expected.sample(40)[1]  # group 1; group 2 read ahead, into a 30 s backoff
+    [ahead] = read_aheads(before)
+    wait_for(lambda: served.failed > 0)
+    served.fail(0)
+    started = time.monotonic()
+    far = 6 * SPS + 3  # group 6: the read-ahead of group 2 is dropped
+    a, b = reader.sample(far), expected.sample(far)
+    assert a[:2] == b[:2] and np.array_equal(a[2], b[2])
+    ahead.join(2.0)
+    assert not ahead.is_alive() and isinstance(ahead.error, ReadCancelled)
+    assert time.monotonic() - started < 5
+    assert reader.close() and not read_aheads(before)
+
+
+def test_cancel_during_backoff_returns_promptly():
+    """A read retrying a dead endpoint (connections refused) inside `cancel_on` gives up out of its backoff
+    wait as soon as the event is set: ReadCancelled, not StorageError, and no further try."""
+    store = ShardStore(f"http://127.0.0.1:{free_port()}", retries=8, backoff_s=20.0)
+    cancel, outcome = threading.Event(), {}
+
+    def read() -> None:
+        with cancel_on(cancel):
+            try:
+                store.read("shard-000000.tar")
+            except BaseException as error:
+                outcome["error"] = error
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    wait_for(lambda: store.retried == 1)  # the first try failed: in a 20 s backoff now
+    started = time.monotonic()
+    cancel.set()
+    thread.join(2.0)
+    assert not thread.is_alive(), "the backoff did not end on cancel"
+    assert time.monotonic() - started < 1.0
+    assert isinstance(outcome["error"], ReadCancelled) and store.retried == 1
+    with cancel_on(cancel), pytest.raises(ReadCancelled):  # a cancelled scope does not even try
+        store.read("shard-000000.tar")
+    assert store.retried == 1
 
 
 # -- e. tampered objects --------------------------------------------------------------------------------

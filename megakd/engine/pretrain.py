@@ -240,7 +240,6 @@ def run_pretraining(cfg: Config, resume: str | None = None, allow_change: tuple[
         return trainer.train(export=export)
     finally:
         trainer.close()
-        trainer.loader.close()  # its shard read-ahead, which an error or a stop signal may have left running
 
 
 def run_distill(cfg: Config, resume: str | None = None, allow_change: tuple[str, ...] = (),

@@ -271,6 +271,7 @@ class Trainer:
     def close(self) -> None:
         self.session.release()
         self.backend.close()
+        self.loader.close()  # its shard read-ahead, which an error or a stop signal may have left running
 
     def _elastic_resume(self, path: Path, saved_world: int) -> None:
         """Resume a checkpoint written by another number of processes.

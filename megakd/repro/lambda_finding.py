@@ -8,7 +8,9 @@ mixture of gradients in the shared tables and so changes every later step.
 
 Run: the electra-tiny recipe on the bundled corpus (fp32, the paper's Adam ε 1e-6 and clipping
 2.0), λ ∈ {1, 10, 50}, both modes, several seeds; λ = 10 and 50 are compared with λ = 1 of the same
-seed and mode.
+seed and mode. The paper's own evidence, Fig. 1.3 (in original ELECTRA λ barely changes the
+generator's quality), is measured too: original ELECTRA over the recipe's whole length at each λ,
+the generator's masked accuracy at the end.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from megakd.config import load_config
 from megakd.engine.pretrain import build_trainer
 from megakd.engine.runlog import read_metrics
 from megakd.repro.report import FindingReport, mean_std_text, pyplot, save_figure
-from megakd.repro.runs import CONFIGS, FindingRun, ReportFn, Settings
+from megakd.repro.runs import CONFIGS, FindingRun, ReportFn, Settings, metric_rows, recipe_value, tail_mean
+from megakd.repro.stats import claims_verdict
 
 RECIPE = CONFIGS / "electra-tiny.yaml"
 LAMBDAS = (1.0, 10.0, 50.0)
@@ -45,6 +48,9 @@ QUICK = Settings(RECIPE, seeds=(0, 1), steps=3, pretrain=(
       for k, v in (("num_layers", 1), ("hidden_size", 32), ("intermediate_size", 64), ("embedding_size", 32),
                    ("num_heads", 2))),
 ))
+QUICK_QUALITY_STEPS = 6  # --quick: Fig. 1.3's runs (full mode: the recipe's train.max_steps)
+BARELY = 0.02  # Fig. 1.3 holds if λ moves the generator's masked accuracy by at most this (absolute) ...
+CLEARLY = 0.05  # ... and is reversed if it moves it by more than this
 RUN_OVERRIDES = ("run.export_hf=false", "run.plots=false", "run.tensorboard=false", "run.progress_bar=false",
                  "train.log_every=1", "train.save_every=0", "train.precision=fp32")
 PAPER = ("Dissertation Ch. 1 (λ under DecoupledOptim vs original ELECTRA): with two Adam optimizers and no "
@@ -120,6 +126,11 @@ def declare(run: FindingRun) -> ReportFn:
         str(run.recipe), [*run.settings.pretrain, *mode_overrides, f"train.max_steps={steps}", f"train.seed={seed}"],
         run.work), run.costs.job_start + len(LAMBDAS) * steps * step_seconds)
         for mode, mode_overrides in MODES.items() for seed in run.seeds}
+    quality_steps = QUICK_QUALITY_STEPS if run.quick else int(recipe_value(run.recipe, "train.max_steps"))
+    quality = {(lam, seed): run.pretrain([*run.settings.pretrain, *MODES["original ELECTRA"], "train.precision=fp32",
+                                          f"electra.loss_weight={lam:g}", f"train.seed={seed}",
+                                          f"train.max_steps={quality_steps}"])
+               for lam in LAMBDAS for seed in run.seeds}
 
     def report() -> FindingReport:
         measured: dict[tuple[str, float], dict[str, list[float]]] = {}
@@ -130,11 +141,15 @@ def declare(run: FindingRun) -> ReportFn:
                 m = measured.setdefault((mode, lam), {"all": [], "generator": [], "gen_loss": [], "disc_loss": []})
                 for k in m:
                     m[k].append(values[k])
+        gen_acc = {lam: [tail_mean(metric_rows(quality[lam, seed].path), "gen_acc") for seed in run.seeds]
+                   for lam in LAMBDAS}
+        shift = {lam: [a - b for a, b in zip(gen_acc[lam], gen_acc[1.0])] for lam in LAMBDAS[1:]}
         rows = [[mode, f"{lam:g}", *(mean_std_text(measured[mode, lam][k]) for k in ("all", "generator", "gen_loss",
-                                                                               "disc_loss"))]
+                                                                               "disc_loss")),
+                 mean_std_text(shift[lam]) if mode == "original ELECTRA" else "–"]
                 for mode in MODES for lam in LAMBDAS[1:]]
         plot = _plot(measured, run.out_dir / "repro" / "lambda.png")
-        verdict, reason = _verdict(measured, finite)
+        verdict, reason = _verdict(measured, finite, gen_acc)
         setup = (f"`{run.command}`: `{run.recipe.name}` on the bundled corpus, fp32, Adam ε 1e-6, clipping 2.0 "
                  f"(original ELECTRA: `optim.joint_clip=weighted`), {steps} steps, seeds "
                  f"{', '.join(map(str, run.seeds))}; each λ ∈ {{10, 50}} against λ = 1 of the same seed and mode. "
@@ -146,17 +161,37 @@ def declare(run: FindingRun) -> ReportFn:
                  "DecoupledOptim, the generator is bit-identical for every λ (at the paper's ε), the whole model is "
                  "identical up to rounding (relative difference < 1e-4: fp32 round-off that Adam amplifies) once ε "
                  "is removed, and original ELECTRA differs (> 1e-3); the reason states how much the paper's "
-                 "ε = 1e-6 lets λ through at this scale."
+                 f"ε = 1e-6 lets λ through at this scale. Fig. 1.3: original ELECTRA for {quality_steps} steps at "
+                 "each λ, same seeds; last column: the generator's masked accuracy (last 10 % of logged steps) at λ "
+                 "minus at λ = 1, mean ± std over seeds; the paper's claim holds if λ moves it by at most "
+                 f"{BARELY} and is reversed above {CLEARLY}; the verdict needs both the argument and Fig. 1.3."
                  + (" Quick mode: 1-layer models, a structure check rather than a measurement." if run.quick else ""))
         return FindingReport(name="lambda", title="λ under DecoupledOptim vs original ELECTRA", paper=PAPER,
                              setup=setup, columns=["mode", "λ", "Δθ all (rel.)", "Δθ generator (rel.)",
-                                                   "max Δ gen_loss", "max Δ disc_loss"],
+                                                   "max Δ gen_loss", "max Δ disc_loss",
+                                                   f"Δ gen acc after {quality_steps} steps (Fig. 1.3)"],
                              rows=rows, verdict=verdict, reason=reason, plots=[str(plot.relative_to(run.out_dir))])
 
     return report
 
 
-def _verdict(measured: dict, finite: bool) -> tuple[str, str]:
+def _verdict(measured: dict, finite: bool, gen_acc: dict[float, list[float]]) -> tuple[str, str]:
+    """The argument (bit-identity under DecoupledOptim, a difference in original ELECTRA) and Fig. 1.3
+    (λ barely moves original ELECTRA's generator quality) must both hold."""
+    verdict, reason = _argument_verdict(measured, finite)
+    means = {lam: sum(v) / len(v) for lam, v in gen_acc.items()}
+    moved = max(abs(means[lam] - means[1.0]) for lam in LAMBDAS[1:])
+    figure = 1 if moved <= BARELY else -1 if moved > CLEARLY else 0
+    argument = {"reproduced": 1, "not reproduced at this scale": -1}.get(verdict, 0)
+    accuracies = ", ".join(f"λ = {lam:g}: {m:.3f}" for lam, m in means.items())
+    rule = {1: f"within {BARELY}, as the paper shows", -1: f"beyond {CLEARLY}, against the paper",
+            0: f"between {BARELY} and {CLEARLY}: undecided"}[figure]
+    fig = (f" Fig. 1.3: original ELECTRA's generator ends at masked accuracy {accuracies}; λ moves it by "
+           f"{moved:.3f}, {rule}.")
+    return (claims_verdict([argument, figure]) if finite else verdict), reason + fig
+
+
+def _argument_verdict(measured: dict, finite: bool) -> tuple[str, str]:
     if not finite:
         return "inconclusive", "a run produced a non-finite loss."
 

@@ -51,11 +51,13 @@ def test_quick_lambda_finding_writes_its_section(tmp_path):
     rows = [line for line in section.splitlines() if line.startswith("| ") and "±" in line]
     modes = ("DecoupledOptim", "DecoupledOptim, ε=1e-30", "original ELECTRA")
     assert [tuple(r.split(" | ")[:2]) for r in rows] == [(f"| {m}", lam) for m in modes for lam in ("10", "50")]
-    assert all(cell.count("±") == 1 for r in rows for cell in r.strip("| ").split(" | ")[2:])
+    assert all(cell.count("±") == 1 for r in rows for cell in r.strip("| ").split(" | ")[2:6])
+    fig_1_3 = [r.strip("| ").split(" | ")[6] for r in rows]  # filled for original ELECTRA only
+    assert [cell.count("±") for cell in fig_1_3] == [0, 0, 0, 0, 1, 1]
     verdict = re.search(r"\*\*Verdict: (.+?)\.\*\* \S", section).group(1)
     assert verdict in VERDICTS
     assert (out.parent / "repro" / "lambda.png").stat().st_size > 0 and "![lambda](repro/lambda.png)" in section
-    assert not any((tmp_path / "work").iterdir())  # scratch runs removed
+    assert [p.name for p in (tmp_path / "work").iterdir()] == ["pretrained"]  # scratch runs removed, Fig. 1.3's cached
 
 
 def _git(repo, *args):

@@ -98,3 +98,22 @@ def test_tail_mean_averages_the_last_tenth_of_logged_steps():
     rows = [{"step": i, "rtd_f1": float(i)} for i in range(1, 21)] + [{"step": 21, "val": 1.0}]
     assert tail_mean(rows, "rtd_f1") == (19 + 20) / 2  # 2 of the 20 rows that carry the key
     assert tail_mean(rows[:3], "rtd_f1") == 3.0  # at least one row
+
+
+def test_lambda_needs_the_argument_and_fig_1_3():
+    """λ: the argument (DecoupledOptim's generator bit-identical, original ELECTRA differs) and the paper's
+    Fig. 1.3 (λ barely moves original ELECTRA's generator quality) must both hold."""
+    from megakd.repro import lambda_finding
+
+    def measured(joint: float) -> dict:
+        rows = {"DecoupledOptim": (0.2, 0.0), "DecoupledOptim, ε=1e-30": (1e-7, 0.0), "original ELECTRA": (joint, 0.3)}
+        return {(mode, lam): {"all": [a, a], "generator": [g, g], "gen_loss": [0.0, 0.0], "disc_loss": [0.0, 0.0]}
+                for mode, (a, g) in rows.items() for lam in lambda_finding.LAMBDAS[1:]}
+
+    flat = {1.0: [0.20, 0.21], 10.0: [0.21, 0.20], 50.0: [0.19, 0.21]}
+    verdict, reason = lambda_finding._verdict(measured(0.3), True, flat)
+    assert verdict == "reproduced" and "as the paper shows" in reason
+    moved = {**flat, 50.0: [0.28, 0.29]}  # λ = 50 moves the generator by 0.08
+    assert lambda_finding._verdict(measured(0.3), True, moved)[0] == "not reproduced at this scale"
+    assert lambda_finding._verdict(measured(0.3), True, {**flat, 50.0: [0.235, 0.24]})[0] == "inconclusive"
+    assert lambda_finding._verdict(measured(1e-4), True, flat)[0] == "not reproduced at this scale"  # argument fails

@@ -34,6 +34,28 @@ from .dispatch import check_float, check_tensor, resolve_backend
 _CHUNK_ELEMS = 1 << 24
 
 
+def _initialize_vml() -> None:
+    """Run each oneMKL VML function the torch path calls once, from one thread, before any real call.
+
+    On CPU, ``exp`` and ``log`` of a float tensor go to oneMKL's VML (``vsExp``, ``vdLn``, ...) in pieces of
+    2048 elements spread over the intra-op threads. VML picks its kernel (instruction set and accuracy)
+    lazily, at a function's first call in the process, and that choice is not thread-safe: when two
+    threads make the first call together, one of them can run with a half-made choice. Seen here as
+    ``exp_`` of the first cross-entropy chunk after a process start computing the main thread's rows with
+    the AVX2 "enhanced performance" kernel (bit for bit; ~1e-4 relative error) instead of the AVX-512
+    high-accuracy one, in 1 of ~25-80 processes under CPU load: a resumed run's first loss then differed
+    from the uninterrupted run's in the 7th digit (docs/reliability.md). One single-element call per
+    function and dtype, made here on import, settles the choice before any parallel call.
+    """
+    for dtype in (torch.float32, torch.float64):
+        one = torch.ones(1, dtype=dtype)
+        torch.exp(one)
+        torch.log(one)
+
+
+_initialize_vml()
+
+
 def _rows_per_chunk(n: int, v: int) -> int:
     return max(1, min(n, _CHUNK_ELEMS // max(v, 1)))
 

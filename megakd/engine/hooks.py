@@ -72,8 +72,8 @@ class Hooks:
         if hook is not None:
             self._hooks.append(hook)
 
-    def after_step(self, step: int, stopping: bool = False, values: dict | None = None) -> list[dict]:
-        """Run every hook for `step`; its metrics.jsonl lines (empty ones dropped)."""
+    def after_step(self, step: int, stopping: bool = False, values: dict | None = None) -> None:
+        """Run every hook for `step` (the metrics file among them writes the lines the others made)."""
         started = time.perf_counter()
         end = StepEnd(step, [{}], stopping, values)
         try:
@@ -81,7 +81,6 @@ class Hooks:
                 hook.after_step(end)
         finally:
             self.seconds += time.perf_counter() - started
-        return [line for line in end.lines if line]
 
     def end(self, step: int, finished: bool) -> None:
         """Every hook's `end`, even after one fails (the first error is raised; later hooks then see

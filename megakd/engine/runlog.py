@@ -11,6 +11,7 @@ import secrets
 import threading
 from pathlib import Path
 
+from megakd.configio import config_to_dict
 from megakd.engine.hooks import Hook, StepEnd
 from megakd.store.files import StoreError, human_bytes, is_disk_full
 
@@ -46,6 +47,13 @@ class MetricsWriter(Hook):
             self.wandb = wandb_lib.init(project=wandb_project, dir=str(run_dir), config=config,
                                         id=wandb_run_id(run_dir), resume="allow", name=run_dir.name,
                                         mode=os.environ.get("WANDB_MODE", wandb_mode))
+
+    @classmethod
+    def for_run(cls, directory: Path, cfg, resume_step: int) -> MetricsWriter:
+        """The writer a run's `run.*` settings ask for (pretraining's or fine-tuning's config), into `directory`."""
+        r = cfg.run
+        return cls(directory, tensorboard=r.tensorboard, wandb=r.wandb, wandb_project=r.wandb_project,
+                   wandb_mode=r.wandb_mode, config=config_to_dict(cfg), resume_step=resume_step)
 
     def _open_tensorboard(self, tb_dir: Path, resume_step: int) -> None:
         from torch.utils.tensorboard import SummaryWriter

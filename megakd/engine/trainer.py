@@ -91,15 +91,7 @@ class Trainer:
         for hook in self.hooks:
             hooks.add(hook)
         if main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            if self._config_changes:
-                rundir.record_history(self.run_dir, self._saved_config, self.step)
-            save_config(cfg, self.run_dir / "config.yaml")
-            self._metrics = MetricsWriter(
-                self.run_dir, tensorboard=cfg.run.tensorboard, wandb=cfg.run.wandb,
-                wandb_project=cfg.run.wandb_project, wandb_mode=cfg.run.wandb_mode,
-                config=config_to_dict(cfg), resume_step=self.step,
-            )
+            self._metrics = MetricsWriter.for_run(self.run_dir, cfg, self.step)
             hooks.add(self._metrics)
         hooks.add(ProgressBar(cfg.train.max_steps, self.step, _bar_values, enabled=main and cfg.run.progress_bar))
         every = cfg.train.save_every
@@ -402,7 +394,17 @@ class Trainer:
         finally:
             self.session.release()
 
+    def _write_run_config(self) -> None:
+        """Rank 0: config.yaml of this run (and, after a resume that changed keys, the old one kept in
+        config_history/), before the first step."""
+        if self.backend.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            if self._config_changes:
+                rundir.record_history(self.run_dir, self._saved_config, self.step)
+            save_config(self.cfg, self.run_dir / "config.yaml")
+
     def _train(self) -> TrainResult:
+        self._write_run_config()
         hooks = self._hooks()
         preempted = interrupted = finished = False
         with self.session.stop_signals():

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megakd.config import ConfigError, ScheduleConfig
-from megakd.configio import config_to_dict, save_config
+from megakd.configio import save_config
 from megakd.data.tasks import EncodedTask, load_split
 from megakd.data.tokenizer import Tokenizer
 from megakd.engine.hooks import Checkpoints, Clock, Hooks, ProgressBar, StepEnd, StepHook
@@ -364,9 +364,7 @@ class SeedTraining:
         hooks.add(StepHook(cfg.finetune.log_every, self._log_line, also_at=self.total))
         hooks.add(StepHook(self.steps_per_epoch, lambda step: self.end_epoch(dev, eval_split), own_line=True))
         if rt.is_main:
-            hooks.add(MetricsWriter(self.out_dir, tensorboard=cfg.run.tensorboard, wandb=cfg.run.wandb,
-                                    wandb_project=cfg.run.wandb_project, wandb_mode=cfg.run.wandb_mode,
-                                    config=config_to_dict(cfg), resume_step=self.progress.step))
+            hooks.add(MetricsWriter.for_run(self.out_dir, cfg, self.progress.step))
         hooks.add(ProgressBar(self.total, self.progress.step, self._bar_values, desc=f"seed {self.seed}",
                               enabled=cfg.run.progress_bar and rt.is_main))
         hooks.add(Checkpoints(self.save, lambda step: (step % self.steps_per_epoch == 0 and step < self.total)

@@ -32,12 +32,13 @@ def test_step_hooks_join_the_log_line_or_write_their_own_in_order():
     hooks.add(StepHook(0, lambda step: {"never": 1}))
     hooks.add(None)  # e.g. the metrics file on a rank other than 0
     hooks.add(Recorder("writer", seen))
-    lines = {step: hooks.after_step(step) for step in range(1, 7)}
+    for step in range(1, 7):
+        hooks.after_step(step)
+    # the writer runs after every hook added before it, and sees the step's lines as they end up
+    lines = {step: [line for line in step_lines if line] for _, step, step_lines in seen}
     assert lines == {1: [], 2: [{"step": 2, "loss": 1.0}], 3: [{"step": 3, "probe": 3}],
                      4: [{"step": 4, "loss": 1.0, "val": 0.4}], 5: [{"step": 5, "loss": 1.0}],
                      6: [{"step": 6, "loss": 1.0}, {"step": 6, "probe": 6}]}
-    # the writer runs after every hook added before it, and sees the step's lines as they end up
-    assert seen[3] == ("writer", 4, [{"step": 4, "loss": 1.0, "val": 0.4}])
 
 
 def test_every_end_runs_after_one_fails_and_later_ones_are_not_finished():

@@ -456,16 +456,14 @@ class ServerProcess:
             self._spare = None
 
 
-class S3Process(ServerProcess):
-    """moto's S3 server in a child process. moto keeps its objects in memory, so the objects are
-    copied to ``state`` before a stop and a new server loads them back before it listens on the
-    port: it comes back with the same objects (the same bytes), as a real store does."""
-
-    kind = "s3"
+class StoreProcess(ServerProcess):
+    """An object store in a child process whose objects outlive it in ``state`` (how, each store says),
+    so a new server on the same port serves the same objects, as a real store does. ``env()``: the
+    variables that make the store's client library reach it."""
 
     def __init__(self, state: Path) -> None:
         super().__init__()
-        self.state = Path(state)
+        self.state = Path(state).resolve()
         self.state.mkdir(parents=True, exist_ok=True)
         self.start()
 
@@ -474,10 +472,25 @@ class S3Process(ServerProcess):
         return f"http://127.0.0.1:{self.port}"
 
     def env(self) -> dict[str, str]:
-        return {**AWS_ENV, "AWS_ENDPOINT_URL": self.endpoint, "AWS_MAX_ATTEMPTS": "1"}  # see MotoS3.env
+        raise NotImplementedError
 
     def _args(self) -> list[str]:
         return ["--state", str(self.state)]
+
+    def close(self) -> None:
+        super().close()
+        shutil.rmtree(self.state, ignore_errors=True)
+
+
+class S3Process(StoreProcess):
+    """moto's S3 server in a child process. moto keeps its objects in memory, so the objects are
+    copied to ``state`` before a stop and a new server loads them back before it listens on the
+    port."""
+
+    kind = "s3"
+
+    def env(self) -> dict[str, str]:
+        return {**AWS_ENV, "AWS_ENDPOINT_URL": self.endpoint, "AWS_MAX_ATTEMPTS": "1"}  # see MotoS3.env
 
     def client(self):
         return _client(self.endpoint)
@@ -496,34 +509,16 @@ class S3Process(ServerProcess):
         if self.proc is not None:
             _dump(self.client(), self.state)
 
-    def close(self) -> None:
-        super().close()
-        shutil.rmtree(self.state, ignore_errors=True)
 
-
-class GCSProcess(ServerProcess):
-    """gcp-storage-emulator (the GCS JSON API) in a child process. It keeps its objects on disk in
-    ``state``, so a new server on the same port serves the same objects, as a real store does."""
+class GCSProcess(StoreProcess):
+    """gcp-storage-emulator (the GCS JSON API) in a child process; it keeps its objects on disk in ``state``."""
 
     kind = "gcs"
-
-    def __init__(self, state: Path) -> None:
-        super().__init__()
-        self.state = Path(state).resolve()
-        self.state.mkdir(parents=True, exist_ok=True)
-        self.start()
-
-    @property
-    def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
     def env(self) -> dict[str, str]:
         # gcsfs >= 2026 first asks a gRPC control API for the bucket's layout, which no emulator
         # serves (a 60 s timeout per bucket); its plain JSON-API file system is what megakd reads.
         return {"STORAGE_EMULATOR_HOST": self.endpoint, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
-
-    def _args(self) -> list[str]:
-        return ["--state", str(self.state)]
 
     def _fs(self):
         import gcsfs
@@ -542,10 +537,6 @@ class GCSProcess(ServerProcess):
         fs = self._fs()
         for file in sorted(p for p in Path(local_dir).rglob("*") if p.is_file()):
             fs.pipe_file(f"{path}/{file.relative_to(local_dir).as_posix()}", file.read_bytes())
-
-    def close(self) -> None:
-        super().close()
-        shutil.rmtree(self.state, ignore_errors=True)
 
 
 class HTTPProcess(ServerProcess):
@@ -646,10 +637,9 @@ def _serve_http(port: int, root: Path) -> None:
     threading.Event().wait()
 
 
-@pytest.fixture
-def s3_process(tmp_path):
-    """An :class:`S3Process` (empty), with the AWS_* variables that reach it set for the test."""
-    server = S3Process(tmp_path / "s3_state")
+@contextlib.contextmanager
+def _reachable(server: StoreProcess):
+    """``server`` with its ``env()`` set for the test; closed (and its state removed) after."""
     try:
         with pytest.MonkeyPatch.context() as mp:
             for k, v in server.env().items():
@@ -657,19 +647,20 @@ def s3_process(tmp_path):
             yield server
     finally:
         server.close()
+
+
+@pytest.fixture
+def s3_process(tmp_path):
+    """An :class:`S3Process` (empty), with the AWS_* variables that reach it set for the test."""
+    with _reachable(S3Process(tmp_path / "s3_state")) as server:
+        yield server
 
 
 @pytest.fixture
 def gcs_process(tmp_path):
     """A :class:`GCSProcess` (empty), with the variables that make gcsfs reach it set for the test."""
-    server = GCSProcess(tmp_path / "gcs_state")
-    try:
-        with pytest.MonkeyPatch.context() as mp:
-            for k, v in server.env().items():
-                mp.setenv(k, v)
-            yield server
-    finally:
-        server.close()
+    with _reachable(GCSProcess(tmp_path / "gcs_state")) as server:
+        yield server
 
 
 @pytest.fixture

@@ -95,11 +95,16 @@ def write_section(report: FindingReport, path: str | Path, order: tuple[str, ...
         text = text[:at] + section + "\n\n" + text[at:]
     else:
         text = text.rstrip("\n") + "\n\n" + section
+    write_text_atomically(path, text)
+    return path
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    """`text` (one final newline) as `path`, whole or not at all: written beside it, then renamed."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text.rstrip("\n") + "\n")
     tmp.replace(path)
-    return path
 
 
 # What a finding's numbers depend on: a section measured before a commit that touched these is older.

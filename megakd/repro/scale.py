@@ -17,7 +17,12 @@ from megakd.bench.memory import parameter_counts
 from megakd.config import load_config
 from megakd.finetune.config import FinetuneConfig, auto_lr
 from megakd.finish import finish_config
+from megakd.repro.dwt import TEACHERS as DWT_TEACHERS
 from megakd.repro.findings import FINDINGS, MODULES
+from megakd.repro.report import write_text_atomically
+from megakd.repro.runs import FINETUNE_RT, FULL_FINETUNE, Settings
+from megakd.repro.soteacher import SOTEACHER_RT
+from megakd.repro.tgt import TGT_RT
 
 CONFIGS = Path(__file__).parents[2] / "configs"
 START, END = "<!-- scale -->", "<!-- /scale -->"
@@ -56,46 +61,34 @@ PAPERS: dict[str, PaperRegime] = {
                        "its numeric tables are lost: qualitative only"),
 }
 
-# megakd's side: the parameter_counts entry the claim is about, and the teacher over the student.
-# soteacher, labelreg and tgt fine-tune one shared encoder and use a copy of it as the teacher or
-# labeler (megakd/repro/labelreg.py, soteacher.py, tgt.py), so their ratio is 1.
+# megakd's side: the parameter_counts entry the claim is about. soteacher, labelreg and tgt are
+# judged by fine-tuning one shared encoder, with a copy of it as the teacher or labeler
+# (megakd/repro/labelreg.py, soteacher.py, tgt.py): their teacher ratio is 1, their LR the fine-tuning's.
 MEASURED = {"lambda": "total", "disc_lr": "total", "dwt": "generator", "soteacher": "discriminator",
             "labelreg": "discriminator", "tgt": "discriminator"}
-SAME_SIZE_TEACHER = ("soteacher", "labelreg", "tgt")
-
-
-def _finetune_config(name: str) -> Path:
-    """The fine-tuning recipe of a fine-tuning finding's compared arms."""
-    if name == "soteacher":
-        from megakd.repro.soteacher import SOTEACHER_RT
-
-        return SOTEACHER_RT
-    if name == "tgt":
-        from megakd.repro.tgt import TGT_RT
-
-        return TGT_RT
-    from megakd.repro.runs import FINETUNE_RT
-
-    return FINETUNE_RT
+SHARED_ENCODER = {"soteacher": SOTEACHER_RT, "labelreg": FINETUNE_RT, "tgt": TGT_RT}  # -> their fine-tuning recipe
 
 
 def _training(name: str, cfg) -> str:
-    """Peak LR(s) and batch here: the fine-tuning of an encoder-judging finding, else the pretraining."""
-    if name not in SAME_SIZE_TEACHER:
+    """Peak LR(s) and batch here: the fine-tuning of a shared-encoder finding, else the pretraining."""
+    if name not in SHARED_ENCODER:
         lrs = {cfg.optim.generator.lr, cfg.optim.discriminator.lr} if cfg.model.objective == "electra" \
             else {cfg.optim.generator.lr}
         return f"{' / '.join(f'{lr:g}' for lr in sorted(lrs))}, batch {cfg.train.global_batch_size}"
-    from megakd.repro.runs import FULL_FINETUNE
-
-    f = load_config(_finetune_config(name), list(FULL_FINETUNE), cls=FinetuneConfig)
+    f = load_config(SHARED_ENCODER[name], list(FULL_FINETUNE), cls=FinetuneConfig)
     lr = auto_lr(cfg.model.discriminator.hidden_size) if f.finetune.lr == "auto" else f.finetune.lr
     return (f"AdaMax {lr:g}, batch {f.finetune.batch_size}, {f.finetune.epochs} epochs over "
             f"{f.task.max_train_examples:,} RT sentences")
 
 
+def _full(name: str) -> Settings:
+    """A finding's full-mode settings."""
+    return importlib.import_module(f"megakd.repro.{MODULES[name]}").FULL
+
+
 def _finding_config(name: str, extra: tuple[str, ...] = ()):
     """The pretraining config a finding's full mode runs (its recipe, overrides and step count)."""
-    settings = importlib.import_module(f"megakd.repro.{MODULES[name]}").FULL
+    settings = _full(name)
     overrides = [*settings.pretrain, *([f"train.max_steps={settings.steps}"] if settings.steps else []), *extra]
     return finish_config(load_config(settings.recipe, overrides))
 
@@ -125,19 +118,18 @@ def scale_rows() -> list[list[str]]:
         paper_cfg = finish_config(load_config(CONFIGS / paper.config, [])) if paper.config else None
         paper_params = paper.params or parameter_counts(paper_cfg)["total"]
         paper_tokens = paper.tokens or (_tokens(paper_cfg) if paper_cfg else None)
-        if name in SAME_SIZE_TEACHER:
+        if name in SHARED_ENCODER:
             teacher = "1× (the same encoder)"
         elif name == "dwt":
-            layers = _dwt_teacher_layers()
-            weak = parameter_counts(_finding_config(name, (f"model.generator.num_layers={layers[0]}",)))["generator"]
-            weakest = parameter_counts(_finding_config(name, (f"model.generator.num_layers={layers[-1]}",)))
-            teacher = f"{weak / here:.2f}× to {weakest['generator'] / here:.2f}×"
+            ratios = [parameter_counts(_finding_config(name, (f"model.generator.num_layers={layers}",)))["generator"]
+                      / here for layers in DWT_TEACHERS.values()]
+            teacher = f"{max(ratios):.2f}× to {min(ratios):.2f}×"
         else:
             teacher = "-"
         tokens_gap = f" ({_times(paper_tokens / _tokens(cfg))} fewer here)" if paper_tokens else ""
         rows.append([
             f"`{name}`",
-            f"{paper.model} → {Path(_recipe(name)).name} ({_encoder_shape(cfg, MEASURED[name])})",
+            f"{paper.model} → {Path(_full(name).recipe).name} ({_encoder_shape(cfg, MEASURED[name])})",
             f"{_count(paper_params)} → {_count(here)} ({_times(paper_params / here)} fewer here)",
             f"{paper.teacher_ratio} → {teacher}",
             f"{paper.pretraining} → {cfg.train.max_steps:,} steps × {cfg.train.global_batch_size} × "
@@ -146,16 +138,6 @@ def scale_rows() -> list[list[str]]:
             paper.uncertainty,
         ])
     return rows
-
-
-def _recipe(name: str) -> Path:
-    return importlib.import_module(f"megakd.repro.{MODULES[name]}").FULL.recipe
-
-
-def _dwt_teacher_layers() -> list[int]:
-    from megakd.repro.dwt import TEACHERS
-
-    return list(TEACHERS.values())
 
 
 def _encoder_shape(cfg, which: str) -> str:
@@ -189,6 +171,4 @@ def write_scale(report: str | Path) -> None:
     else:
         first = text.find("<!-- finding:")
         text = (text[:first] + section + "\n\n" + text[first:]) if first >= 0 else text.rstrip() + "\n\n" + section
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text.rstrip("\n") + "\n")
-    tmp.replace(path)
+    write_text_atomically(path, text)

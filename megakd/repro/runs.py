@@ -103,7 +103,9 @@ class Costs:
     def calibrated(self, work: Path) -> Costs:
         """These costs on this machine: a timed step of configs/electra-mini.yaml on one thread, as a job of
         `--jobs 2` runs, against `electra_mini_step`; every unit is scaled by that ratio (the fine-tuning
-        epoch and the set-up are the same kind of CPU work). Takes about 20 s."""
+        epoch and the set-up are the same kind of CPU work). Takes about 20 s. Timed alone, so on a machine
+        with nothing else running it reads a little fast for `--jobs 2`, where two jobs share the memory
+        bandwidth (by how much is not measured)."""
         from megakd.bench.cluster import training_throughput
 
         threads = torch.get_num_threads()

@@ -13,6 +13,8 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megakd.repro.findings import MODULES
+
 VERDICTS = ("reproduced", "not reproduced at this scale", "inconclusive")
 
 HEADER = """# Reproduction report
@@ -23,7 +25,8 @@ was measured here (mean ± std over seeds, with the command that measured it), a
 reproduced, not reproduced at this scale, or inconclusive, with the reason. Nothing is tuned
 until a finding appears: the settings are fixed in `megakd/repro/` before the run. Each section
 ends with the commit of the code that measured it; `megakd repro all --plan` lists the sections
-whose measuring code (megakd/, kernels/, configs/) has changed since.
+whose measuring code (megakd/, kernels/, configs/; another finding's module aside) has changed
+since.
 
 Where a section pretrains each arm once and its seeds are fine-tuning seeds (its setup says
 which), a p-value over those seeds says how sure the difference is *for those pretrained
@@ -112,6 +115,14 @@ MEASURING_CODE = ("megakd", "kernels", "configs")
 SOURCE_ROOT = Path(__file__).parents[2]
 
 
+def measuring_paths(finding: str) -> tuple[str, ...]:
+    """The git pathspecs of the code `finding` runs: MEASURING_CODE without the other findings' declaring
+    modules and the scale table's (no finding imports another's module), so re-running one finding and
+    then changing another's settings leaves the first current."""
+    others = [f"megakd/repro/{module}.py" for name, module in MODULES.items() if name != finding]
+    return (*MEASURING_CODE, *(f":(exclude){path}" for path in [*others, "megakd/repro/scale.py"]))
+
+
 def _git(*args: str) -> str | None:
     try:
         out = subprocess.run(["git", "-C", str(SOURCE_ROOT), *args], capture_output=True, text=True, timeout=30)
@@ -146,11 +157,11 @@ def section_versions(report: str | Path) -> dict[str, str | None]:
 
 def staleness(report: str | Path) -> list[str]:
     """One line per section of `report`: the code that measured it and how many commits have changed the
-    measuring code (megakd/, kernels/, configs/) since, so an older measurement shows before it is trusted."""
+    code it runs (`measuring_paths`) since, so an older measurement shows before it is trusted."""
     lines = []
     for name, stamp in section_versions(report).items():
         commit = re.fullmatch(r"([0-9a-f]{7,40})(\+changes)?", stamp or "")
-        count = _git("rev-list", "--count", f"{commit.group(1)}..HEAD", "--", *MEASURING_CODE) if commit else None
+        count = _git("rev-list", "--count", f"{commit.group(1)}..HEAD", "--", *measuring_paths(name)) if commit else None
         if stamp is None:
             lines.append(f"{name}: measuring code not recorded (re-run it to stamp it)")
         elif count is None:
@@ -158,8 +169,8 @@ def staleness(report: str | Path) -> list[str]:
         elif count == "0" and not commit.group(2):
             lines.append(f"{name}: measured with {stamp}, the current measuring code")
         else:
-            lines.append(f"{name}: measured with {stamp}; {count} commit(s) changed megakd/, kernels/ or configs/ "
-                         "since: older code, re-run it to measure this version")
+            lines.append(f"{name}: measured with {stamp}; {count} commit(s) changed the code it runs (megakd/, "
+                         "kernels/, configs/) since: older code, re-run it to measure this version")
     return lines
 
 

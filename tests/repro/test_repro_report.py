@@ -73,7 +73,7 @@ def _head(repo) -> str:
 
 def test_sections_say_which_code_measured_them_and_whether_it_changed_since(tmp_path, monkeypatch):
     """A section is stamped with the measuring commit; `repro --plan`'s lines mark it once megakd/, kernels/
-    or configs/ change, not when only docs do, and mark an unstamped section and uncommitted code."""
+    or configs/ change, not when only docs or another finding's module do, and mark an unstamped section and uncommitted code."""
     from megakd.repro import report
 
     repo = tmp_path / "src"
@@ -95,11 +95,17 @@ def test_sections_say_which_code_measured_them_and_whether_it_changed_since(tmp_
     _git(repo, "add", "-A")
     _git(repo, "commit", "-qm", "docs")
     assert "the current measuring code" in report.staleness(out)[0]
+    (repo / "megakd" / "repro").mkdir()
+    (repo / "megakd" / "repro" / "tgt.py").write_text("another finding's settings\n")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-qm", "tgt's settings")
+    assert "the current measuring code" in report.staleness(out)[0]
     (repo / "megakd" / "a.py").write_text("x = 2\n")
     assert report.code_version() == _head(repo) + "+changes"  # measured with code that no commit holds
     _git(repo, "commit", "-qam", "code")
-    assert report.staleness(out)[0] == (f"stamped: measured with {head}; 1 commit(s) changed megakd/, kernels/ or "
-                                        "configs/ since: older code, re-run it to measure this version")
+    assert report.staleness(out)[0] == (f"stamped: measured with {head}; 1 commit(s) changed the code it runs "
+                                        "(megakd/, kernels/, configs/) since: older code, re-run it to measure this "
+                                        "version")
 
 
 def test_the_reports_scale_table_is_the_one_the_findings_settings_give():

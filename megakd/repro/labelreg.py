@@ -2,14 +2,17 @@
 
 Kobyzev, Jafari et al., Tables 1, 2 and 7 (and the Wilcoxon tests of Table 8): KD, LS, TF-reg and
 self-KD are statistically indistinguishable from plain fine-tuning for pretrained students, and
-significantly better for the same architecture trained from random init. Here: RT, the pretrained
-encoder vs its architecture at random init, each fine-tuned with plain cross-entropy and with each
-regularizer (the paper's α, a and τ), the paper's five seeds, a paired t-test per method.
+significantly better for the same architecture trained from random init. Here: RT, a pretrained
+student (the shared 2 × 64 student) vs its architecture at random init, each fine-tuned with plain
+cross-entropy and with each regularizer (the paper's α, a and τ; KD's teacher the larger shared
+encoder fine-tuned, as the paper's is larger than its student), the paper's five seeds, a paired
+t-test per method, on each of two pretraining draws of teacher and student.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from statistics import fmean
 
 from megakd.repro.report import FindingReport, mean_std_text, pyplot, save_figure
 from megakd.repro.runs import (
@@ -21,10 +24,10 @@ from megakd.repro.runs import (
     Settings,
     seed_values,
 )
-from megakd.repro.stats import claims_verdict, compare
+from megakd.repro.stats import claims_verdict, compare, over_draws
 
-# The paper's Table 9 settings. kd's teacher is the pretrained encoder fine-tuned (the strongest
-# model at this scale); selfkd's is a fine-tuned copy of the student's own initialisation.
+# The paper's Table 9 settings. kd's teacher is the larger shared encoder fine-tuned; selfkd's is a
+# fine-tuned copy of the student's own initialisation.
 METHODS = {
     "fine-tune": ("labelreg.target=onehot",),
     "KD": ("labelreg.target=kd", "labelreg.alpha=0.5", "labelreg.temperature=1"),
@@ -33,8 +36,9 @@ METHODS = {
     "self-KD": ("labelreg.target=selfkd", "labelreg.alpha=0.5", "labelreg.temperature=1"),
 }
 TEACHER_SEED = 1000  # the teachers' fine-tuning seed, apart from the students' seeds
-FULL = Settings(PRETRAIN_RECIPE, seeds=(42, 549, 1237, 230, 805), finetune=FULL_FINETUNE)  # the paper's five
-QUICK = Settings(PRETRAIN_RECIPE, seeds=(0, 1), finetune=QUICK_FINETUNE)
+FULL = Settings(PRETRAIN_RECIPE, seeds=(42, 549, 1237, 230, 805), finetune=FULL_FINETUNE,  # the paper's five
+                draws=(0, 1))
+QUICK = Settings(PRETRAIN_RECIPE, seeds=(0, 1), finetune=QUICK_FINETUNE, draws=(0, 1))
 PAPER = ("Kobyzev, Jafari et al., GLUE dev Score (mean ± std of 5 runs). Pretrained DistilRoBERTa (Table 1): "
          "fine-tune 82.64 ± 0.11, LS 82.78 ± 0.15, TF-reg 82.78 ± 0.29, self-KD 82.81 ± 0.19, KD 83.08 ± 0.14; "
          "the same architecture from random init (Table 7): 61.87 ± 0.21, LS 62.45 ± 0.45, TF-reg 62.35 ± 0.25, "
@@ -45,51 +49,57 @@ PAPER = ("Kobyzev, Jafari et al., GLUE dev Score (mean ± std of 5 runs). Pretra
 
 def declare(run: FindingRun) -> ReportFn:
     epochs = run.epochs()
-    encoder = run.base_encoder()
-    inits = {"pretrained": (f"model.path={encoder.path}", "model.init=pretrained"),
-             "random init": (f"model.path={encoder.path}", "model.init=random")}
-    teachers = {init: run.finetune([*init_overrides, f"finetune.seeds=[{TEACHER_SEED}]"], encoder, keep=True)
-                for init, init_overrides in inits.items()}
-    tuned = {}
-    for init, init_overrides in inits.items():
-        for method, overrides in METHODS.items():
-            if init == "pretrained" and method == "self-KD":  # selfkd is kd with the student's copy as teacher:
-                continue                                       # here KD's run: one method, counted once
-            teacher = {"KD": teachers["pretrained"], "self-KD": teachers[init]}.get(method)
-            tuned[init, method] = run.finetune(
-                [*init_overrides, *overrides, *((f"labelreg.teacher={teacher.kept}",) if teacher else ()),
-                 run.seeds_override], encoder, after=(teacher,) if teacher else ())
+    tuned, teacher_runs = {}, {}
+    for draw in run.settings.draws:
+        student, encoder = run.student_encoder(draw), run.base_encoder(draw)
+        inits = {"pretrained": (f"model.path={student.path}", "model.init=pretrained"),
+                 "random init": (f"model.path={student.path}", "model.init=random")}
+        teacher_seed = f"finetune.seeds=[{TEACHER_SEED}]"
+        teachers = teacher_runs[draw] = {
+            "KD": run.finetune([f"model.path={encoder.path}", teacher_seed], encoder, keep=True),
+            **{f"self-KD, {init}": run.finetune([*init_overrides, teacher_seed], student, keep=True)
+               for init, init_overrides in inits.items()}}
+        for init, init_overrides in inits.items():
+            for method, overrides in METHODS.items():
+                teacher = {"KD": teachers["KD"], "self-KD": teachers[f"self-KD, {init}"]}.get(method)
+                tuned[draw, init, method] = run.finetune(
+                    [*init_overrides, *overrides, *((f"labelreg.teacher={teacher.kept}",) if teacher else ()),
+                     run.seeds_override], student, after=(teacher,) if teacher else ())
 
     def report() -> FindingReport:
-        measured: dict[str, dict[str, list[float]]] = {}
-        for (init, method), job in tuned.items():
-            measured.setdefault(init, {})[method] = seed_values(run.result(job))
-        table = []
-        for init, by_method in measured.items():
-            for method, values in by_method.items():
-                effect = "—" if method == "fine-tune" else compare(values, by_method["fine-tune"])[1].describe()
-                table.append([init, method, mean_std_text(values), effect])
-                if init == "pretrained" and method == "KD":
-                    table.append([init, "self-KD", "the KD run (same teacher)", "counted once, as KD"])
-        verdict, reason = verdict_of(measured)
+        measured: dict[int, dict[str, dict[str, list[float]]]] = {}
+        for (draw, init, method), job in tuned.items():
+            measured.setdefault(draw, {}).setdefault(init, {})[method] = seed_values(run.result(job))
+        table = [[str(draw), init, method, mean_std_text(values),
+                  "—" if method == "fine-tune" else compare(values, by_method["fine-tune"])[1].describe()]
+                 for draw, by_init in measured.items() for init, by_method in by_init.items()
+                 for method, values in by_method.items()]
+        teacher_acc = {draw: {name: seed_values(run.result(job))[0] for name, job in by.items()}
+                       for draw, by in teacher_runs.items()}
+        verdict, reason = over_draws({draw: verdict_of(by_init) for draw, by_init in measured.items()})
         plot = _plot(measured, run.out_dir / "repro" / "labelreg.png")
+        draws = run.settings.draws
         setup = (f"`{run.command}`: RT, `configs/finetune-rt.yaml` defaults "
-                 f"({epochs} epoch{'s' if epochs > 1 else ''}, "
-                 f"`lr: auto`), students = the discriminator of {run.pretrained} "
-                 "and the same architecture at random init; "
+                 f"({epochs} epoch{'s' if epochs > 1 else ''}, `lr: auto`); students = the discriminator of "
+                 f"{run.pretrained} with both models at {run.student_size} (the shared student), and the same "
+                 f"architecture at random init; teacher and student encoders pretrained {len(draws)} times each "
+                 f"(draws: train.seed {', '.join(map(str, draws))}; draw d's student learns from draw d's teachers); "
                  f"seeds {', '.join(map(str, run.seeds))}. Methods with the paper's Table 9 settings: KD α 0.5, τ 1 "
-                 f"(teacher: the pretrained encoder fine-tuned at seed {TEACHER_SEED}, as no larger model exists at "
-                 "this scale, so for the pretrained student KD and self-KD are one run, counted once); LS α 0.1; "
-                 "TF-reg α 0.5, a 0.95; self-KD α 0.5 (teacher: the student's own initialisation fine-tuned at seed "
-                 f"{TEACHER_SEED}). Each method against plain fine-tuning of the same student, paired t-test over "
-                 "seeds. Rule: reproduced if no method differs significantly (p < 0.05) from fine-tuning for the "
+                 f"(teacher: the discriminator of {run.pretrained}, fine-tuned at seed {TEACHER_SEED}); "
+                 "LS α 0.1; TF-reg α 0.5, a 0.95; self-KD α 0.5 (teacher: the student's own initialisation "
+                 f"fine-tuned at seed {TEACHER_SEED}). Teachers' RT dev accuracy: "
+                 + "; ".join(f"draw {d}: " + ", ".join(f"{name} {acc:.3f}" for name, acc in by.items())
+                             for d, by in teacher_acc.items())
+                 + ". Each method against plain fine-tuning of the same student, paired t-test over "
+                 "seeds. Rule, per draw: reproduced if no method differs significantly (p < 0.05) from fine-tuning "
+                 "for the "
                  "pretrained student while at least half of them help significantly at random init; not reproduced "
                  "if a method significantly changes the pretrained student, or if none helps the random-init "
-                 "student while the random-init differences are significant the other way; inconclusive otherwise."
-                 + run.note)
+                 "student while the random-init differences are significant the other way; inconclusive otherwise. "
+                 "The finding's verdict is the draws' when they agree, else inconclusive." + run.note)
         return FindingReport(name="labelreg", title="Label regularization: pretrained vs randomly initialised student",
                              paper=PAPER, setup=setup,
-                             columns=["student", "method", "RT dev accuracy", "− fine-tune (paired test)"],
+                             columns=["draw", "student", "method", "RT dev accuracy", "− fine-tune (paired test)"],
                              rows=table, verdict=verdict, reason=reason, plots=[str(plot.relative_to(run.out_dir))])
 
     return report
@@ -121,15 +131,18 @@ def verdict_of(measured: dict[str, dict[str, list[float]]]) -> tuple[str, str]:
     return claims_verdict([outcome]), f"{why}. Differences in accuracy against fine-tuning — {detail}."
 
 
-def _plot(measured: dict, path: Path) -> Path:
+def _plot(measured: dict[int, dict[str, dict[str, list[float]]]], path: Path) -> Path:
+    """A panel per student init: a bar per method (the mean over draws of each draw's seed mean), a dot per draw."""
     fig, axes = pyplot().subplots(1, 2, figsize=(9, 3.2), sharey=False)
-    for ax, (init, by_method) in zip(axes, measured.items()):
-        values = list(by_method.values())
-        ax.bar(range(len(values)), [sum(v) / len(v) for v in values], yerr=[(max(v) - min(v)) / 2 for v in values],
-               capsize=3, color=["tab:gray"] + ["tab:blue"] * (len(values) - 1))
-        ax.set_xticks(range(len(values)), list(by_method), fontsize=8)
+    first = next(iter(measured.values()))
+    for ax, (init, by_method) in zip(axes, first.items()):
+        per_draw = [[fmean(m[init][method]) for m in measured.values()] for method in by_method]
+        ax.bar(range(len(per_draw)), [fmean(v) for v in per_draw], alpha=0.6,
+               color=["tab:gray"] + ["tab:blue"] * (len(per_draw) - 1))
+        for x, values in enumerate(per_draw):
+            ax.plot([x] * len(values), values, "ko", markersize=3)
+        ax.set_xticks(range(len(per_draw)), list(by_method), fontsize=8)
         ax.set_title(f"{init} student")
-        ax.set_ylabel("RT dev accuracy")
-        low = min(min(v) for v in values)
-        ax.set_ylim(max(0.0, low - 0.05), None)
+        ax.set_ylabel("RT dev accuracy (mean over seeds)")
+        ax.set_ylim(max(0.0, min(min(v) for v in per_draw) - 0.05), None)
     return save_figure(fig, path)

@@ -113,6 +113,7 @@ def write_text_atomically(path: Path, text: str) -> None:
 # What a finding's numbers depend on: a section measured before a commit that touched these is older.
 MEASURING_CODE = ("megakd", "kernels", "configs")
 SOURCE_ROOT = Path(__file__).parents[2]
+MAX_LISTED = 3  # commits a stale section's line names
 
 
 def measuring_paths(finding: str) -> tuple[str, ...]:
@@ -156,21 +157,27 @@ def section_versions(report: str | Path) -> dict[str, str | None]:
 
 
 def staleness(report: str | Path) -> list[str]:
-    """One line per section of `report`: the code that measured it and how many commits have changed the
-    code it runs (`measuring_paths`) since, so an older measurement shows before it is trusted."""
+    """One line per section of `report`: the code that measured it and the commits that have changed the
+    code it runs (`measuring_paths`) since, so an older measurement shows before it is trusted, and what
+    changed can be read before deciding to re-run it."""
     lines = []
     for name, stamp in section_versions(report).items():
         commit = re.fullmatch(r"([0-9a-f]{7,40})(\+changes)?", stamp or "")
-        count = _git("rev-list", "--count", f"{commit.group(1)}..HEAD", "--", *measuring_paths(name)) if commit else None
+        log = (_git("log", "--format=%h %s", f"{commit.group(1)}..HEAD", "--", *measuring_paths(name))
+               if commit else None)
         if stamp is None:
             lines.append(f"{name}: measuring code not recorded (re-run it to stamp it)")
-        elif count is None:
+        elif log is None:
             lines.append(f"{name}: measured with {stamp}, which this checkout cannot compare with")
-        elif count == "0" and not commit.group(2):
+        elif not log and not commit.group(2):
             lines.append(f"{name}: measured with {stamp}, the current measuring code")
         else:
-            lines.append(f"{name}: measured with {stamp}; {count} commit(s) changed the code it runs (megakd/, "
-                         "kernels/, configs/) since: older code, re-run it to measure this version")
+            changes = log.splitlines()
+            shown = "; ".join(c if len(c) <= 80 else c[:79] + "…" for c in changes[:MAX_LISTED])
+            more = f"; {len(changes) - MAX_LISTED} more" if len(changes) > MAX_LISTED else ""
+            lines.append(f"{name}: measured with {stamp}; {len(changes)} commit(s) changed the code it runs "
+                         f"(megakd/, kernels/, configs/) since{f' ({shown}{more})' if changes else ''}: older code, "
+                         "re-run it to measure this version")
     return lines
 
 

@@ -62,6 +62,13 @@ QUICK_PRETRAIN = (
 # Full mode fine-tunes on 3,000 of RT's 9,071 training sentences (an even spread; dev whole), so the
 # six findings fit the report's 3-hour budget (README, "Reproducing the papers' findings").
 FULL_FINETUNE = ("task.max_train_examples=3000",)
+# The student of the findings whose teacher or labeler is the shared encoder (soteacher, labelreg, tgt):
+# the recipe with both models at 2 x 64, 3.6x fewer parameters than its 4 x 128 discriminator (the
+# papers' teachers are 3.9x to 5.4x their students; docs/REPRODUCTION.md's scale table).
+STUDENT_SIZES = (("num_layers", 2), ("hidden_size", 64), ("intermediate_size", 256), ("embedding_size", 64),
+                 ("num_heads", 2))
+QUICK_STUDENT_SIZES = (("num_layers", 1), ("hidden_size", 16), ("intermediate_size", 32), ("embedding_size", 16),
+                       ("num_heads", 2))
 QUICK_FINETUNE = ("task.max_train_examples=1000", "task.max_dev_examples=500", "finetune.epochs=2")
 FULL_NOTE = " Fine-tuning used 3,000 of RT's training sentences (an even spread) and the whole dev split."
 QUICK_NOTE = (" Quick mode: a 1-layer, 32-wide encoder pretrained for 12 steps, fine-tuned on 1,000 RT sentences "
@@ -258,9 +265,10 @@ class FindingRun:
         return PretrainRun(key, path)
 
     def finetune(self, overrides: list[str], encoder: PretrainRun, config: str | Path = FINETUNE_RT,
-                 keep: bool = False, after: tuple[FinetuneRun, ...] = ()) -> FinetuneRun:
+                 keep: bool = False, after: tuple[FinetuneRun | PretrainRun, ...] = ()) -> FinetuneRun:
         """Declare `megakd finetune -c config overrides...` of a model of `encoder`'s architecture (see
-        `finetune`), after `encoder` and the runs in `after` (e.g. a teacher); `keep`: keep its model."""
+        `finetune`), after `encoder` and the runs in `after` (e.g. a teacher, or the encoder whose architecture a
+        random-init student takes); `keep`: keep its model."""
         cfg = load_config(config, [*self.settings.finetune, *overrides, "run.dir=_"], cls=FinetuneConfig)
         digest = _digest({"config": _as_dict(cfg), "keep": keep})
         key, kept = f"finetune:{digest}", self.work / "kept" / digest if keep else None
@@ -270,9 +278,23 @@ class FindingRun:
                       seconds, (encoder.key, *(r.key for r in after))))
         return FinetuneRun(key, kept)
 
-    def base_encoder(self) -> PretrainRun:
-        """The shared encoder that fine-tuning findings start from: the recipe as it stands (quick: tiny sizes)."""
-        return self.pretrain(list(QUICK_PRETRAIN) if self.quick else [])
+    def base_encoder(self, draw: int = 0) -> PretrainRun:
+        """The shared encoder that fine-tuning findings start from, their teacher or labeler: the recipe as it
+        stands (quick: tiny sizes), pretraining draw `draw` (its train.seed)."""
+        return self.pretrain([*(QUICK_PRETRAIN if self.quick else ()), f"train.seed={draw}"])
+
+    @property
+    def student_size(self) -> str:
+        """`student_encoder`'s models, as layers × width."""
+        sizes = dict(QUICK_STUDENT_SIZES if self.quick else STUDENT_SIZES)
+        return f"{sizes['num_layers']} × {sizes['hidden_size']}"
+
+    def student_encoder(self, draw: int = 0) -> PretrainRun:
+        """The shared student, smaller than `base_encoder`: the recipe with both models at STUDENT_SIZES,
+        pretraining draw `draw`. A random-init student takes its architecture and tokenizer."""
+        sizes = QUICK_STUDENT_SIZES if self.quick else STUDENT_SIZES
+        return self.pretrain([*(QUICK_PRETRAIN if self.quick else ()), f"train.seed={draw}",
+                              *(f"model.{m}.{k}={v}" for m in ("generator", "discriminator") for k, v in sizes)])
 
     def call(self, key: str, label: str, fn: Callable[..., object], args: tuple, seconds: float) -> str:
         """Declare a job of the finding's own (`fn` module-level); returns its key."""

@@ -115,3 +115,24 @@ def claims_verdict(outcomes: list[int]) -> str:
 def draws_verdict(verdicts: list[str]) -> str:
     """A finding measured on several pretraining draws: the draws' common verdict, inconclusive if they differ."""
     return verdicts[0] if len(set(verdicts)) == 1 else "inconclusive"
+
+
+def over_draws(per_draw: dict[int, tuple[str, str]]) -> tuple[str, str]:
+    """`draws_verdict` of each draw's (verdict, reason), with every draw's reason (and, when they differ,
+    that the draws disagree)."""
+    verdicts = [v for v, _ in per_draw.values()]
+    reason = "; ".join(f"draw {d}: {v} ({why})" for d, (v, why) in per_draw.items()) + "."
+    return draws_verdict(verdicts), ("The draws disagree: " if len(set(verdicts)) > 1 else "") + reason
+
+
+def draw_spread(arm_means: dict[str, list[float]], reference: str, compared: list[str], unit: str = "") -> str:
+    """The effects of `compared` arms against `reference` (mean over draws) beside the draw-to-draw spread
+    of an arm's mean (how far two pretraining runs of one recipe land apart); `arm_means`: arm -> its mean
+    per draw."""
+    spread = max(max(v) - min(v) for v in arm_means.values())
+    draws = len(arm_means[reference])
+    effects = {a: (sum(arm_means[a]) - sum(arm_means[reference])) / draws for a in compared}
+    within = [a for a, e in effects.items() if abs(e) <= spread]
+    return (f"Draw-to-draw spread of an arm's mean{unit}: up to {spread:.3f}; against {reference}: "
+            + ", ".join(f"{a} {e:+.3f}" for a, e in effects.items())
+            + (f" ({', '.join(within)} within the spread)." if within else " (all beyond the spread)."))

@@ -4,14 +4,16 @@ TGT (Teacher Guided Training): a frozen generator perturbs each training example
 resample a fraction of its tokens; gradient mode: first move it uphill on the student–labeler
 disagreement) and the frozen labeler soft-labels real and generated examples; the student learns
 from both. The paper reports TGT above standard distillation (text: random mode; gradient mode
-only on images, where it beat random). Here: RT, a randomly initialised student, the pretrained
-encoder's generator and a fine-tuned labeler, TGT random and gradient against plain KD from the
-same labeler.
+only on images, where it beat random). Here: RT, a randomly initialised student smaller than the
+labeler (the shared 2 × 64 student's architecture), the pretrained encoder's generator and its
+discriminator fine-tuned as the labeler, TGT random and gradient against plain KD from the same
+labeler, on each of two pretraining draws of the encoder.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from statistics import fmean
 
 from megakd.repro.report import FindingReport, mean_std_text, pyplot, save_figure
 from megakd.repro.runs import (
@@ -24,12 +26,12 @@ from megakd.repro.runs import (
     Settings,
     seed_values,
 )
-from megakd.repro.stats import claims_verdict, compare
+from megakd.repro.stats import claims_verdict, compare, draw_spread, over_draws
 
 TGT_RT = CONFIGS / "tgt-rt.yaml"
 LABELER_SEED = 1000  # the labeler's fine-tuning seed, apart from the students' seeds
-FULL = Settings(PRETRAIN_RECIPE, seeds=(0, 1, 2), finetune=FULL_FINETUNE)
-QUICK = Settings(PRETRAIN_RECIPE, seeds=(0, 1), finetune=QUICK_FINETUNE)
+FULL = Settings(PRETRAIN_RECIPE, seeds=(0, 1, 2), finetune=FULL_FINETUNE, draws=(0, 1))
+QUICK = Settings(PRETRAIN_RECIPE, seeds=(0, 1), finetune=QUICK_FINETUNE, draws=(0, 1))
 PAPER = ("TGT (Teacher Guided Training), text classification (Amazon-5, IMDB, MNLI, Yelp-5; BART-base generator, "
          "RoBERTa labeler, DistilBERT student): TGT beats standard distillation, MATE-KD and UDA, and a "
          "randomly initialised student with TGT matches one-hot fine-tuning of a pretrained DistilBERT on Amazon-5 "
@@ -40,34 +42,50 @@ PAPER = ("TGT (Teacher Guided Training), text classification (Amazon-5, IMDB, MN
 
 def declare(run: FindingRun) -> ReportFn:
     epochs = run.epochs()
-    encoder = run.base_encoder()
-    labeler = run.finetune([f"model.path={encoder.path}", f"finetune.seeds=[{LABELER_SEED}]"], encoder, keep=True)
-    student = [f"model.path={encoder.path}", "model.init=random", run.seeds_override]
-    tgt = [f"tgt.generator={encoder.path}", f"tgt.labeler={labeler.kept}"]
-    arms = {
-        "KD": run.finetune([*student, "labelreg.target=kd", "labelreg.alpha=0.5", "labelreg.temperature=1",
-                            f"labelreg.teacher={labeler.kept}"], encoder, after=(labeler,)),
-        "TGT random": run.finetune([*student, *tgt, "tgt.mode=random"], encoder, config=TGT_RT, after=(labeler,)),
-        "TGT gradient": run.finetune([*student, *tgt, "tgt.mode=gradient"], encoder, config=TGT_RT, after=(labeler,)),
-    }
+    small = run.student_encoder()  # its architecture and tokenizer only: the students start at random
+    student = [f"model.path={small.path}", "model.init=random", run.seeds_override]
+    arms, labelers = {}, {}
+    for draw in run.settings.draws:
+        encoder = run.base_encoder(draw)
+        labeler = labelers[draw] = run.finetune([f"model.path={encoder.path}", f"finetune.seeds=[{LABELER_SEED}]"],
+                                                encoder, keep=True)
+        tgt = [f"tgt.generator={encoder.path}", f"tgt.labeler={labeler.kept}"]
+        after = (labeler, small)
+        arms[draw] = {
+            "KD": run.finetune([*student, "labelreg.target=kd", "labelreg.alpha=0.5", "labelreg.temperature=1",
+                                f"labelreg.teacher={labeler.kept}"], small, after=after),
+            "TGT random": run.finetune([*student, *tgt, "tgt.mode=random"], small, config=TGT_RT, after=after),
+            "TGT gradient": run.finetune([*student, *tgt, "tgt.mode=gradient"], small, config=TGT_RT, after=after),
+        }
 
     def report() -> FindingReport:
-        measured = {arm: seed_values(run.result(job)) for arm, job in arms.items()}
-        table = [[arm, mean_std_text(values), "—" if arm == "KD" else compare(values, measured["KD"])[1].describe()]
-                 for arm, values in measured.items()]
-        verdict, reason = verdict_of(measured)
+        measured = {draw: {arm: seed_values(run.result(job)) for arm, job in by_arm.items()}
+                    for draw, by_arm in arms.items()}
+        labeler_acc = {draw: seed_values(run.result(job))[0] for draw, job in labelers.items()}
+        table = [[str(draw), arm, mean_std_text(values),
+                  "—" if arm == "KD" else compare(values, by_arm["KD"])[1].describe()]
+                 for draw, by_arm in measured.items() for arm, values in by_arm.items()]
+        verdict, reason = over_draws({draw: verdict_of(by_arm) for draw, by_arm in measured.items()})
+        if len(measured) > 1:
+            means = {arm: [fmean(measured[d][arm]) for d in measured] for arm in next(iter(measured.values()))}
+            reason += " " + draw_spread(means, "KD", ["TGT random", "TGT gradient"], " RT accuracy")
         plot = _plot(measured, run.out_dir / "repro" / "tgt.png")
+        draws = run.settings.draws
         setup = (f"`{run.command}`: RT, {epochs} epoch{'s' if epochs > 1 else ''}, `lr: auto`; generator = the "
-                 f"ELECTRA generator of {run.pretrained}; labeler = its discriminator fine-tuned on RT "
-                 f"(seed {LABELER_SEED}); students = the "
-                 f"discriminator's architecture at random init, seeds {', '.join(map(str, run.seeds))}. KD: α 0.5, "
+                 f"ELECTRA generator of {run.pretrained}, pretrained {len(draws)} times (draws: train.seed "
+                 f"{', '.join(map(str, draws))}); labeler = that draw's discriminator fine-tuned on RT "
+                 f"(seed {LABELER_SEED}; dev accuracy "
+                 f"{', '.join(f'{labeler_acc[d]:.3f} (draw {d})' for d in draws)}); students = the smaller shared "
+                 f"student's architecture (both models of the recipe at {run.student_size}; the scale table gives "
+                 f"the size ratio) at random init, seeds {', '.join(map(str, run.seeds))}. KD: α 0.5, "
                  "τ 1 from the labeler (the real-example half of TGT's loss); TGT: `configs/tgt-rt.yaml` (15 % of "
                  "tokens resampled; gradient mode: one ascent step of η 1 on H(labeler, student), straight-through). "
-                 "Rule: TGT random > KD and TGT gradient > KD, each by a paired t-test over seeds (p < 0.05): "
-                 "reproduced if both hold, not reproduced if either is significantly reversed, inconclusive "
-                 "otherwise." + run.note)
+                 "Rule, per draw: TGT random > KD and TGT gradient > KD, each by a paired t-test over seeds "
+                 "(p < 0.05): reproduced if both hold, not reproduced if either is significantly reversed, "
+                 "inconclusive otherwise. The finding's verdict is the draws' when they agree, else inconclusive."
+                 + run.note)
         return FindingReport(name="tgt", title="TGT random and gradient modes vs plain KD", paper=PAPER, setup=setup,
-                             columns=["student training", "RT dev accuracy", "− KD (paired test)"],
+                             columns=["draw", "student training", "RT dev accuracy", "− KD (paired test)"],
                              rows=table, verdict=verdict, reason=reason, plots=[str(plot.relative_to(run.out_dir))])
 
     return report
@@ -83,12 +101,15 @@ def verdict_of(measured: dict[str, list[float]]) -> tuple[str, str]:
     return claims_verdict(outcomes), "RT accuracy: " + "; ".join(parts) + "."
 
 
-def _plot(measured: dict, path: Path) -> Path:
+def _plot(measured: dict[int, dict[str, list[float]]], path: Path) -> Path:
+    """A bar per arm (the mean over draws of each draw's seed mean), a dot per draw."""
     fig, ax = pyplot().subplots(figsize=(5, 3.2))
-    values = list(measured.values())
-    ax.bar(range(len(values)), [sum(v) / len(v) for v in values], yerr=[(max(v) - min(v)) / 2 for v in values],
-           capsize=3, color=["tab:gray", "tab:blue", "tab:purple"])
-    ax.set_xticks(range(len(values)), list(measured))
-    ax.set_ylabel("RT dev accuracy (mean, half range)")
-    ax.set_ylim(max(0.0, min(min(v) for v in values) - 0.05), None)
+    arms = list(next(iter(measured.values())))
+    per_draw = [[fmean(by_arm[arm]) for by_arm in measured.values()] for arm in arms]
+    ax.bar(range(len(arms)), [fmean(v) for v in per_draw], color=["tab:gray", "tab:blue", "tab:purple"], alpha=0.6)
+    for x, values in enumerate(per_draw):
+        ax.plot([x] * len(values), values, "ko", markersize=3)
+    ax.set_xticks(range(len(arms)), arms)
+    ax.set_ylabel("RT dev accuracy (mean over seeds)")
+    ax.set_ylim(max(0.0, min(min(v) for v in per_draw) - 0.05), None)
     return save_figure(fig, path)

@@ -50,11 +50,14 @@ def test_plan_counts_a_finding_from_its_steps_seeds_and_sentences(tmp_path):
     assert "task.max_train_examples=3000" in FULL_FINETUNE
     expected = 8 * (7.0 + 1200 * 0.5) + 8 * (7.0 + 60.0 * 3000 / RT_TRAIN_SENTENCES * 3 * 3)
     assert work * 60 == pytest.approx(expected)
-    # the shared encoder is one job when three findings fine-tune it
+    # the shared encoders are one job each when three findings fine-tune them: two draws of the teacher's
+    # encoder (the recipe as it stands) and of the smaller student's
     shared = plan_findings(["soteacher", "labelreg", "tgt"], tmp_path, workers=1, costs=costs)
     encoder = f"pretrain:{cached_run_dir(PRETRAIN_RECIPE, [], tmp_path).name}"
     assert encoder in shared.jobs and shared.jobs[encoder].seconds == pytest.approx(7.0 + 5000 * 0.5)
-    assert sum(k.startswith("pretrain:") for k in shared.jobs) == 1
+    pretraining = [job for key, job in shared.jobs.items() if key.startswith("pretrain:")]
+    assert len(pretraining) == 4 and sum("train.seed=1" in job.label for job in pretraining) == 2
+    assert sum("model.discriminator.hidden_size=64" in job.label for job in pretraining) == 2
 
 
 def _job(key: str, seconds: float, after: tuple[str, ...] = (), fn=None) -> Job:

@@ -30,8 +30,8 @@ def test_quick_findings_write_their_sections(tmp_path):
     expected = {
         "disc_lr": (["η_D / η_G", "η_D", "RTD F1 (last 10 %, per draw)", "gen acc (last 10 %, per draw)",
                      "RT dev accuracy, draw 0", "RT dev accuracy, draw 1"], ["1×", "3.75×", "7.5×", "15×"], [4, 5]),
-        "soteacher": (["teacher", "teacher acc", "ECE", "NLL", "ECE+TS", "NLL+TS", "student acc", "agreement"],
-                      ["standard", "SoTeacher"], [1, 2, 3, 4, 5, 6, 7]),
+        "soteacher": (["draw", "teacher", "teacher acc", "ECE", "NLL", "ECE+TS", "NLL+TS", "student acc",
+                       "agreement"], ["0", "0", "1", "1"], [2, 3, 4, 5, 6, 7, 8]),
     }
     # disc_lr as two single-thread worker processes, soteacher one job after the other in this process
     for name, jobs in zip(expected, ("2", "1")):

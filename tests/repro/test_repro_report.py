@@ -73,7 +73,8 @@ def _head(repo) -> str:
 
 def test_sections_say_which_code_measured_them_and_whether_it_changed_since(tmp_path, monkeypatch):
     """A section is stamped with the measuring commit; `repro --plan`'s lines mark it once megakd/, kernels/
-    or configs/ change, not when only docs or another finding's module do, and mark an unstamped section and uncommitted code."""
+    or configs/ change, not when only docs or another finding's module do, and mark an unstamped section and
+    uncommitted code."""
     from megakd.repro import report
 
     repo = tmp_path / "src"
@@ -104,8 +105,13 @@ def test_sections_say_which_code_measured_them_and_whether_it_changed_since(tmp_
     assert report.code_version() == _head(repo) + "+changes"  # measured with code that no commit holds
     _git(repo, "commit", "-qam", "code")
     assert report.staleness(out)[0] == (f"stamped: measured with {head}; 1 commit(s) changed the code it runs "
-                                        "(megakd/, kernels/, configs/) since: older code, re-run it to measure this "
-                                        "version")
+                                        f"(megakd/, kernels/, configs/) since ({_head(repo)} code): older code, "
+                                        "re-run it to measure this version")
+    for i in range(3):
+        (repo / "megakd" / "a.py").write_text(f"x = {3 + i}\n")
+        _git(repo, "commit", "-qam", f"change {i}")
+    assert f"4 commit(s) changed the code it runs (megakd/, kernels/, configs/) since ({_head(repo)} change 2; " \
+           in report.staleness(out)[0] and "; 1 more): older code" in report.staleness(out)[0]
 
 
 def test_the_reports_scale_table_is_the_one_the_findings_settings_give():

@@ -9,6 +9,8 @@ import pytest
 from megakd.repro.stats import (
     claims_verdict,
     compare,
+    draw_spread,
+    over_draws,
     paired_t_test,
     regularized_incomplete_beta,
     t_two_sided_p,
@@ -69,3 +71,18 @@ def test_claims_verdict_rule():
     assert claims_verdict([1, -1, 1]) == "not reproduced at this scale"
     assert claims_verdict([1, 0, 1]) == "inconclusive"
     assert claims_verdict([]) == "inconclusive"
+
+
+def test_a_finding_over_draws_holds_only_where_the_draws_agree():
+    agree = over_draws({0: ("reproduced", "a"), 1: ("reproduced", "b")})
+    assert agree == ("reproduced", "draw 0: reproduced (a); draw 1: reproduced (b).")
+    verdict, reason = over_draws({0: ("reproduced", "a"), 1: ("not reproduced at this scale", "b")})
+    assert verdict == "inconclusive" and reason.startswith("The draws disagree: draw 0: reproduced (a); ")
+
+
+def test_draw_spread_sets_each_effect_beside_how_far_two_draws_of_one_arm_land():
+    # KD lands 0.70 and 0.74 (spread 0.04); TGT is +0.01 on average (within), big +0.10 (beyond)
+    text = draw_spread({"KD": [0.70, 0.74], "TGT": [0.72, 0.74], "big": [0.80, 0.84]}, "KD", ["TGT", "big"])
+    assert text == ("Draw-to-draw spread of an arm's mean: up to 0.040; against KD: TGT +0.010, big +0.100 "
+                    "(TGT within the spread).")
+    assert draw_spread({"a": [0.5, 0.5], "b": [0.7, 0.7]}, "a", ["b"]).endswith("b +0.200 (all beyond the spread).")

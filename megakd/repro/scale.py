@@ -20,7 +20,7 @@ from megakd.finish import finish_config
 from megakd.repro.dwt import TEACHERS as DWT_TEACHERS
 from megakd.repro.findings import FINDINGS, MODULES
 from megakd.repro.report import write_text_atomically
-from megakd.repro.runs import FINETUNE_RT, FULL_FINETUNE, Settings
+from megakd.repro.runs import FINETUNE_RT, FULL_FINETUNE, STUDENT_SIZES, Settings
 from megakd.repro.soteacher import SOTEACHER_RT
 from megakd.repro.tgt import TGT_RT
 
@@ -62,8 +62,9 @@ PAPERS: dict[str, PaperRegime] = {
 }
 
 # megakd's side: the parameter_counts entry the claim is about. soteacher, labelreg and tgt are
-# judged by fine-tuning one shared encoder, with a copy of it as the teacher or labeler
-# (megakd/repro/labelreg.py, soteacher.py, tgt.py): their teacher ratio is 1, their LR the fine-tuning's.
+# judged by fine-tuning the shared student, with the recipe's own discriminator fine-tuned as the
+# teacher or labeler (megakd/repro/labelreg.py, soteacher.py, tgt.py): their model is the student,
+# their LR the student's fine-tuning one.
 MEASURED = {"lambda": "total", "disc_lr": "total", "dwt": "generator", "soteacher": "discriminator",
             "labelreg": "discriminator", "tgt": "discriminator"}
 SHARED_ENCODER = {"soteacher": SOTEACHER_RT, "labelreg": FINETUNE_RT, "tgt": TGT_RT}  # -> their fine-tuning recipe
@@ -75,9 +76,9 @@ def _training(name: str, cfg) -> str:
         lrs = {cfg.optim.generator.lr, cfg.optim.discriminator.lr} if cfg.model.objective == "electra" \
             else {cfg.optim.generator.lr}
         return f"{' / '.join(f'{lr:g}' for lr in sorted(lrs))}, batch {cfg.train.global_batch_size}"
-    f = load_config(SHARED_ENCODER[name], list(FULL_FINETUNE), cls=FinetuneConfig)
+    f = load_config(SHARED_ENCODER[name], list(FULL_FINETUNE), cls=FinetuneConfig)  # cfg: the student's
     lr = auto_lr(cfg.model.discriminator.hidden_size) if f.finetune.lr == "auto" else f.finetune.lr
-    return (f"AdaMax {lr:g}, batch {f.finetune.batch_size}, {f.finetune.epochs} epochs over "
+    return (f"AdaMax {lr:.3g}, batch {f.finetune.batch_size}, {f.finetune.epochs} epochs over "
             f"{f.task.max_train_examples:,} RT sentences")
 
 
@@ -113,13 +114,15 @@ def scale_rows() -> list[list[str]]:
     the paper's size over this report's, and the paper's own uncertainty."""
     rows = []
     for name in FINDINGS:
-        paper, cfg = PAPERS[name], _finding_config(name)
+        paper = PAPERS[name]
+        student = tuple(f"model.{m}.{k}={v}" for m in ("generator", "discriminator") for k, v in STUDENT_SIZES)
+        cfg = _finding_config(name, student if name in SHARED_ENCODER else ())
         here = parameter_counts(cfg)[MEASURED[name]]
         paper_cfg = finish_config(load_config(CONFIGS / paper.config, [])) if paper.config else None
         paper_params = paper.params or parameter_counts(paper_cfg)["total"]
         paper_tokens = paper.tokens or (_tokens(paper_cfg) if paper_cfg else None)
         if name in SHARED_ENCODER:
-            teacher = "1× (the same encoder)"
+            teacher = f"{parameter_counts(_finding_config(name))['discriminator'] / here:.2g}×"
         elif name == "dwt":
             ratios = [parameter_counts(_finding_config(name, (f"model.generator.num_layers={layers}",)))["generator"]
                       / here for layers in DWT_TEACHERS.values()]
@@ -129,7 +132,9 @@ def scale_rows() -> list[list[str]]:
         tokens_gap = f" ({_times(paper_tokens / _tokens(cfg))} fewer here)" if paper_tokens else ""
         rows.append([
             f"`{name}`",
-            f"{paper.model} → {Path(_full(name).recipe).name} ({_encoder_shape(cfg, MEASURED[name])})",
+            f"{paper.model} → {Path(_full(name).recipe).name} ({_encoder_shape(cfg, MEASURED[name])}"
+            + (f" student, {_encoder_shape(_finding_config(name), 'discriminator')} teacher)" if name in SHARED_ENCODER
+               else ")"),
             f"{_count(paper_params)} → {_count(here)} ({_times(paper_params / here)} fewer here)",
             f"{paper.teacher_ratio} → {teacher}",
             f"{paper.pretraining} → {cfg.train.max_steps:,} steps × {cfg.train.global_batch_size} × "

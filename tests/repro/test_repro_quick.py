@@ -59,6 +59,21 @@ def test_quick_findings_write_their_sections(tmp_path):
     assert not [p for p in work.iterdir() if p.name != "pretrained"]  # fine-tuning scratch removed
 
 
+@pytest.mark.slow
+def test_quick_dwt_writes_both_budgets_and_the_remapping_curves(tmp_path):
+    """dwt's short-budget arms (teachers and schedules, one row each) and its whole-budget runs (a row per
+    draw and init, each fine-tuned on RT) in one table."""
+    out = tmp_path / "docs" / "REPRODUCTION.md"
+    assert main(["repro", "dwt", "--quick", "--jobs", "2", "--out", str(out), "--work", str(tmp_path / "work")]) == 0
+    header, rows = _table(_section(out, "dwt"))
+    assert header[:2] == ["steps", "teacher"] and header[-2] == "RT dev accuracy"
+    assert [row[1] for row in rows] == ["none", "weak", "very weak", "extremely weak", "weak, Strong 1:4",
+                                        "weak, 4 → 1", "random init", "remapped", "random init", "remapped"]
+    assert [row[0] for row in rows[6:]] == ["16, draw 0", "16, draw 0", "16, draw 1", "16, draw 1"]
+    assert all(row[-2] == "—" for row in rows[:6]) and all(row[-2].count("±") == 1 for row in rows[6:])
+    assert re.search(r"\*\*Verdict: (.+?)\.\*\* short budget", _section(out, "dwt")).group(1) in VERDICTS
+
+
 def test_unknown_recipe_is_refused_before_anything_runs(tmp_path, capsys):
     out = tmp_path / "REPRODUCTION.md"
     assert main(["repro", "disc_lr", "--quick", "--recipe", str(tmp_path / "nope.yaml"), "--out", str(out),

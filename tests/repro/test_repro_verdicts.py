@@ -44,17 +44,30 @@ def test_disc_lr_counts_a_finding_only_when_both_draws_agree():
     assert "spread of an arm's mean RT accuracy: up to 0.050" in disc_lr.verdict_of({0: rising, 1: shifted})[1]
 
 
-def _dwt(losses: dict[str, list[float]]) -> dict:
-    return {arm: {"loss": values} for arm, values in losses.items()}
-
-
 def test_dwt_rule():
     ordered = {"weak": [5.00, 5.01, 5.02], "none": [5.10, 5.12, 5.11], "very weak": [5.20, 5.21, 5.23],
-               "extremely weak": [5.30, 5.33, 5.31], "weak, remapped": [5.15, 5.16, 5.15]}
-    assert dwt.verdict_of(_dwt(ordered))[0] == "reproduced"
-    assert dwt.verdict_of(_dwt({**ordered, "weak, remapped": [4.90, 4.91, 4.90]}))[0] == \
-        "not reproduced at this scale"  # remapping wins
-    assert dwt.verdict_of(_dwt({**ordered, "weak": [5.05, 5.20, 5.11]}))[0] == "inconclusive"  # within noise
+               "extremely weak": [5.30, 5.33, 5.31]}
+    short = {arm: {"loss": values, "early": [6.0, 6.1, 6.2]} for arm, values in ordered.items()}
+    short["weak, Strong 1:4"] = {"loss": [5.05, 5.07, 5.06], "early": [5.8, 5.85, 5.9]}  # ahead early, behind later
+    remap_hurts = {d: {"random init": {"rt": UP}, "remapped": {"rt": BASE}} for d in (0, 1)}
+    verdict, reason = dwt.verdict_of(short, remap_hurts)
+    assert verdict == "reproduced", reason
+    assert "weak, Strong 1:4 − weak (early)" in reason and "draw 1: +0.06" in reason
+    remap_helps = {d: {"random init": {"rt": BASE}, "remapped": {"rt": UP}} for d in (0, 1)}
+    assert dwt.verdict_of(short, remap_helps)[0] == "not reproduced at this scale"
+    one_draw = {0: remap_hurts[0], 1: remap_helps[1]}  # the draws disagree: remapping counts for nothing
+    verdict, reason = dwt.verdict_of(short, one_draw)
+    assert verdict == "inconclusive" and "the draws disagree: not counted" in reason
+    noisy = {**short, "weak": {"loss": [5.05, 5.20, 5.11], "early": [6.0, 6.1, 6.2]}}
+    assert dwt.verdict_of(noisy, remap_hurts)[0] == "inconclusive"  # within noise
+    strong_late = {**short, "weak, Strong 1:4": {"loss": [4.90, 4.91, 4.92], "early": [5.8, 5.85, 5.9]}}
+    assert dwt.verdict_of(strong_late, remap_hurts)[0] == "not reproduced at this scale"  # Strong wins at the end
+
+
+def test_dwt_window_mean_averages_a_stretch_of_the_run():
+    rows = [{"step": i, "gen_loss": float(i)} for i in range(10)] + [{"step": 10}]
+    assert dwt.window_mean(rows, "gen_loss", 0.2, 0.4) == 2.5  # logged values 2 and 3
+    assert dwt.window_mean(rows[:2], "gen_loss", 0.1, 0.2) == 0.0  # at least one row
 
 
 def _sot(ece: list[float], nll: list[float], agreement: list[float], ece_ts: list[float] | None = None) -> dict:

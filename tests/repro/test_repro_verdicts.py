@@ -125,7 +125,7 @@ def test_lambda_needs_the_argument_and_fig_1_3():
     from megakd.repro import lambda_finding
 
     def measured(joint: float) -> dict:
-        rows = {"DecoupledOptim": (0.2, 0.0), "DecoupledOptim, ε=1e-30": (1e-7, 0.0), "original ELECTRA": (joint, 0.3)}
+        rows = {"DecoupledOptim": (0.2, 0.0), "DecoupledOptim, ε=1e-16": (1e-7, 0.0), "original ELECTRA": (joint, 0.3)}
         return {(mode, lam): {"all": [a, a], "generator": [g, g], "gen_loss": [0.0, 0.0], "disc_loss": [0.0, 0.0]}
                 for mode, (a, g) in rows.items() for lam in lambda_finding.LAMBDAS[1:]}
 

@@ -96,11 +96,13 @@ def test_signal_checkpoints_and_exits(tiny_data, tmp_path, sig, group, workers, 
 def test_second_sigint_aborts_at_once(tiny_data, tmp_path):
     """The first SIGINT asks for a checkpoint at the step's end; a second one before that exits 130
     at once, with one line and no traceback of megakd's, and writes no checkpoint. (A DataLoader
-    worker caught mid-handover may print multiprocessing's own traceback as it goes down.) (Two signals sent back to
-    back would merge into one pending signal, so the second waits until the first was handled;
-    steps of 32 micro-batches leave it most of a step to arrive in.)"""
+    worker caught mid-handover may print multiprocessing's own traceback as it goes down.) Two signals
+    sent back to back would merge into one pending signal, so the second waits until the first was
+    handled, and must arrive before the step ends. Steps of 256 micro-batches (seconds each) give it
+    that window even on a loaded machine; with 32 (0.3 s here) a slow CI machine once sent it after
+    the checkpoint."""
     run, log = tmp_path / "run", tmp_path / "log"
-    proc = start(pretrain_cmd(tiny_data, run, **{"data.num_workers": 2, "train.global_batch_size": 128}), log)
+    proc = start(pretrain_cmd(tiny_data, run, **{"data.num_workers": 2, "train.global_batch_size": 1024}), log)
     wait_for_steps(proc, run, log, steps=1)
     os.killpg(proc.pid, signal.SIGINT)
     deadline = time.monotonic() + 60
@@ -110,9 +112,9 @@ def test_second_sigint_aborts_at_once(tiny_data, tmp_path):
     os.killpg(proc.pid, signal.SIGINT)
     got, text = finish(proc, log)
     assert got == 130, text[-4000:]
-    assert "KeyboardInterrupt" not in text and "megakd/" not in text.split("received SIGINT")[1]
-    assert "megakd: interrupted: stopped at once, nothing saved since the last checkpoint\n" in text
-    assert list_checkpoints(run) == []
+    assert "KeyboardInterrupt" not in text and "megakd/" not in text.split("received SIGINT")[1], text
+    assert "megakd: interrupted: stopped at once, nothing saved since the last checkpoint\n" in text, text
+    assert list_checkpoints(run) == [], text
 
 
 @pytest.mark.slow

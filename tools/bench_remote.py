@@ -7,6 +7,10 @@ within each repeat so load on the machine falls on all alike. Prints samples/s p
 DataLoader worker is a core) and the ratio to local disk at the same settings. Then runs 2 ranks x
 2 workers through one epoch from the bucket and prints each rank's fetched bytes against its share.
 
+Where `nginx` is on PATH (Debian: `apt-get install nginx-light`), the same shards are also served
+over HTTP by nginx and timed in the same turns: a server whose per-request cost is small, so that
+row says what the loader itself reaches over a socket when the server is not the bound.
+
 Local S3 is not S3: a request here costs a Python server's time on this machine's cores, not a
 network round trip, so the ratio says how the loader copes with per-request cost, not what a
 cluster will see.
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -30,42 +35,66 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def start_s3() -> subprocess.Popen:
-    """moto's S3 server in its own process (so it does not share this process's GIL with the loader);
-    the AWS_* environment points every client (workers too) at it."""
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1",
-                      AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}")
+        return s.getsockname()[1]
+
+
+def wait_listening(server: subprocess.Popen, port: int, name: str) -> None:
     deadline = time.monotonic() + 60
     while True:
         try:
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
+            return
         except OSError:
             if time.monotonic() > deadline or server.poll() is not None:
-                raise SystemExit(f"moto's S3 server did not start on port {port}") from None
+                raise SystemExit(f"{name} did not start on port {port}") from None
             time.sleep(0.2)
+
+
+def start_s3() -> subprocess.Popen:
+    """moto's S3 server in its own process (so it does not share this process's GIL with the loader);
+    the AWS_* environment points every client (workers too) at it."""
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1",
+                      AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}")
+    wait_listening(server, port, "moto's S3 server")
     import boto3
 
     boto3.client("s3").create_bucket(Bucket="bench")
     return server
 
 
-def server_requests_per_s(seconds: float = 3.0) -> float:
-    """What the local S3 server answers: 2 KB ranged GETs per second, 16 at a time (its ceiling here)."""
-    import boto3
-    import s3fs
+def start_nginx(root: Path, work: Path) -> tuple[subprocess.Popen, str] | None:
+    """nginx serving `root` on a local port (ranged GETs, keep-alive), in the foreground under a
+    config of its own in `work`; None where nginx is not installed."""
+    if shutil.which("nginx") is None:
+        return None
+    port, conf = free_port(), work / "nginx.conf"
+    temp = {k: work / f"nginx-{k}" for k in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")}
+    conf.write_text(
+        # As root, nginx's workers would drop to `nobody`, who cannot read the bench's private temp dir.
+        ("user root;\n" if os.geteuid() == 0 else "")
+        + f"daemon off;\nworker_processes 1;\npid {work / 'nginx.pid'};\nerror_log {work / 'nginx-error.log'};\n"
+        "events { worker_connections 1024; }\n"
+        "http {\n  access_log off;\n  sendfile on;\n  keepalive_requests 1000000;\n"
+        + "".join(f"  {k}_temp_path {v};\n" for k, v in temp.items())
+        + f"  server {{ listen 127.0.0.1:{port}; root {root}; }}\n}}\n")
+    server = subprocess.Popen(["nginx", "-c", str(conf), "-p", str(work)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_listening(server, port, "nginx")
+    return server, f"http://127.0.0.1:{port}"
 
-    boto3.client("s3").put_object(Bucket="bench", Key="probe", Body=os.urandom(1 << 20))
-    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+
+def server_requests_per_s(fs, path: str, seconds: float = 3.0) -> float:
+    """What a server answers: 2 KB ranged GETs of `path` per second, 16 at a time (its ceiling here)."""
     starts = [i * 2048 for i in range(16)]
     done, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
-        fs.cat_ranges(["bench/probe"] * 16, starts, [s + 2048 for s in starts])
+        fs.cat_ranges([path] * 16, starts, [s + 2048 for s in starts])
         done += 16
     return done / (time.perf_counter() - start)
 
@@ -110,15 +139,18 @@ def main() -> None:
         write_shards(inputs, tok, 512, local, samples_per_shard=args.samples_per_shard, shuffle=shuffled)
         remote = f"s3://bench/{name}"
         write_shards(inputs, tok, 512, remote, samples_per_shard=args.samples_per_shard, shuffle=shuffled)
-        sets[name] = (str(local), remote)
+        sets[name] = {"local disk": str(local), "local S3": remote}
+    nginx = start_nginx(work, work)
+    if nginx is not None:
+        for name in sets:
+            sets[name]["nginx HTTP"] = f"{nginx[1]}/{name}"
 
     rows = []
     for name, block in [("plain", 1)] + [("shuffled", b) for b in args.read_block]:
-        local, remote = sets[name]
         makers = {where: (lambda src=src, block=block: PretrainingLoader(
             src, tok, micro_batch_size=args.batch, num_workers=args.workers, seed=0, read_block=block,
             shuffle_shards=args.shuffle_shards, index_cache=work / "index-cache"))
-            for where, src in (("local disk", local), ("local S3", remote))}
+            for where, src in sets[name].items()}
         rates: dict[str, list[float]] = {where: [] for where in makers}
         for _ in range(args.repeats):  # the paths take turns
             for where, make in makers.items():
@@ -130,13 +162,24 @@ def main() -> None:
 
     print(f"seq 512, micro-batch {args.batch}, {args.workers} workers, groups of {args.shuffle_shards} x "
           f"{args.samples_per_shard} samples; median of {args.repeats} runs of {args.batches} batches from the start")
-    print(f"local S3 server ceiling: {server_requests_per_s():.0f} ranged GETs/s (one request per sample "
-          f"scattered by the order; about one per read_block samples otherwise)")
+    import boto3
+    import fsspec
+
+    boto3.client("s3").put_object(Bucket="bench", Key="probe", Body=os.urandom(1 << 20))
+    (work / "probe").write_bytes(os.urandom(1 << 20))
+    ceilings = {"local S3": (fsspec.filesystem("s3", skip_instance_cache=True), "bench/probe")}
+    if nginx is not None:
+        ceilings["nginx HTTP"] = (fsspec.filesystem("http", skip_instance_cache=True), f"{nginx[1]}/probe")
+    for where, (fs, path) in ceilings.items():
+        print(f"{where} server ceiling: {server_requests_per_s(fs, path):.0f} ranged GETs/s (one request per "
+              f"sample scattered by the order; about one per read_block samples otherwise)")
+    if nginx is None:
+        print("nginx is not installed: no HTTP row (Debian: apt-get install nginx-light)")
     print(f"{'source':<12} {'read_block':>10} {'samples/s/core':>15} {'vs local disk':>14}")
     for where, block, per_core, ratio in rows:
         print(f"{where:<12} {block:>10} {per_core:>15.0f} {ratio:>13.2f}x")
 
-    local, remote = sets["plain"]
+    local, remote = sets["plain"]["local disk"], sets["plain"]["local S3"]
     shard_bytes = sum(f.stat().st_size for f in Path(local).glob("shard-*.tar"))
     print("\n2 ranks x 2 workers, one epoch from local S3 (read_block 1):")
     for rank in range(2):
@@ -149,6 +192,8 @@ def main() -> None:
         print(f"  rank {rank}: fetched {loader.read_bytes / 1e6:.1f} MB, share {share / 1e6:.1f} MB "
               f"({loader.read_bytes / share:.3f}x; the whole-shard reader: {2 * shard_bytes / share:.0f}x)")
     server.terminate()
+    if nginx is not None:
+        nginx[0].terminate()
 
 
 if __name__ == "__main__":

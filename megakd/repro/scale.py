@@ -130,6 +130,10 @@ def scale_rows() -> list[list[str]]:
         else:
             teacher = "-"
         tokens_gap = f" ({_times(paper_tokens / _tokens(cfg))} fewer here)" if paper_tokens else ""
+        if name == "dwt":  # remapping runs the recipe's whole length, not the short budget's steps
+            whole = finish_config(load_config(_full(name).recipe, list(_full(name).pretrain)))
+            tokens_gap += (f"; remapping: {whole.train.max_steps:,} steps = {_count(_tokens(whole))} positions"
+                           + (f" ({_times(paper_tokens / _tokens(whole))} fewer)" if paper_tokens else ""))
         rows.append([
             f"`{name}`",
             f"{paper.model} → {Path(_full(name).recipe).name} ({_encoder_shape(cfg, MEASURED[name])}"

@@ -4,7 +4,8 @@ Starts moto's S3 server in its own process on a local socket (a dev dependency: 
 same seq-512 shards of the bundled corpus to local disk and to a bucket (each once in input order
 and once `--shuffle`d for `data.read_block`), then times the loader on both, the paths taking turns
 within each repeat so load on the machine falls on all alike. Prints samples/s per core (a
-DataLoader worker is a core) and the ratio to local disk at the same settings. Then runs 2 ranks x
+DataLoader worker is a core), the ratio to local disk at the same settings, and the CPU the server
+itself used meanwhile (it shares the machine's cores with the loader). Then runs 2 ranks x
 2 workers through one epoch from the bucket and prints each rank's fetched bytes against its share.
 
 Where `nginx` is on PATH (Debian: `apt-get install nginx-light`), the same shards are also served
@@ -108,6 +109,15 @@ def samples_per_s(make_loader, batches: int, batch: int) -> float:
     return batches * batch / (time.perf_counter() - start)
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time a server process and its children (nginx's workers) have used so far."""
+    import psutil
+
+    procs = [psutil.Process(pid)]
+    procs += procs[0].children(recursive=True)
+    return sum(t.user + t.system for t in (proc.cpu_times() for proc in procs))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", type=int, default=4)
@@ -141,7 +151,9 @@ def main() -> None:
         write_shards(inputs, tok, 512, remote, samples_per_shard=args.samples_per_shard, shuffle=shuffled)
         sets[name] = {"local disk": str(local), "local S3": remote}
     nginx = start_nginx(work, work)
+    servers = {"local S3": server.pid}
     if nginx is not None:
+        servers["nginx HTTP"] = nginx[0].pid
         for name in sets:
             sets[name]["nginx HTTP"] = f"{nginx[1]}/{name}"
 
@@ -152,13 +164,19 @@ def main() -> None:
             shuffle_shards=args.shuffle_shards, index_cache=work / "index-cache"))
             for where, src in sets[name].items()}
         rates: dict[str, list[float]] = {where: [] for where in makers}
+        server_cores: dict[str, list[float]] = {where: [] for where in servers}
         for _ in range(args.repeats):  # the paths take turns
             for where, make in makers.items():
+                before = cpu_seconds(servers[where]) if where in servers else 0.0
                 rates[where].append(samples_per_s(make, args.batches, args.batch))
+                if where in servers:  # the server's CPU over the timing, in cores
+                    wall = args.batches * args.batch / rates[where][-1]
+                    server_cores[where].append((cpu_seconds(servers[where]) - before) / wall)
         base = statistics.median(rates["local disk"])
         for where in makers:
             rate = statistics.median(rates[where])
-            rows.append((where, block, rate / max(args.workers, 1), rate / base))
+            cores = statistics.median(server_cores[where]) if where in servers else None
+            rows.append((where, block, rate / max(args.workers, 1), rate / base, cores))
 
     print(f"seq 512, micro-batch {args.batch}, {args.workers} workers, groups of {args.shuffle_shards} x "
           f"{args.samples_per_shard} samples; median of {args.repeats} runs of {args.batches} batches from the start")
@@ -175,9 +193,10 @@ def main() -> None:
               f"sample scattered by the order; about one per read_block samples otherwise)")
     if nginx is None:
         print("nginx is not installed: no HTTP row (Debian: apt-get install nginx-light)")
-    print(f"{'source':<12} {'read_block':>10} {'samples/s/core':>15} {'vs local disk':>14}")
-    for where, block, per_core, ratio in rows:
-        print(f"{where:<12} {block:>10} {per_core:>15.0f} {ratio:>13.2f}x")
+    print(f"{'source':<12} {'read_block':>10} {'samples/s/core':>15} {'vs local disk':>14} {'server CPU (cores)':>19}")
+    for where, block, per_core, ratio, cores in rows:
+        server_cpu = "-" if cores is None else f"{cores:.2f}"
+        print(f"{where:<12} {block:>10} {per_core:>15.0f} {ratio:>13.2f}x {server_cpu:>19}")
 
     local, remote = sets["plain"]["local disk"], sets["plain"]["local S3"]
     shard_bytes = sum(f.stat().st_size for f in Path(local).glob("shard-*.tar"))

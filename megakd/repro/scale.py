@@ -87,10 +87,12 @@ def _full(name: str) -> Settings:
     return importlib.import_module(f"megakd.repro.{MODULES[name]}").FULL
 
 
-def _finding_config(name: str, extra: tuple[str, ...] = ()):
-    """The pretraining config a finding's full mode runs (its recipe, overrides and step count)."""
+def _finding_config(name: str, extra: tuple[str, ...] = (), whole: bool = False):
+    """The pretraining config a finding's full mode runs (its recipe, overrides and step count; `whole`:
+    the recipe's own length instead of the step count)."""
     settings = _full(name)
-    overrides = [*settings.pretrain, *([f"train.max_steps={settings.steps}"] if settings.steps else []), *extra]
+    steps = [f"train.max_steps={settings.steps}"] if settings.steps and not whole else []
+    overrides = [*settings.pretrain, *steps, *extra]
     return finish_config(load_config(settings.recipe, overrides))
 
 
@@ -131,7 +133,7 @@ def scale_rows() -> list[list[str]]:
             teacher = "-"
         tokens_gap = f" ({_times(paper_tokens / _tokens(cfg))} fewer here)" if paper_tokens else ""
         if name == "dwt":  # remapping runs the recipe's whole length, not the short budget's steps
-            whole = finish_config(load_config(_full(name).recipe, list(_full(name).pretrain)))
+            whole = _finding_config(name, whole=True)
             tokens_gap += (f"; remapping: {whole.train.max_steps:,} steps = {_count(_tokens(whole))} positions"
                            + (f" ({_times(paper_tokens / _tokens(whole))} fewer)" if paper_tokens else ""))
         rows.append([

@@ -22,7 +22,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from megakd.errors import UserError
 
 logger = logging.getLogger(__name__)
 
+OPEN_BLOCK = 1 << 22  # bytes an object store is asked for at a time when a whole object is streamed (open)
 REMOTE_SCHEMES = ("s3://", "gs://", "gcs://", "http://", "https://")
 EXTRAS = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "http": "aiohttp", "https": "aiohttp"}
 
@@ -108,11 +109,12 @@ class ShardStore:
         self.max_backoff_s = max_backoff_s
         self.retried = 0  # transient failures retried so far, in this process
         self.fetched = 0  # bytes read so far, in this process
+        self.requested = 0  # GETs asked of the storage so far (an object, a byte range, a block), in this process
         self._fs: Any = None
         self._fs_pid = -1
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_fs": None, "_fs_pid": -1, "retried": 0, "fetched": 0}
+        return {**self.__dict__, "_fs": None, "_fs_pid": -1, "retried": 0, "fetched": 0, "requested": 0}
 
     def __repr__(self) -> str:
         return self.spec
@@ -191,6 +193,7 @@ class ShardStore:
         else:
             data = self.retrying("read", name, lambda: self._filesystem().cat_file(self.url(name)))
         self.fetched += len(data)
+        self.requested += 1
         return data
 
     def read_ranges(self, name: str, ranges: list[tuple[int, int]]) -> list[bytes]:
@@ -215,6 +218,7 @@ class ShardStore:
 
             parts = self.retrying(f"ranged read ({len(ranges)} ranges)", name, fetch)
         self.fetched += sum(len(part) for part in parts)
+        self.requested += len(ranges)  # fsspec asks an object store for each range separately
         for (start, end), part in zip(ranges, parts):
             if len(part) != end - start:  # a shorter answer: the object is shorter than its manifest says
                 raise StorageError(f"{url}: bytes [{start}, {end}) gave {len(part)} bytes (object truncated or "
@@ -232,10 +236,17 @@ class ShardStore:
             return None
 
     def open(self, name: str):
-        """A sequential binary reader of the whole object (the streaming path of unindexed shards)."""
+        """A sequential binary reader of the whole object (the streaming path of unindexed shards);
+        the caller counts what it read with :meth:`streamed`."""
         if not self.remote:
             return open(Path(self.spec) / name, "rb")
-        return self.retrying("open", name, lambda: self._filesystem().open(self.url(name), "rb", block_size=1 << 22))
+        return self.retrying("open", name, lambda: self._filesystem().open(self.url(name), "rb",
+                                                                          block_size=OPEN_BLOCK))
+
+    def streamed(self, size: int) -> None:
+        """Count ``size`` bytes read through :meth:`open`: one request per block of an object store's."""
+        self.fetched += size
+        self.requested += -(-size // OPEN_BLOCK) if self.remote else 1
 
     # -- writes ------------------------------------------------------------------------------------
     def is_empty(self) -> bool:
@@ -265,36 +276,45 @@ class ShardStore:
 
 
 class ContentCache:
-    """Immutable objects on local disk, each named by its sha256 (the member indexes of shards).
+    """Immutable objects on local disk, each named by what it holds, used only if their bytes pass a check.
 
-    What one reader fetched, the other readers on the node (DataLoader workers, ranks) and later
-    epochs read from here instead of from shared storage. A file is used only if its bytes hash
-    to its name, so a damaged or planted file is ignored (and replaced), never trusted. One reader
-    fetches a missing object while the others wait for it (a lock file; one older than
-    ``wait_s`` is taken for a crashed fetcher's and broken), so a node fetches each object about
-    once. Any failure of the cache itself (read-only, full) falls back to fetching.
+    Two kinds live in it: a shard's member index, named by its sha256 and checked against it; and
+    the byte ranges of a shard that all DataLoader workers of a rank read between them, named by
+    the shard's sha256 and the ranges, checked member by member against the shard's index
+    (:func:`megakd.data.stream.read_members`). What one reader fetched, the other readers on the node
+    (workers, ranks) and later epochs read from here instead of from shared storage. A damaged or
+    planted file fails its check and is ignored (and replaced), never trusted. One reader fetches a
+    missing object while the others wait for it (a lock file; one older than ``wait_s`` is taken
+    for a crashed fetcher's and broken), so a node fetches each object about once. Any failure of
+    the cache itself (read-only, full) falls back to fetching.
     """
 
     def __init__(self, root: str | Path, wait_s: float = 60.0) -> None:
         self.root = Path(root)
         self.wait_s = wait_s
 
-    def _valid(self, path: Path, digest: str) -> bytes | None:
+    @staticmethod
+    def _sha256_is(name: str) -> Callable[[bytes], bool]:
+        return lambda data: hashlib.sha256(data).hexdigest() == name
+
+    def _valid(self, path: Path, valid: Callable[[bytes], bool]) -> bytes | None:
         try:
             data = path.read_bytes()
         except OSError:
             return None
-        if hashlib.sha256(data).hexdigest() == digest:
+        if valid(data):
             return data
         path.unlink(missing_ok=True)
         return None
 
-    def get(self, digest: str, fetch) -> bytes:
-        """The object whose sha256 is ``digest``: from the cache, or ``fetch()``-ed (and kept if it matches)."""
-        path = self.root / digest
-        if (data := self._valid(path, digest)) is not None:
+    def get(self, name: str, fetch: Callable[[], bytes], valid: Callable[[bytes], bool] | None = None) -> bytes:
+        """The object ``name``: from the cache if its bytes are ``valid`` (default: they hash to
+        ``name``), else ``fetch()``-ed (and kept if they are)."""
+        valid = valid or self._sha256_is(name)
+        path = self.root / name
+        if (data := self._valid(path, valid)) is not None:
             return data
-        lock = self.root / f"{digest}.lock"
+        lock = self.root / f"{name}.lock"
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError:
@@ -302,14 +322,14 @@ class ContentCache:
         try:
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
-            return self._wait_for(path, lock, digest, fetch)
+            return self._wait_for(path, lock, name, fetch, valid)
         except OSError:
             return fetch()
         try:
             data = fetch()
-            if hashlib.sha256(data).hexdigest() == digest:
+            if valid(data):
                 with contextlib.suppress(OSError):
-                    tmp = self.root / f".{digest}.{os.getpid()}.tmp"
+                    tmp = self.root / f".{name}.{os.getpid()}.{threading.get_ident()}.tmp"
                     tmp.write_bytes(data)
                     os.replace(tmp, path)
             return data
@@ -317,18 +337,23 @@ class ContentCache:
             os.close(fd)
             lock.unlink(missing_ok=True)
 
-    def _wait_for(self, path: Path, lock: Path, digest: str, fetch) -> bytes:
-        """Another reader is fetching ``digest``: wait for its file; fetch alone if it never comes."""
+    def discard(self, name: str) -> None:
+        """Remove ``name`` (no error if another reader already did)."""
+        with contextlib.suppress(OSError):
+            (self.root / name).unlink(missing_ok=True)
+
+    def _wait_for(self, path: Path, lock: Path, name: str, fetch, valid) -> bytes:
+        """Another reader is fetching ``name``: wait for its file; fetch alone if it never comes."""
         deadline = time.monotonic() + self.wait_s
         while time.monotonic() < deadline:
             time.sleep(0.02)
             check_cancelled()
-            if (data := self._valid(path, digest)) is not None:
+            if (data := self._valid(path, valid)) is not None:
                 return data
             try:
                 if time.time() - lock.stat().st_mtime > self.wait_s:
                     lock.unlink(missing_ok=True)  # a fetcher that died holding it
-                    return self.get(digest, fetch)
+                    return self.get(name, fetch, valid)
             except FileNotFoundError:
-                return self.get(digest, fetch)  # the fetcher gave up without a file
+                return self.get(name, fetch, valid)  # the fetcher gave up without a file
         return fetch()

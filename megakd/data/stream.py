@@ -34,11 +34,13 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import gc
 import hashlib
 import io
 import json
 import logging
 import multiprocessing
+import shutil
 import signal
 import tarfile
 import threading
@@ -235,7 +237,7 @@ def read_whole_shard(store: ShardStore, entry: dict, dtype: str, *, vocab_size: 
                                  f"expected an uncompressed tar")
         if verify or failure is not None:
             reader.drain()
-        store.fetched += reader.size
+        store.streamed(reader.size)
         if verify or failure is not None:
             if reader.size != entry["bytes"] or reader.digest.hexdigest() != entry["sha256"]:
                 found = "" if failure is None else "; reading it: " + str(failure).removeprefix(f"shard {path}: ")
@@ -303,10 +305,46 @@ def coalesce(starts: np.ndarray, ends: np.ndarray, overfetch: float = 0.0) -> li
     return list(zip(starts[firsts].tolist(), ends[lasts].tolist()))
 
 
+@dataclass
+class SharedRead:
+    """Members that all DataLoader workers of a rank want from one shard in one group, read once
+    between them: by the first to ask, into the node-local cache, where the others find them."""
+
+    cache: ContentCache
+    together: np.ndarray  # sorted in-shard positions all the rank's readers want here (⊇ each one's)
+    names: list[str]  # cache objects this read used, appended to (their reader discards them later)
+
+
+def _shared_ranges(store: ShardStore, entry: dict, index: np.ndarray, starts: np.ndarray, ends: np.ndarray,
+                   shared: SharedRead, overfetch: float) -> tuple[list[tuple[int, int]], list[bytes]]:
+    """The ranges of ``shared.together`` and their bytes, from the cache or fetched into it. The
+    cached object is named by the shard's sha256 and the ranges (the same name in every worker)
+    and used only if each of its members matches its index digest."""
+    together = shared.together
+    ranges = coalesce(starts[together], ends[together], overfetch)
+    lengths = [end - start for start, end in ranges]
+    name = hashlib.sha256(json.dumps([entry["sha256"], ranges]).encode()).hexdigest()
+    base = np.cumsum([0] + lengths[:-1])
+    range_of = np.searchsorted(np.asarray([start for start, _ in ranges]), starts[together], side="right") - 1
+    at = base[range_of] + starts[together] - np.asarray([start for start, _ in ranges])[range_of]
+    sizes = ends[together] - starts[together]
+
+    def valid(blob: bytes) -> bool:
+        return len(blob) == sum(lengths) and all(
+            member_digest(blob[a:a + n]) == index["digest"][j].tobytes()
+            for a, n, j in zip(at.tolist(), sizes.tolist(), together.tolist()))
+
+    blob = shared.cache.get(name, lambda: b"".join(store.read_ranges(entry["file"], ranges)), valid)
+    shared.names.append(name)
+    return ranges, [blob[b:b + n] for b, n in zip(base.tolist(), lengths)]
+
+
 def read_members(store: ShardStore, entry: dict, index: np.ndarray, wanted: np.ndarray, dtype: str, *,
-                 vocab_size: int | None, seq_len: int | None, overfetch: float = 0.0) -> dict[int, np.ndarray]:
+                 vocab_size: int | None, seq_len: int | None, overfetch: float = 0.0,
+                 shared: SharedRead | None = None) -> dict[int, np.ndarray]:
     """The samples at sorted, unique in-shard positions ``wanted``, by ranged reads of their members
-    (and of gaps between them worth at most ``overfetch`` x their bytes: :func:`coalesce`).
+    (and of gaps between them worth at most ``overfetch`` x their bytes: :func:`coalesce`); with
+    ``shared``, by the ranged reads of all the rank's workers together, made once between them.
 
     Each member is checked against the digest its (verified) index holds before it is parsed, then
     parsed as the writer wrote it: one plain regular tar member ``{index}.ids.npy``.
@@ -315,8 +353,11 @@ def read_members(store: ShardStore, entry: dict, index: np.ndarray, wanted: np.n
     sizes = index["size"].astype(np.int64)
     ends = np.cumsum(sizes)
     starts = ends - sizes
-    ranges = coalesce(starts[wanted], ends[wanted], overfetch)
-    pieces = store.read_ranges(entry["file"], ranges)
+    if shared is not None and np.isin(wanted, shared.together).all():
+        ranges, pieces = _shared_ranges(store, entry, index, starts, ends, shared, overfetch)
+    else:
+        ranges = coalesce(starts[wanted], ends[wanted], overfetch)
+        pieces = store.read_ranges(entry["file"], ranges)
     range_of = np.searchsorted(np.asarray([start for start, _ in ranges]), starts[wanted], side="right") - 1
     out: dict[int, np.ndarray] = {}
     headers: dict[bytes, tuple[np.dtype, tuple[int, ...]]] = {}
@@ -375,6 +416,7 @@ class ReadPlan:
     overfetch: float  # gap bytes a ranged read may read through, as a fraction of the wanted bytes
     read_block: int  # consecutive samples of a shard kept together in the order (in_group_order)
     index_cache: str | None  # directory of a ContentCache for member indexes (None: fetch them each time)
+    shared_reads: str | None = None  # directory of a ContentCache for the rank's workers' shared reads (SharedRead)
 
     def batch_positions(self, batch: int) -> range:
         """Global positions of this rank's micro-batch number ``batch``."""
@@ -410,6 +452,7 @@ class ShardGroup:
     perm: np.ndarray  # the group's sample order (in_group_order)
     loaded: list = field(default_factory=list)  # per shard: its samples (list or dict by position) or None
     bad: list[tuple[str, str]] = field(default_factory=list)  # shards found bad while reading it
+    shared: list[str] = field(default_factory=list)  # its shared reads' cache objects (SharedRead)
 
     @property
     def key(self) -> tuple[int, int]:
@@ -459,16 +502,23 @@ class SampleReader:
 
     Unindexed shards (manifest version 1) are read whole. Indexed ones: on entering a group the
     reader fetches the members of exactly the positions it will be asked for there (its batches
-    from ``at_batch`` on, every ``every``-th), nothing else.
+    from ``at_batch`` on, every ``every``-th), nothing else. From an object store, with an index
+    cache and more than one reader per rank (``every`` > 1), the rank's readers fetch what they
+    want of a shard together, once (:class:`SharedRead`): the rank's batches from ``first_batch``
+    on, in as few requests as for one reader. Those cache objects are discarded two groups later.
     """
 
-    def __init__(self, plan: ReadPlan, bad: list[tuple[str, str]], every: int = 1, prefetch: bool = True) -> None:
+    def __init__(self, plan: ReadPlan, bad: list[tuple[str, str]], every: int = 1, prefetch: bool = True,
+                 first_batch: int = 0) -> None:
         self.plan = plan
         self.bad = bad
         self.every = every
         self.prefetch = prefetch
+        self.first_batch = first_batch  # the rank's first batch in this pass (the same in all its readers)
         self.at_batch = 0  # the batch being built; set by the caller before it asks for positions
         self.index_cache = ContentCache(plan.index_cache) if plan.index_cache else None
+        self.shared_reads = ContentCache(plan.shared_reads) if plan.shared_reads and every > 1 else None
+        self._previous: ShardGroup | None = None
         self.known_bad = set(plan.known_bad)
         self.counts = np.asarray(plan.counts)
         self.first_index = np.asarray([e["first_index"] for e in plan.entries])
@@ -494,18 +544,21 @@ class SampleReader:
         perm = in_group_order(self.counts[shards], self.plan.seed, epoch, index, self.plan.read_block)
         return ShardGroup(epoch, index, shards, shard_ends, int(ends[index]) - int(shard_ends[-1]), perm)
 
-    def wanted(self, group: ShardGroup) -> list[np.ndarray]:
+    def wanted(self, group: ShardGroup, every: int | None = None, from_batch: int | None = None) -> list[np.ndarray]:
         """For each shard of ``group``: the sorted in-shard positions of the samples this reader will
-        be asked for in it (from batch ``at_batch`` on)."""
+        be asked for in it (from batch ``at_batch`` on); or those of every ``every``-th batch from
+        ``from_batch`` on."""
         base = group.epoch * self.plan.total + group.first
-        positions = self.plan.reader_positions(self.at_batch, self.every, base, base + int(group.shard_ends[-1]))
+        positions = self.plan.reader_positions(self.at_batch if from_batch is None else from_batch,
+                                               self.every if every is None else every,
+                                               base, base + int(group.shard_ends[-1]))
         j = group.perm[positions - base]
         owner = np.searchsorted(group.shard_ends, j, side="right")
         local = j - (group.shard_ends[owner] - self.counts[group.shards][owner])
         return [np.unique(local[owner == i]) for i in range(len(group.shards))]
 
     def _load_shard(self, group: ShardGroup, shard: int, wanted: np.ndarray | None,
-                    cancel: threading.Event | None = None):
+                    together: np.ndarray | None, cancel: threading.Event | None = None):
         """The shard's samples (all of them, or the in-shard positions ``wanted``), or None if it is bad.
 
         Once ``cancel`` is set (a read-ahead given up) it raises :class:`ReadCancelled` instead, and
@@ -517,10 +570,10 @@ class SampleReader:
             return None
         with cancel_on(cancel):
             check_cancelled()
-            return self._load_or_skip(group, shard, name, wanted, cancel)
+            return self._load_or_skip(group, shard, name, wanted, together, cancel)
 
     def _load_or_skip(self, group: ShardGroup, shard: int, name: str, wanted: np.ndarray | None,
-                      cancel: threading.Event | None):
+                      together: np.ndarray | None, cancel: threading.Event | None):
         p = self.plan
         try:
             if wanted is None:
@@ -529,8 +582,9 @@ class SampleReader:
             if not len(wanted):
                 return {}
             index = read_index(p.store, p.entries[shard], self.index_cache)
+            shared = None if together is None else SharedRead(self.shared_reads, together, group.shared)
             return read_members(p.store, p.entries[shard], index, wanted, p.dtype, vocab_size=p.vocab_size,
-                                seq_len=p.seq_len, overfetch=p.overfetch)
+                                seq_len=p.seq_len, overfetch=p.overfetch, shared=shared)
         except (ShardError, FileNotFoundError) as e:
             if cancel is not None and cancel.is_set():
                 raise ReadCancelled(f"{p.store.url(name)}: read cancelled") from None
@@ -543,7 +597,9 @@ class SampleReader:
         """Read what this reader needs of the group's shards; an object store's shards concurrently.
         ``cancel``: see :meth:`_load_shard`."""
         wanted = self.wanted(group) if self.plan.indexed else [None] * len(group.shards)
-        jobs = [(int(shard), w) for shard, w in zip(group.shards, wanted)]
+        together = self.wanted(group, every=1, from_batch=self.first_batch) if self.shared_reads \
+            else [None] * len(group.shards)
+        jobs = [(int(shard), w, t) for shard, w, t in zip(group.shards, wanted, together)]
         if self.plan.store.remote and len(jobs) > 1:
             with ThreadPoolExecutor(min(8, len(jobs))) as pool:
                 group.loaded = list(pool.map(lambda job: self._load_shard(group, *job, cancel), jobs))
@@ -563,15 +619,23 @@ class SampleReader:
         else:
             if ahead is not None:  # the position moved elsewhere: nobody will use that group
                 ahead.cancel()
+                self._discard(ahead.group)
             group = self.group_at(epoch, index)
             self._read(group)
         for name, reason in group.bad:
             logger.warning("skipping bad shard (skip_bad_shards=True): %s", reason)
             self.known_bad.add(name)
             self.bad.append((name, reason))
-        self.current = group
+        self._discard(self._previous)  # two groups back: the rank's other readers are past it too
+        self._previous, self.current = self.current, group
         if self.prefetch:
             self._ahead = _Prefetch(self._read, self.group_at(*self._next_key(group)))
+
+    def _discard(self, group: ShardGroup | None) -> None:
+        """Remove the shared reads of ``group`` from the cache (a reader still needing one fetches it again)."""
+        if group is not None and self.shared_reads is not None:
+            for name in group.shared:
+                self.shared_reads.discard(name)
 
     def close(self, timeout: float = 2.0) -> bool:
         """Give up the read-ahead (if any) and wait up to ``timeout`` s for its thread to end; whether it
@@ -579,6 +643,8 @@ class SampleReader:
         :meth:`sample` reads again."""
         ahead, self._ahead = self._ahead, None
         if ahead is None or ahead.close(timeout):
+            if ahead is not None:
+                self._discard(ahead.group)
             return True
         logger.debug("read-ahead of epoch %d group %d still finishing a request after %.1f s", ahead.group.epoch,
                      ahead.group.index, timeout)
@@ -627,10 +693,10 @@ class _RankDataset(IterableDataset):
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         p = self.plan
         bad: list[tuple[str, str]] = []
-        reader = SampleReader(p, bad, every=workers)
+        reader = SampleReader(p, bad, every=workers, first_batch=self.first_batch)
         self._readers.append(reader)
         batch_number = self.first_batch + worker
-        retried, fetched = p.store.retried, p.store.fetched
+        counted = p.store.retried, p.store.fetched, p.store.requested
         try:
             while True:
                 reader.at_batch = batch_number
@@ -645,8 +711,9 @@ class _RankDataset(IterableDataset):
                         raise ShardError(f"shards {p.store}: every shard is bad; nothing left to read")
                     batch = {"_empty": True}
                 batch["_batch"], batch["_bad"] = batch_number, tuple(bad)
-                batch["_io"] = (p.store.retried - retried, p.store.fetched - fetched)
-                retried, fetched = p.store.retried, p.store.fetched
+                now = p.store.retried, p.store.fetched, p.store.requested
+                batch["_io"] = tuple(b - a for a, b in zip(counted, now))
+                counted = now
                 bad.clear()
                 yield batch
                 batch_number += workers
@@ -661,7 +728,7 @@ def _stop_signals_blocked() -> Iterator[None]:
     """A DataLoader worker that died of a stop signal first would take the run down without a
     checkpoint when the signal goes to the whole process group (Slurm, `timeout`, a terminal's
     Ctrl-C), so workers ignore them. Hold the stop signals back while DataLoader workers are
-    forked: a child inherits the mask, so none can die of one before `_ignore_stop_signals` runs.
+    forked: a child inherits the mask, so none can die of one before `_init_worker` runs.
     Held signals reach the training process (its handlers) when the block ends."""
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
@@ -670,11 +737,20 @@ def _stop_signals_blocked() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
-def _ignore_stop_signals(_worker_id: int) -> None:
-    """DataLoader `worker_init_fn`: ignore the stop signals (dropping any already pending), then unblock."""
+def _init_worker(_worker_id: int) -> None:
+    """DataLoader `worker_init_fn`: ignore the stop signals (dropping any already pending), then
+    unblock them; and put every object inherited from the parent out of the garbage collector's reach.
+
+    A forked worker holds a copy of its parent's whole heap. Left to the collector, a full collection
+    walks all of it (0.3-0.9 s here, writing to every page it touches), and inherited garbage
+    is finalized in the worker: an fsspec filesystem's finalizer waits about 1 s on the parent's event
+    loop, which does not run here. Either stalls whichever thread triggered it, a read-ahead or the
+    worker between two batches (docs/performance.md, "Reading shards from object storage").
+    """
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    gc.freeze()
 
 
 @atexit.register
@@ -747,6 +823,7 @@ class PretrainingLoader:
         self.bad_shards: dict[str, str] = {}
         self.read_retries = 0  # transient storage errors retried so far by this rank's readers
         self.read_bytes = 0  # bytes this rank's readers fetched from storage so far (shards and indexes)
+        self.read_requests = 0  # reads they asked of it (an object store charges and waits for each)
         # Local shards are all checked here; an object store is asked nothing more before the first
         # read (one request per shard and rank would be a storm at scale): a missing or resized
         # object is named when it is read.
@@ -757,6 +834,11 @@ class PretrainingLoader:
             if problem:
                 logger.warning("skipping bad shard (skip_bad_shards=True): %s", problem)
                 self.bad_shards[entry["file"]] = problem
+        self._fingerprint = hashlib.sha256(
+            json.dumps([manifest["shards"], manifest["tokenizer"]], sort_keys=True).encode()).hexdigest()[:16]
+        # The rank's workers read from an object store together (SharedRead), through node-local disk.
+        shared_reads = Path(index_cache) / "shared-reads" / f"{self._fingerprint}-rank{rank}-of-{world_size}" \
+            if index_cache and self.store.remote and manifest["version"] >= 2 and num_workers > 1 else None
         self.plan = ReadPlan(
             store=self.store,
             indexed=manifest["version"] >= 2,
@@ -784,6 +866,7 @@ class PretrainingLoader:
             overfetch=read_overfetch,
             read_block=read_block,
             index_cache=str(index_cache) if index_cache else None,
+            shared_reads=str(shared_reads) if shared_reads else None,
         )
         if read_block > 1 and not manifest.get("shuffled"):
             logger.warning("%s: read_block=%d keeps %d consecutive samples of a shard together, but these shards "
@@ -793,8 +876,6 @@ class PretrainingLoader:
         self.seq_len: int = manifest["seq_len"]
         self.packed: bool = bool(manifest.get("packed", False))
         self.num_samples: int = total
-        self._fingerprint = hashlib.sha256(
-            json.dumps([manifest["shards"], manifest["tokenizer"]], sort_keys=True).encode()).hexdigest()[:16]
         self._next_batch = 0  # this rank's next micro-batch number (see the module docstring)
         self._datasets: weakref.WeakSet = weakref.WeakSet()  # those of the open iterators, for close()
 
@@ -825,7 +906,8 @@ class PretrainingLoader:
         # every iter(), which would shift dropout randomness and break bit-exact resume.
         loader = DataLoader(dataset, batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory,
                             generator=torch.Generator().manual_seed(0),
-                            worker_init_fn=_ignore_stop_signals if self.num_workers else None)
+                            worker_init_fn=_init_worker if self.num_workers else None)
+        self._clear_shared_reads()  # a crashed run's, or this loader's last pass's
         with _stop_signals_blocked():  # workers start here, with the stop signals held back
             batches = iter(loader)
         try:
@@ -833,9 +915,10 @@ class PretrainingLoader:
                 if "_error" in batch:
                     raise batch["_error"]
                 self._next_batch = batch.pop("_batch") + 1
-                retries, fetched = batch.pop("_io")
+                retries, fetched, requests = batch.pop("_io")
                 self.read_retries += retries
                 self.read_bytes += fetched
+                self.read_requests += requests
                 for name, reason in batch.pop("_bad"):
                     self.bad_shards.setdefault(name, reason)
                 if batch.pop("_empty", False):
@@ -843,6 +926,14 @@ class PretrainingLoader:
                 yield batch
         finally:
             dataset.close()  # closed, dropped or raising: the group read ahead is no one's now
+            del batches  # DataLoader's workers stop here (not whenever the collector gets to them)
+            self._clear_shared_reads()
+
+    def _clear_shared_reads(self) -> None:
+        """Empty this rank's shared-reads directory (its workers discard as they go; this takes what a
+        pass leaves behind: the groups they were in when it ended). A worker still reading fetches again."""
+        if self.plan.shared_reads:
+            shutil.rmtree(self.plan.shared_reads, ignore_errors=True)
 
     @property
     def position(self) -> int:

@@ -102,6 +102,51 @@ def test_s3_and_http_give_the_local_batches(local, s3_copy, served, tokenizer, w
     assert served.ranged > 0  # members were fetched by ranged reads, not whole shards
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_workers_read_together_the_same_batches_in_fewer_requests(local, served, tokenizer, tmp_path, rank):
+    """With an index cache, a rank's DataLoader workers fetch what they want of a shard once between
+    them (SharedRead): the local batches, fewer ranged GETs than each worker fetching its own, and
+    nothing left in the shared-reads directory when the pass ends."""
+    kw = dict(rank=rank, world_size=2, num_workers=2, read_block=4, shuffle_shards=4)
+    n = 30
+    want = take(loader(local, tokenizer, **kw), n)
+    ranged = []
+    for cache in (None, tmp_path / "cache"):
+        before = served.ranged
+        got = loader(served.url, tokenizer, index_cache=cache, **kw)
+        assert (got.plan.shared_reads is not None) == (cache is not None)
+        assert_same_batches(take(got, n), want)
+        ranged.append(served.ranged - before)
+    assert ranged[1] < 0.75 * ranged[0], ranged
+    assert not any(Path(got.plan.shared_reads).glob("*"))
+
+
+def test_a_damaged_shared_read_is_fetched_again(local, served, tokenizer, tmp_path):
+    """A shared read's cache file is used only if every member in it matches its index digest: a
+    flipped byte, or a file planted under its name, is fetched again, and the samples are the local ones."""
+    got = loader(served.url, tokenizer, num_workers=2, index_cache=tmp_path / "cache")
+    expected = SampleReader(loader(local, tokenizer, num_workers=2).plan, [], prefetch=False)
+    first = SampleReader(got.plan, [], every=2, prefetch=False)
+    first.at_batch = 0
+    first.sample(0)  # group 0, read for both readers into the cache
+    shared = Path(got.plan.shared_reads)
+    files = sorted(shared.iterdir())
+    assert files
+    damaged = bytearray(files[0].read_bytes())
+    damaged[len(damaged) // 2] ^= 1
+    files[0].write_bytes(bytes(damaged))
+    for planted in files[1:]:
+        planted.write_bytes(b"\0" * planted.stat().st_size)
+    before = served.ranged
+    second = SampleReader(got.plan, [], every=2, prefetch=False)
+    second.at_batch = 1
+    for position in got.plan.batch_positions(1):
+        a, b = second.sample(position), expected.sample(position)
+        assert a[:2] == b[:2] and np.array_equal(a[2], b[2])
+    assert served.ranged - before == len(files)  # each fetched again, once
+    assert second.bad == []
+
+
 # -- b. kill -9 during a run reading s3://, then --resume auto ---------------------------------------
 @pytest.mark.slow
 def test_kill_then_resume_auto_on_s3_matches_the_uninterrupted_run(tiny_data, s3, tmp_path):
@@ -307,6 +352,28 @@ def test_cancel_during_backoff_returns_promptly():
     with cancel_on(cancel), pytest.raises(ReadCancelled):  # a cancelled scope does not even try
         store.read("shard-000000.tar")
     assert store.retried == 1
+
+
+def test_requests_are_counted_as_the_server_sees_them(local, served, source, s3, tokenizer):
+    """`ShardStore.requested` (summed into the loader's `read_requests`) counts the GETs the server
+    answered: one per object read and one per byte range, over HTTP and S3 alike. (s3fs also asks an
+    object's size, a HEAD, before it reads a whole one: not a read of data, and not counted.)"""
+    name = read_manifest(local)["shards"][0]["file"]
+    ranges = [(0, 512), (1024, 2048), (4096, 4608)]
+    store = ShardStore(served.url)
+    before = (served.requests, served.ranged)
+    store.read(MANIFEST)
+    store.read_ranges(name, ranges)
+    assert store.requested == 4 == served.requests - before[0]
+    assert served.ranged - before[1] == len(ranges)
+
+    write_shards([source], tokenizer, 64, s3.url("c"), samples_per_shard=SPS)
+    store = ShardStore(s3.url("c"))
+    with s3.server.recording() as seen:
+        store.read(MANIFEST)
+        store.read_ranges(name, ranges)
+    gets = [key for method, key in seen if method == "GET"]
+    assert store.requested == len(gets) == 4 and len(seen) - len(gets) == 1
 
 
 # -- e. tampered objects --------------------------------------------------------------------------------

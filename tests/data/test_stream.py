@@ -1,12 +1,17 @@
+import gc
 import itertools
 import json
+import multiprocessing
+import os
+import weakref
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from megakd.data.shards import read_manifest
-from megakd.data.stream import PretrainingLoader
+from megakd.data.stream import PretrainingLoader, _init_worker
 
 from .test_shards import all_samples
 
@@ -209,3 +214,42 @@ def test_layout_change_off_the_grid_and_seed_change_are_refused(small_shards, to
     c = PretrainingLoader(small_shards, tokenizer, micro_batch_size=4, seed=1)
     with pytest.raises(ValueError, match="seed=0 does not match this loader's 1"):
         c.load_state_dict(a.state_dict())
+
+
+class _Cycle:
+    """Garbage only the cyclic collector can free."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+def _collect_in_worker(init: bool) -> None:
+    if init:
+        _init_worker(0)
+    gc.collect()
+
+
+def test_a_worker_never_finalizes_what_it_inherited(tmp_path):
+    """A DataLoader worker is a fork: the parent's uncollected garbage comes with it. Finalized there,
+    an fsspec filesystem waits ~1 s on the parent's event loop, in the middle of a read. After
+    `_init_worker`, a full collection in the worker finalizes nothing it inherited; without it, it
+    does (the control arm, so the test can tell the two apart)."""
+    def mark(directory: str) -> None:
+        Path(directory, str(os.getpid())).touch()
+
+    gc.disable()
+    try:
+        garbage = _Cycle()
+        weakref.finalize(garbage, mark, str(tmp_path))
+        del garbage
+        finalized = {}
+        for init in (False, True):
+            worker = multiprocessing.get_context("fork").Process(target=_collect_in_worker, args=(init,))
+            worker.start()
+            worker.join(60)
+            assert worker.exitcode == 0
+            finalized[init] = (tmp_path / str(worker.pid)).exists()
+    finally:
+        gc.enable()
+        gc.collect()
+    assert finalized == {False: True, True: False}

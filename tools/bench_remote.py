@@ -3,10 +3,13 @@
 Starts moto's S3 server in its own process on a local socket (a dev dependency: `pip install -e ".[dev]"`), writes the
 same seq-512 shards of the bundled corpus to local disk and to a bucket (each once in input order
 and once `--shuffle`d for `data.read_block`), then times the loader on both, the paths taking turns
-within each repeat so load on the machine falls on all alike. Prints samples/s per core (a
-DataLoader worker is a core), the ratio to local disk at the same settings, and the CPU the server
-itself used meanwhile (it shares the machine's cores with the loader). Then runs 2 ranks x
-2 workers through one epoch from the bucket and prints each rank's fetched bytes against its share.
+within each repeat so load on the machine falls on all alike. Prints steady samples/s per core (a
+DataLoader worker is a core; after the first `--warmup` batches), its ratio to local disk at the
+same settings and the ratio from the loader's start (which a run pays once: workers, storage
+clients, first reads), the reads the loader asked for (GETs/s: to set beside each server's ceiling)
+and the CPU the server itself used meanwhile (it shares the machine's cores with the loader). Then
+runs 2 ranks x 2 workers through one epoch from the bucket and prints each rank's fetched bytes
+against its share.
 
 Where `nginx` is on PATH (Debian: `apt-get install nginx-light`), the same shards are also served
 over HTTP by nginx and timed in the same turns: a server whose per-request cost is small, so that
@@ -16,7 +19,7 @@ Local S3 is not S3: a request here costs a Python server's time on this machine'
 network round trip, so the ratio says how the loader copes with per-request cost, not what a
 cluster will see.
 
-    python tools/bench_remote.py [--workers 4] [--batches 300] [--repeats 3] [--read-block 16 64]
+    python tools/bench_remote.py [--workers 4] [--batches 1000] [--warmup 200] [--repeats 3] [--read-block 16 64]
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -90,23 +94,35 @@ def start_nginx(root: Path, work: Path) -> tuple[subprocess.Popen, str] | None:
     return server, f"http://127.0.0.1:{port}"
 
 
-def server_requests_per_s(fs, path: str, seconds: float = 3.0) -> float:
-    """What a server answers: 2 KB ranged GETs of `path` per second, 16 at a time (its ceiling here)."""
+def server_requests_per_s(fs, path: str, seconds: float = 3.0) -> tuple[float, float]:
+    """What a server answers: 2 KB ranged GETs of `path` per second, 16 at a time (its ceiling here);
+    and the CPU each GET costs the client (this process: fsspec, its event loop, the storage library)."""
     starts = [i * 2048 for i in range(16)]
-    done, start = 0, time.perf_counter()
+    done, start, cpu = 0, time.perf_counter(), time.process_time()
     while time.perf_counter() - start < seconds:
         fs.cat_ranges([path] * 16, starts, [s + 2048 for s in starts])
         done += 16
-    return done / (time.perf_counter() - start)
+    return done / (time.perf_counter() - start), (time.process_time() - cpu) / done
 
 
-def samples_per_s(make_loader, batches: int, batch: int) -> float:
-    """From the loader's start (workers, first reads) to its `batches`-th batch: every shard-group
-    read on the way is inside the timing, which is where local and remote storage differ."""
+@dataclass
+class Timing:
+    from_start: float  # samples/s from the loader's start (workers, clients, first reads) to the last batch
+    steady: float  # samples/s after the first `warmup` batches: what a run sees once it is going
+    gets: float  # GETs/s the loader asked of the storage, over the whole timing
+
+
+def time_loader(make_loader, batches: int, batch: int, warmup: int) -> Timing:
+    """Time a fresh loader to its `batches`-th batch. Every shard-group read on the way is inside the
+    timing, which is where local and remote storage differ; so is the start, which a run pays once."""
     start = time.perf_counter()
-    for _ in itertools.islice(make_loader(), batches):
-        pass
-    return batches * batch / (time.perf_counter() - start)
+    loader = make_loader()
+    for i, _ in enumerate(itertools.islice(loader, batches)):
+        if i + 1 == warmup:
+            warm = time.perf_counter()
+    end = time.perf_counter()
+    return Timing(batches * batch / (end - start), (batches - warmup) * batch / (end - warm),
+                  loader.read_requests / (end - start))
 
 
 def cpu_seconds(pid: int) -> float:
@@ -122,7 +138,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--batches", type=int, default=300)
+    p.add_argument("--batches", type=int, default=1000)
+    p.add_argument("--warmup", type=int, default=200, help="batches before the steady rate is timed")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--read-block", type=int, nargs="+", default=[16, 64], help="data.read_block values to time "
                    "on the shuffled shards (besides 1 on the plain ones)")
@@ -163,23 +180,28 @@ def main() -> None:
             src, tok, micro_batch_size=args.batch, num_workers=args.workers, seed=0, read_block=block,
             shuffle_shards=args.shuffle_shards, index_cache=work / "index-cache"))
             for where, src in sets[name].items()}
-        rates: dict[str, list[float]] = {where: [] for where in makers}
+        timings: dict[str, list[Timing]] = {where: [] for where in makers}
         server_cores: dict[str, list[float]] = {where: [] for where in servers}
         for _ in range(args.repeats):  # the paths take turns
             for where, make in makers.items():
                 before = cpu_seconds(servers[where]) if where in servers else 0.0
-                rates[where].append(samples_per_s(make, args.batches, args.batch))
+                timings[where].append(time_loader(make, args.batches, args.batch, args.warmup))
                 if where in servers:  # the server's CPU over the timing, in cores
-                    wall = args.batches * args.batch / rates[where][-1]
+                    wall = args.batches * args.batch / timings[where][-1].from_start
                     server_cores[where].append((cpu_seconds(servers[where]) - before) / wall)
-        base = statistics.median(rates["local disk"])
+        def median(where: str, what: str, timings: dict[str, list[Timing]] = timings) -> float:
+            return statistics.median(getattr(t, what) for t in timings[where])
+
         for where in makers:
-            rate = statistics.median(rates[where])
             cores = statistics.median(server_cores[where]) if where in servers else None
-            rows.append((where, block, rate / max(args.workers, 1), rate / base, cores))
+            rows.append((where, block, median(where, "steady") / max(args.workers, 1),
+                         median(where, "steady") / median("local disk", "steady"),
+                         median(where, "from_start") / median("local disk", "from_start"), median(where, "gets"),
+                         cores))
 
     print(f"seq 512, micro-batch {args.batch}, {args.workers} workers, groups of {args.shuffle_shards} x "
-          f"{args.samples_per_shard} samples; median of {args.repeats} runs of {args.batches} batches from the start")
+          f"{args.samples_per_shard} samples; median of {args.repeats} runs of {args.batches} batches from the start "
+          f"(steady: after the first {args.warmup})")
     import boto3
     import fsspec
 
@@ -189,14 +211,17 @@ def main() -> None:
     if nginx is not None:
         ceilings["nginx HTTP"] = (fsspec.filesystem("http", skip_instance_cache=True), f"{nginx[1]}/probe")
     for where, (fs, path) in ceilings.items():
-        print(f"{where} server ceiling: {server_requests_per_s(fs, path):.0f} ranged GETs/s (one request per "
-              f"sample scattered by the order; about one per read_block samples otherwise)")
+        per_s, client_cpu = server_requests_per_s(fs, path)
+        print(f"{where} server ceiling: {per_s:.0f} ranged GETs/s; each costs the client {client_cpu * 1e3:.2f} ms "
+              "of CPU")
     if nginx is None:
         print("nginx is not installed: no HTTP row (Debian: apt-get install nginx-light)")
-    print(f"{'source':<12} {'read_block':>10} {'samples/s/core':>15} {'vs local disk':>14} {'server CPU (cores)':>19}")
-    for where, block, per_core, ratio, cores in rows:
+    print(f"{'source':<12} {'read_block':>10} {'steady samples/s/core':>22} {'vs local disk':>14} "
+          f"{'from the start':>15} {'GETs/s':>7} {'server CPU (cores)':>19}")
+    for where, block, per_core, ratio, ratio_start, get_rate, cores in rows:
         server_cpu = "-" if cores is None else f"{cores:.2f}"
-        print(f"{where:<12} {block:>10} {per_core:>15.0f} {ratio:>13.2f}x {server_cpu:>19}")
+        print(f"{where:<12} {block:>10} {per_core:>22.0f} {ratio:>13.2f}x {ratio_start:>14.2f}x {get_rate:>7.0f} "
+              f"{server_cpu:>19}")
 
     local, remote = sets["plain"]["local disk"], sets["plain"]["local S3"]
     shard_bytes = sum(f.stat().st_size for f in Path(local).glob("shard-*.tar"))

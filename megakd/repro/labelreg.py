@@ -50,21 +50,24 @@ PAPER = ("Kobyzev, Jafari et al., GLUE dev Score (mean ± std of 5 runs). Pretra
 def declare(run: FindingRun) -> ReportFn:
     epochs = run.epochs()
     tuned, teacher_runs = {}, {}
+    # A random-init student takes only the architecture and tokenizer of a pretrained one, the same in
+    # every draw: its arms are declared on draw 0's, so the runs no teacher draw enters are run once.
+    first = run.student_encoder(run.settings.draws[0])
     for draw in run.settings.draws:
         student, encoder = run.student_encoder(draw), run.base_encoder(draw)
-        inits = {"pretrained": (f"model.path={student.path}", "model.init=pretrained"),
-                 "random init": (f"model.path={student.path}", "model.init=random")}
+        inits = {"pretrained": (student, "model.init=pretrained"), "random init": (first, "model.init=random")}
         teacher_seed = f"finetune.seeds=[{TEACHER_SEED}]"
         teachers = teacher_runs[draw] = {
             "KD": run.finetune([f"model.path={encoder.path}", teacher_seed], encoder, keep=True),
-            **{f"self-KD, {init}": run.finetune([*init_overrides, teacher_seed], student, keep=True)
-               for init, init_overrides in inits.items()}}
-        for init, init_overrides in inits.items():
+            **{f"self-KD, {init}": run.finetune([f"model.path={start.path}", how, teacher_seed], start, keep=True)
+               for init, (start, how) in inits.items()}}
+        for init, (start, how) in inits.items():
             for method, overrides in METHODS.items():
                 teacher = {"KD": teachers["KD"], "self-KD": teachers[f"self-KD, {init}"]}.get(method)
                 tuned[draw, init, method] = run.finetune(
-                    [*init_overrides, *overrides, *((f"labelreg.teacher={teacher.kept}",) if teacher else ()),
-                     run.seeds_override], student, after=(teacher,) if teacher else ())
+                    [f"model.path={start.path}", how, *overrides,
+                     *((f"labelreg.teacher={teacher.kept}",) if teacher else ()), run.seeds_override],
+                    start, after=(teacher,) if teacher else (), other=encoder if method == "KD" else None)
 
     def report() -> FindingReport:
         measured: dict[int, dict[str, dict[str, list[float]]]] = {}
@@ -83,7 +86,8 @@ def declare(run: FindingRun) -> ReportFn:
                  f"({epochs} epoch{'s' if epochs > 1 else ''}, `lr: auto`); students = the discriminator of "
                  f"{run.pretrained} with both models at {run.student_size} (the shared student), and the same "
                  f"architecture at random init; teacher and student encoders pretrained {len(draws)} times each "
-                 f"(draws: train.seed {', '.join(map(str, draws))}; draw d's student learns from draw d's teachers); "
+                 f"(draws: train.seed {', '.join(map(str, draws))}; draw d's student learns from draw d's teachers; "
+                 "the random-init arms that no teacher enters are one set of runs, shown under each draw); "
                  f"seeds {', '.join(map(str, run.seeds))}. Methods with the paper's Table 9 settings: KD α 0.5, τ 1 "
                  f"(teacher: the discriminator of {run.pretrained}, fine-tuned at seed {TEACHER_SEED}); "
                  "LS α 0.1; TF-reg α 0.5, a 0.95; self-KD α 0.5 (teacher: the student's own initialisation "

@@ -59,16 +59,25 @@ QUICK_PRETRAIN = (
       for k, v in (("num_layers", 1), ("hidden_size", 32), ("intermediate_size", 64), ("embedding_size", 32),
                    ("num_heads", 2))),
 )
-# Full mode fine-tunes on 3,000 of RT's 9,071 training sentences (an even spread; dev whole), so the
-# six findings fit the report's 3-hour budget (README, "Reproducing the papers' findings").
+# Full mode fine-tunes on 3,000 of RT's 9,071 training sentences (an even spread; dev whole), to keep the
+# report's cost within hours on 2 cores (`megakd repro all --plan` states it).
 FULL_FINETUNE = ("task.max_train_examples=3000",)
 # The student of the findings whose teacher or labeler is the shared encoder (soteacher, labelreg, tgt):
-# the recipe with both models at 2 x 64, 3.6x fewer parameters than its 4 x 128 discriminator (the
+# the recipe with both models at 2 x 64, 3.7x fewer parameters than its 4 x 128 discriminator (the
 # papers' teachers are 3.9x to 5.4x their students; docs/REPRODUCTION.md's scale table).
 STUDENT_SIZES = (("num_layers", 2), ("hidden_size", 64), ("intermediate_size", 256), ("embedding_size", 64),
                  ("num_heads", 2))
 QUICK_STUDENT_SIZES = (("num_layers", 1), ("hidden_size", 16), ("intermediate_size", 32), ("embedding_size", 16),
                        ("num_heads", 2))
+
+
+def student_overrides(quick: bool = False) -> tuple[str, ...]:
+    """The overrides that make the recipe the shared student: both models at STUDENT_SIZES (quick: the
+    QUICK_STUDENT_SIZES)."""
+    sizes = QUICK_STUDENT_SIZES if quick else STUDENT_SIZES
+    return tuple(f"model.{m}.{k}={v}" for m in ("generator", "discriminator") for k, v in sizes)
+
+
 QUICK_FINETUNE = ("task.max_train_examples=1000", "task.max_dev_examples=500", "finetune.epochs=2")
 FULL_NOTE = " Fine-tuning used 3,000 of RT's training sentences (an even spread) and the whole dev split."
 QUICK_NOTE = (" Quick mode: a 1-layer, 32-wide encoder pretrained for 12 steps, fine-tuned on 1,000 RT sentences "
@@ -131,26 +140,31 @@ class Costs:
         flops = _step_flops(cfg).model + (_step_flops(teacher).forward if teacher is not None else 0.0)
         return self.electra_mini_step * flops / _step_flops(_reference_recipe()).model
 
-    def finetune_run(self, cfg: FinetuneConfig, encoder: Config) -> float:
-        """Seconds of a fine-tuning run of `cfg` (every seed) on the encoder `encoder` (a pretraining config)."""
+    def finetune_run(self, cfg: FinetuneConfig, encoder: Config, other: Config | None = None) -> float:
+        """Seconds of a fine-tuning run of `cfg` (every seed) whose model has the architecture of the encoder of
+        `encoder` (a pretraining config), and the other model it consults or trains (`training_passes`) that of
+        `other` (default: the same)."""
         sentences = min(cfg.task.max_train_examples or RT_TRAIN_SENTENCES, RT_TRAIN_SENTENCES)
-        size = _encoder_flops(encoder) / _encoder_flops(_reference_recipe())
-        epoch = self.rt_epoch * sentences / RT_TRAIN_SENTENCES * size
-        return epoch * cfg.finetune.epochs * len(cfg.finetune.seeds) * training_passes(cfg)
+        own, others = training_passes(cfg)
+        work = own * _encoder_flops(encoder) + others * _encoder_flops(other or encoder)
+        epoch = self.rt_epoch * sentences / RT_TRAIN_SENTENCES * work / _encoder_flops(_reference_recipe())
+        return epoch * cfg.finetune.epochs * len(cfg.finetune.seeds)
 
 
-def training_passes(cfg: FinetuneConfig) -> float:
-    """A fine-tuning step's work in plain training steps, counted from the passes it makes (a forward pass
-    is ~1/3 of a training step); an estimate, not measured."""
+def training_passes(cfg: FinetuneConfig) -> tuple[float, float]:
+    """A fine-tuning step's work in plain training steps of the run's own model and of the other model it
+    consults or trains (a KD teacher; TGT's generator and labeler; SoTeacher's student), counted from the
+    passes it makes (a forward pass is ~1/3 of a training step); an estimate, not measured."""
     forward = 1 / 3
-    if cfg.soteacher.enabled:  # the teacher, then (unless disabled) a student distilling it
-        return 1 + ((1 + forward) if cfg.soteacher.distill_student else 0)
+    if cfg.soteacher.enabled:  # the teacher (the run's model), then (unless disabled) a student distilling it
+        return (1 + forward, 1) if cfg.soteacher.distill_student else (1, 0)
     if cfg.tgt.enabled:
-        # generator forward, labeler forward on real and generated text, student trained on both
-        passes = forward + 2 * forward + 2
-        # gradient mode: the ascent adds a forward and an input-gradient backward of generator, student, labeler
-        return passes + (2 if cfg.tgt.mode == "gradient" else 0)
-    return 1 + (forward if cfg.labelreg.target in ("kd", "selfkd", "akd") else 0)  # a teacher's forward
+        # the student trained on real and generated text; the generator's forward, the labeler's on both
+        own, others = 2, forward + 2 * forward
+        if cfg.tgt.mode == "gradient":  # the ascent: a forward and an input-gradient backward of all three
+            own, others = own + 2 / 3, others + 4 / 3
+        return own, others
+    return 1, (forward if cfg.labelreg.target in ("kd", "selfkd", "akd") else 0)  # a teacher's forward
 
 
 def _reference_recipe() -> Config:
@@ -181,6 +195,7 @@ class Settings:
     # Pretraining draws per arm (train.seed of each): two runs of one recipe differ by more than most
     # measured effects, so a finding that pretrains its arms counts only what every draw agrees on.
     draws: tuple[int, ...] = (0,)
+    whole_budget: bool = False  # some runs also go the recipe's whole length (DWT's remapping)
 
 
 @dataclass
@@ -265,14 +280,18 @@ class FindingRun:
         return PretrainRun(key, path)
 
     def finetune(self, overrides: list[str], encoder: PretrainRun, config: str | Path = FINETUNE_RT,
-                 keep: bool = False, after: tuple[FinetuneRun | PretrainRun, ...] = ()) -> FinetuneRun:
+                 keep: bool = False, after: tuple[FinetuneRun | PretrainRun, ...] = (),
+                 other: PretrainRun | None = None) -> FinetuneRun:
         """Declare `megakd finetune -c config overrides...` of a model of `encoder`'s architecture (see
         `finetune`), after `encoder` and the runs in `after` (e.g. a teacher, or the encoder whose architecture a
-        random-init student takes); `keep`: keep its model."""
+        random-init student takes); `keep`: keep its model. `other`: the architecture of the other model the run
+        consults or trains (a KD teacher, TGT's generator and labeler, SoTeacher's student), which its cost
+        counts; default `encoder`'s."""
         cfg = load_config(config, [*self.settings.finetune, *overrides, "run.dir=_"], cls=FinetuneConfig)
         digest = _digest({"config": _as_dict(cfg), "keep": keep})
         key, kept = f"finetune:{digest}", self.work / "kept" / digest if keep else None
-        seconds = self.costs.job_start + self.costs.finetune_run(cfg, self._configs[encoder.key])
+        seconds = self.costs.job_start + self.costs.finetune_run(
+            cfg, self._configs[encoder.key], self._configs[other.key] if other else None)
         self._add(Job(key, self.name, f"finetune {Path(config).name} {' '.join(overrides)}", finetune,
                       (str(config), [*self.settings.finetune, *overrides], self.work, str(kept) if kept else None),
                       seconds, (encoder.key, *(r.key for r in after))))
@@ -292,9 +311,8 @@ class FindingRun:
     def student_encoder(self, draw: int = 0) -> PretrainRun:
         """The shared student, smaller than `base_encoder`: the recipe with both models at STUDENT_SIZES,
         pretraining draw `draw`. A random-init student takes its architecture and tokenizer."""
-        sizes = QUICK_STUDENT_SIZES if self.quick else STUDENT_SIZES
         return self.pretrain([*(QUICK_PRETRAIN if self.quick else ()), f"train.seed={draw}",
-                              *(f"model.{m}.{k}={v}" for m in ("generator", "discriminator") for k, v in sizes)])
+                              *student_overrides(self.quick)])
 
     def call(self, key: str, label: str, fn: Callable[..., object], args: tuple, seconds: float) -> str:
         """Declare a job of the finding's own (`fn` module-level); returns its key."""

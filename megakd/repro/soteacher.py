@@ -51,7 +51,8 @@ def declare(run: FindingRun) -> ReportFn:
         for name, overrides in TEACHERS.items():
             tuned[draw, name] = run.finetune([*overrides, f"model.path={encoder.path}",
                                               f"soteacher.student.path={student.path}", "soteacher.student.init=random",
-                                              run.seeds_override], encoder, config=SOTEACHER_RT, after=(student,))
+                                              run.seeds_override], encoder, config=SOTEACHER_RT, after=(student,),
+                                              other=student)
 
     def report() -> FindingReport:
         measured: dict[int, dict[str, dict[str, list[float]]]] = {}

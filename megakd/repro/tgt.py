@@ -53,9 +53,11 @@ def declare(run: FindingRun) -> ReportFn:
         after = (labeler, small)
         arms[draw] = {
             "KD": run.finetune([*student, "labelreg.target=kd", "labelreg.alpha=0.5", "labelreg.temperature=1",
-                                f"labelreg.teacher={labeler.kept}"], small, after=after),
-            "TGT random": run.finetune([*student, *tgt, "tgt.mode=random"], small, config=TGT_RT, after=after),
-            "TGT gradient": run.finetune([*student, *tgt, "tgt.mode=gradient"], small, config=TGT_RT, after=after),
+                                f"labelreg.teacher={labeler.kept}"], small, after=after, other=encoder),
+            "TGT random": run.finetune([*student, *tgt, "tgt.mode=random"], small, config=TGT_RT, after=after,
+                                       other=encoder),
+            "TGT gradient": run.finetune([*student, *tgt, "tgt.mode=gradient"], small, config=TGT_RT, after=after,
+                                         other=encoder),
         }
 
     def report() -> FindingReport:

@@ -13,6 +13,7 @@ import pytest
 
 from megakd.cli import main
 from megakd.repro import FINDINGS, plan_findings
+from megakd.repro.labelreg import FULL as FULL_LABELREG
 from megakd.repro.runs import (
     FULL_FINETUNE,
     PRETRAIN_RECIPE,
@@ -58,6 +59,23 @@ def test_plan_counts_a_finding_from_its_steps_seeds_and_sentences(tmp_path):
     pretraining = [job for key, job in shared.jobs.items() if key.startswith("pretrain:")]
     assert len(pretraining) == 4 and sum("train.seed=1" in job.label for job in pretraining) == 2
     assert sum("model.discriminator.hidden_size=64" in job.label for job in pretraining) == 2
+
+
+def test_a_teachers_forward_is_priced_at_the_teachers_size(tmp_path):
+    """labelreg's KD student costs its plain fine-tuning plus the teacher's forward pass (1/3 of a training
+    step) on every seed, at the teacher's size: the larger shared encoder, whose own one-seed fine-tuning
+    is in the plan too."""
+    costs = Costs(electra_mini_step=0.5, rt_epoch=60.0, job_start=7.0)
+    jobs = plan_findings(["labelreg"], tmp_path, workers=1, costs=costs).jobs
+    pretrained = [job for job in jobs.values() if "model.init=pretrained" in job.label]
+    kd = [job for job in pretrained if "labelreg.target=kd" in job.label]
+    assert len(kd) == 2  # one per draw
+    for job in kd:
+        student, teacher = job.after
+        [plain] = [j for j in pretrained if j.after == (student,) and "labelreg.target=onehot" in j.label]
+        seeds = len(FULL_LABELREG.seeds)
+        assert job.seconds - plain.seconds == pytest.approx(seeds * (jobs[teacher].seconds - costs.job_start) / 3)
+        assert jobs[teacher].seconds > (plain.seconds - costs.job_start) / seeds + costs.job_start  # a larger model
 
 
 def _job(key: str, seconds: float, after: tuple[str, ...] = (), fn=None) -> Job:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from statistics import fmean
 
 from megakd.repro.report import FindingReport, mean_std_text, pyplot, save_figure
 from megakd.repro.runs import (
@@ -27,7 +28,7 @@ from megakd.repro.runs import (
     seed_values,
     tail_mean,
 )
-from megakd.repro.stats import claims_verdict, compare, draws_verdict
+from megakd.repro.stats import claims_verdict, compare, draw_spread, over_draws
 
 GENERATOR_LR = 2e-4  # the paper's η_G, fixed in every arm
 RATIOS = (1.0, 3.75, 7.5, 15.0)  # η_D / η_G: equal rates, half the paper's ratio, the paper's, twice it
@@ -109,18 +110,10 @@ def draw_verdict(measured: dict[float, dict]) -> tuple[str, str]:
 def verdict_of(measured: dict[int, dict[float, dict]]) -> tuple[str, str]:
     """Every draw's verdict; the finding's is theirs when they agree. The reason sets the effect beside
     the draw-to-draw spread of the same arm (how far two pretraining runs of one recipe land apart)."""
-    per_draw = {draw: draw_verdict(m) for draw, m in measured.items()}
-    verdict = draws_verdict([v for v, _ in per_draw.values()])
-    reason = "; ".join(f"draw {d}: {v} ({why})" for d, (v, why) in per_draw.items()) + "."
+    verdict, reason = over_draws({draw: draw_verdict(m) for draw, m in measured.items()})
     if len(measured) > 1:
-        means = {r: [sum(m[r]["acc"]) / len(m[r]["acc"]) for m in measured.values()] for r in RATIOS}
-        spread = max(max(v) - min(v) for v in means.values())
-        effects = [abs(sum(means[h]) - sum(means[REFERENCE])) / len(measured) for h in HIGH]
-        reason += (f" Draw-to-draw spread of an arm's mean RT accuracy: up to {spread:.3f}; the high ratios' mean "
-                   f"effect against 1×: {', '.join(f'{e:.3f}' for e in effects)}"
-                   f"{' (within the spread)' if max(effects) <= spread else ''}.")
-        if verdict == "inconclusive" and len({v for v, _ in per_draw.values()}) > 1:
-            reason = "The draws disagree: " + reason
+        means = {f"{r:g}×": [fmean(m[r]["acc"]) for m in measured.values()] for r in RATIOS}
+        reason += " " + draw_spread(means, f"{REFERENCE:g}×", [f"{h:g}×" for h in HIGH], " RT accuracy")
     return verdict, reason
 
 

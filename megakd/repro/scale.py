@@ -20,7 +20,7 @@ from megakd.finish import finish_config
 from megakd.repro.dwt import TEACHERS as DWT_TEACHERS
 from megakd.repro.findings import FINDINGS, MODULES
 from megakd.repro.report import write_text_atomically
-from megakd.repro.runs import FINETUNE_RT, FULL_FINETUNE, STUDENT_SIZES, Settings
+from megakd.repro.runs import FINETUNE_RT, FULL_FINETUNE, Settings, student_overrides
 from megakd.repro.soteacher import SOTEACHER_RT
 from megakd.repro.tgt import TGT_RT
 
@@ -117,8 +117,7 @@ def scale_rows() -> list[list[str]]:
     rows = []
     for name in FINDINGS:
         paper = PAPERS[name]
-        student = tuple(f"model.{m}.{k}={v}" for m in ("generator", "discriminator") for k, v in STUDENT_SIZES)
-        cfg = _finding_config(name, student if name in SHARED_ENCODER else ())
+        cfg = _finding_config(name, student_overrides() if name in SHARED_ENCODER else ())
         here = parameter_counts(cfg)[MEASURED[name]]
         paper_cfg = finish_config(load_config(CONFIGS / paper.config, [])) if paper.config else None
         paper_params = paper.params or parameter_counts(paper_cfg)["total"]
@@ -132,7 +131,7 @@ def scale_rows() -> list[list[str]]:
         else:
             teacher = "-"
         tokens_gap = f" ({_times(paper_tokens / _tokens(cfg))} fewer here)" if paper_tokens else ""
-        if name == "dwt":  # remapping runs the recipe's whole length, not the short budget's steps
+        if _full(name).whole_budget:  # e.g. DWT's remapping: the recipe's whole length, not the short budget's
             whole = _finding_config(name, whole=True)
             tokens_gap += (f"; remapping: {whole.train.max_steps:,} steps = {_count(_tokens(whole))} positions"
                            + (f" ({_times(paper_tokens / _tokens(whole))} fewer)" if paper_tokens else ""))

@@ -315,28 +315,36 @@ class SharedRead:
     names: list[str]  # cache objects this read used, appended to (their reader discards them later)
 
 
+def _members(pieces: list[bytes], ranges: list[tuple[int, int]], starts: np.ndarray, ends: np.ndarray,
+             positions: np.ndarray) -> Iterator[tuple[int, bytes]]:
+    """(position, its member's bytes) for each in-shard position, cut out of ``pieces``, the bytes of
+    ``ranges`` (sorted and disjoint, together covering every member asked for)."""
+    range_of = np.searchsorted(np.asarray([start for start, _ in ranges]), starts[positions], side="right") - 1
+    for j, r in zip(positions.tolist(), range_of.tolist()):
+        at = int(starts[j]) - ranges[r][0]
+        yield j, pieces[r][at:at + int(ends[j] - starts[j])]
+
+
 def _shared_ranges(store: ShardStore, entry: dict, index: np.ndarray, starts: np.ndarray, ends: np.ndarray,
                    shared: SharedRead, overfetch: float) -> tuple[list[tuple[int, int]], list[bytes]]:
     """The ranges of ``shared.together`` and their bytes, from the cache or fetched into it. The
     cached object is named by the shard's sha256 and the ranges (the same name in every worker)
     and used only if each of its members matches its index digest."""
-    together = shared.together
-    ranges = coalesce(starts[together], ends[together], overfetch)
-    lengths = [end - start for start, end in ranges]
+    ranges = coalesce(starts[shared.together], ends[shared.together], overfetch)
+    bounds = np.cumsum([0] + [end - start for start, end in ranges]).tolist()
     name = hashlib.sha256(json.dumps([entry["sha256"], ranges]).encode()).hexdigest()
-    base = np.cumsum([0] + lengths[:-1])
-    range_of = np.searchsorted(np.asarray([start for start, _ in ranges]), starts[together], side="right") - 1
-    at = base[range_of] + starts[together] - np.asarray([start for start, _ in ranges])[range_of]
-    sizes = ends[together] - starts[together]
+
+    def split(blob: bytes) -> list[bytes]:
+        return [blob[a:b] for a, b in zip(bounds, bounds[1:])]
 
     def valid(blob: bytes) -> bool:
-        return len(blob) == sum(lengths) and all(
-            member_digest(blob[a:a + n]) == index["digest"][j].tobytes()
-            for a, n, j in zip(at.tolist(), sizes.tolist(), together.tolist()))
+        return len(blob) == bounds[-1] and all(
+            member_digest(member) == index["digest"][j].tobytes()
+            for j, member in _members(split(blob), ranges, starts, ends, shared.together))
 
     blob = shared.cache.get(name, lambda: b"".join(store.read_ranges(entry["file"], ranges)), valid)
     shared.names.append(name)
-    return ranges, [blob[b:b + n] for b, n in zip(base.tolist(), lengths)]
+    return ranges, split(blob)
 
 
 def read_members(store: ShardStore, entry: dict, index: np.ndarray, wanted: np.ndarray, dtype: str, *,
@@ -358,13 +366,10 @@ def read_members(store: ShardStore, entry: dict, index: np.ndarray, wanted: np.n
     else:
         ranges = coalesce(starts[wanted], ends[wanted], overfetch)
         pieces = store.read_ranges(entry["file"], ranges)
-    range_of = np.searchsorted(np.asarray([start for start, _ in ranges]), starts[wanted], side="right") - 1
     out: dict[int, np.ndarray] = {}
     headers: dict[bytes, tuple[np.dtype, tuple[int, ...]]] = {}
     first = entry["first_index"]
-    for j, r in zip(wanted.tolist(), range_of.tolist()):
-        at = int(starts[j]) - ranges[r][0]
-        member = pieces[r][at:at + int(sizes[j])]
+    for j, member in _members(pieces, ranges, starts, ends, wanted):
         key = sample_key(first + j)
         if member_digest(member) != index["digest"][j].tobytes():
             raise ShardError(f"shard {path}: sample {key} (bytes {starts[j]}..{ends[j]}) differs from its index "
@@ -721,6 +726,11 @@ class _RankDataset(IterableDataset):
             # Hand the error to the main process, which raises it as a one-line error (an
             # exception raised in a DataLoader worker arrives wrapped in a worker traceback).
             yield {"_error": e}
+        finally:
+            # Ended (a worker told to stop, an in-process iterator dropped): give the read-ahead up now.
+            # A worker cannot exit while the read-ahead's fetch threads run, and at its exit a fetch
+            # still going fails and is retried for a minute (concurrent.futures refuses new work then).
+            reader.close(timeout=0)
 
 
 @contextlib.contextmanager

@@ -34,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -115,7 +115,7 @@ class Timing:
 def time_loader(make_loader, batches: int, batch: int, warmup: int) -> Timing:
     """Time a fresh loader to its `batches`-th batch. Every shard-group read on the way is inside the
     timing, which is where local and remote storage differ; so is the start, which a run pays once."""
-    start = time.perf_counter()
+    start = warm = time.perf_counter()
     loader = make_loader()
     for i, _ in enumerate(itertools.islice(loader, batches)):
         if i + 1 == warmup:
@@ -148,6 +148,8 @@ def main() -> None:
                    "samples-per-shard x shuffle-shards samples")
     p.add_argument("--cache", default=os.environ.get("MEGAKD_CACHE", str(Path.home() / ".cache" / "megakd")))
     args = p.parse_args()
+    if not 0 <= args.warmup < args.batches:
+        p.error(f"--warmup {args.warmup}: expected 0 <= warmup < --batches ({args.batches})")
 
     from megakd.data.default_corpus import bundled_corpus_files, prepare_default_data
     from megakd.data.shards import write_shards
@@ -189,15 +191,13 @@ def main() -> None:
                 if where in servers:  # the server's CPU over the timing, in cores
                     wall = args.batches * args.batch / timings[where][-1].from_start
                     server_cores[where].append((cpu_seconds(servers[where]) - before) / wall)
-        def median(where: str, what: str, timings: dict[str, list[Timing]] = timings) -> float:
-            return statistics.median(getattr(t, what) for t in timings[where])
-
-        for where in makers:
+        med = {where: Timing(*(statistics.median(getattr(t, f.name) for t in runs) for f in fields(Timing)))
+               for where, runs in timings.items()}
+        for where, m in med.items():
             cores = statistics.median(server_cores[where]) if where in servers else None
-            rows.append((where, block, median(where, "steady") / max(args.workers, 1),
-                         median(where, "steady") / median("local disk", "steady"),
-                         median(where, "from_start") / median("local disk", "from_start"), median(where, "gets"),
-                         cores))
+            base = med["local disk"]
+            rows.append((where, block, m.steady / max(args.workers, 1), m.steady / base.steady,
+                         m.from_start / base.from_start, m.gets, cores))
 
     print(f"seq 512, micro-batch {args.batch}, {args.workers} workers, groups of {args.shuffle_shards} x "
           f"{args.samples_per_shard} samples; median of {args.repeats} runs of {args.batches} batches from the start "

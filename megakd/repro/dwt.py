@@ -47,9 +47,9 @@ LONG_ARMS = {"random init": (), "remapped": ("distill.init=remap",)}  # both fro
 # student seeds for the paired tests; remapping on the recipe's whole 5,000 steps (where the paper's
 # claim is), two draws, each student fine-tuned on RT over the seeds.
 FULL = Settings(CONFIGS / "dwt-mini.yaml", seeds=(0, 1, 2), steps=1000, finetune=FULL_FINETUNE, draws=(0, 1),
-                whole_budget=True)
+                whole_budget="remapping")
 QUICK = Settings(CONFIGS / "dwt-tiny.yaml", seeds=(0, 1), steps=8, finetune=QUICK_FINETUNE, draws=(0, 1),
-                 whole_budget=True, pretrain=(
+                 whole_budget="remapping", pretrain=(
     "train.global_batch_size=8", "train.micro_batch_size=8", "optim.schedule.warmup_steps=2", "train.log_every=1",
     "train.probe_fit_examples=200", "train.probe_eval_examples=100", "model.generator.hidden_size=32",
     "model.generator.num_heads=2", "model.generator.intermediate_size=64"))

@@ -195,7 +195,7 @@ class Settings:
     # Pretraining draws per arm (train.seed of each): two runs of one recipe differ by more than most
     # measured effects, so a finding that pretrains its arms counts only what every draw agrees on.
     draws: tuple[int, ...] = (0,)
-    whole_budget: bool = False  # some runs also go the recipe's whole length (DWT's remapping)
+    whole_budget: str = ""  # what the runs that also go the recipe's whole length are (DWT: "remapping")
 
 
 @dataclass

@@ -131,9 +131,9 @@ def scale_rows() -> list[list[str]]:
         else:
             teacher = "-"
         tokens_gap = f" ({_times(paper_tokens / _tokens(cfg))} fewer here)" if paper_tokens else ""
-        if _full(name).whole_budget:  # e.g. DWT's remapping: the recipe's whole length, not the short budget's
+        if label := _full(name).whole_budget:  # those runs: the recipe's whole length, not the step count
             whole = _finding_config(name, whole=True)
-            tokens_gap += (f"; remapping: {whole.train.max_steps:,} steps = {_count(_tokens(whole))} positions"
+            tokens_gap += (f"; {label}: {whole.train.max_steps:,} steps = {_count(_tokens(whole))} positions"
                            + (f" ({_times(paper_tokens / _tokens(whole))} fewer)" if paper_tokens else ""))
         rows.append([
             f"`{name}`",

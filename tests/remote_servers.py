@@ -187,6 +187,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _file(self) -> Path | None:
         rel = self.path.split("?", 1)[0].lstrip("/")
+        self.server.owner.hold_if_asked(rel)
         path = (self.server.owner.root / rel).resolve()
         root = self.server.owner.root.resolve()
         if root not in path.parents or not path.is_file():
@@ -240,13 +241,20 @@ class _FileServer(ThreadingHTTPServer):
     allow_reuse_address = True
     owner: RangeHTTPServer
 
+    def handle_error(self, request, client_address) -> None:
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            return  # a client that went away (a worker ended, a read abandoned): not the server's error
+        super().handle_error(request, client_address)
+
 
 class RangeHTTPServer:
     """Serves ``root`` over HTTP/1.1 with ``Range: bytes=a-b`` (206 + Content-Range) and HEAD sizes.
 
-    ``fail(n, status)`` answers the next ``n`` requests with ``status``; ``stop()`` / ``start()``
-    take it down and bring it back on the same port (in this process: DataLoader workers forked
-    meanwhile keep its listening socket open, so test outages with :class:`HTTPProcess`).
+    ``fail(n, status)`` answers the next ``n`` requests with ``status``; ``hold(stems)`` keeps every
+    request for a file with one of those stems unanswered until ``release()`` (a request hung in
+    flight); ``stop()`` / ``start()`` take it down and bring it back on the same port (in this
+    process: DataLoader workers forked meanwhile keep its listening socket open, so test outages
+    with :class:`HTTPProcess`).
     """
 
     def __init__(self, root: Path, port: int = 0) -> None:
@@ -255,6 +263,9 @@ class RangeHTTPServer:
         self.fail_next = 0
         self.fail_status = 503
         self.requests = self.failed = self.ranged = 0
+        self.held_stems: frozenset[str] = frozenset()
+        self.held = 0  # requests being held now
+        self.released = threading.Event()
         self.connections: set[socket.socket] = set()  # open (keep-alive) connections, closed by stop()
         self.port = port
         self._server: _FileServer | None = None
@@ -298,6 +309,24 @@ class RangeHTTPServer:
         with self.lock:
             self.fail_next, self.fail_status = n, status
 
+    def hold(self, stems) -> None:
+        self.released.clear()
+        self.held_stems = frozenset(stems)
+
+    def release(self) -> None:
+        self.held_stems = frozenset()
+        self.released.set()
+
+    def hold_if_asked(self, rel: str) -> None:
+        """Called by each request: wait (up to a minute) while its file's stem is held."""
+        if Path(rel).stem not in self.held_stems:
+            return
+        with self.lock:
+            self.held += 1
+        self.released.wait(60)
+        with self.lock:
+            self.held -= 1
+
     def refuses(self) -> bool:
         with socket.socket() as s:
             return s.connect_ex(("127.0.0.1", self.port)) != 0
@@ -314,6 +343,7 @@ def http_server(tmp_path):
 
     yield serve
     for server in servers:
+        server.release()
         server.stop()
 
 

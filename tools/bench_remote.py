@@ -6,8 +6,9 @@ and once `--shuffle`d for `data.read_block`), then times the loader on both, the
 within each repeat so load on the machine falls on all alike. Prints steady samples/s per core (a
 DataLoader worker is a core; after the first `--warmup` batches), its ratio to local disk at the
 same settings and the ratio from the loader's start (which a run pays once: workers, storage
-clients, first reads), the reads the loader asked for (GETs/s: to set beside each server's ceiling)
-and the CPU the server itself used meanwhile (it shares the machine's cores with the loader). Then
+clients, first reads), the reads the loader asked for (GETs/s: to set beside each server's ceiling),
+the CPU the server itself used meanwhile (it shares the machine's cores with the loader) and the
+slowest close (the last batch until the workers are gone: what a pass pays when it ends). Then
 runs 2 ranks x 2 workers through one epoch from the bucket and prints each rank's fetched bytes
 against its share.
 
@@ -110,19 +111,24 @@ class Timing:
     from_start: float  # samples/s from the loader's start (workers, clients, first reads) to the last batch
     steady: float  # samples/s after the first `warmup` batches: what a run sees once it is going
     gets: float  # GETs/s the loader asked of the storage, over the whole timing
+    close_s: float  # seconds from the last batch until the iterator (its workers) has shut down
 
 
 def time_loader(make_loader, batches: int, batch: int, warmup: int) -> Timing:
     """Time a fresh loader to its `batches`-th batch. Every shard-group read on the way is inside the
-    timing, which is where local and remote storage differ; so is the start, which a run pays once."""
+    timing, which is where local and remote storage differ; so is the start, which a run pays once.
+    Closing it (which a pass pays when it ends) is timed apart."""
     start = warm = time.perf_counter()
     loader = make_loader()
-    for i, _ in enumerate(itertools.islice(loader, batches)):
+    iterator = iter(loader)
+    for i, _ in enumerate(itertools.islice(iterator, batches)):
         if i + 1 == warmup:
             warm = time.perf_counter()
     end = time.perf_counter()
+    del iterator  # the DataLoader shuts its workers down
+    closed = time.perf_counter()
     return Timing(batches * batch / (end - start), (batches - warmup) * batch / (end - warm),
-                  loader.read_requests / (end - start))
+                  loader.read_requests / (end - start), closed - end)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -197,7 +203,7 @@ def main() -> None:
             cores = statistics.median(server_cores[where]) if where in servers else None
             base = med["local disk"]
             rows.append((where, block, m.steady / max(args.workers, 1), m.steady / base.steady,
-                         m.from_start / base.from_start, m.gets, cores))
+                         m.from_start / base.from_start, m.gets, cores, max(t.close_s for t in timings[where])))
 
     print(f"seq 512, micro-batch {args.batch}, {args.workers} workers, groups of {args.shuffle_shards} x "
           f"{args.samples_per_shard} samples; median of {args.repeats} runs of {args.batches} batches from the start "
@@ -217,11 +223,11 @@ def main() -> None:
     if nginx is None:
         print("nginx is not installed: no HTTP row (Debian: apt-get install nginx-light)")
     print(f"{'source':<12} {'read_block':>10} {'steady samples/s/core':>22} {'vs local disk':>14} "
-          f"{'from the start':>15} {'GETs/s':>7} {'server CPU (cores)':>19}")
-    for where, block, per_core, ratio, ratio_start, get_rate, cores in rows:
+          f"{'from the start':>15} {'GETs/s':>7} {'server CPU (cores)':>19} {'slowest close (s)':>18}")
+    for where, block, per_core, ratio, ratio_start, get_rate, cores, close_s in rows:
         server_cpu = "-" if cores is None else f"{cores:.2f}"
         print(f"{where:<12} {block:>10} {per_core:>22.0f} {ratio:>13.2f}x {ratio_start:>14.2f}x {get_rate:>7.0f} "
-              f"{server_cpu:>19}")
+              f"{server_cpu:>19} {close_s:>18.1f}")
 
     local, remote = sets["plain"]["local disk"], sets["plain"]["local S3"]
     shard_bytes = sum(f.stat().st_size for f in Path(local).glob("shard-*.tar"))

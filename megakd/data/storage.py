@@ -285,13 +285,15 @@ class ContentCache:
     (workers, ranks) and later epochs read from here instead of from shared storage. A damaged or
     planted file fails its check and is ignored (and replaced), never trusted. One reader fetches a
     missing object while the others wait for it (a lock file; one older than ``wait_s`` is taken
-    for a crashed fetcher's and broken), so a node fetches each object about once. Any failure of
-    the cache itself (read-only, full) falls back to fetching.
+    for a crashed fetcher's and broken), so a node fetches each object about once. A reader that
+    abandons its fetches in flight gives their locks up (:meth:`release`). Any failure of the cache
+    itself (read-only, full) falls back to fetching.
     """
 
     def __init__(self, root: str | Path, wait_s: float = 60.0) -> None:
         self.root = Path(root)
         self.wait_s = wait_s
+        self._holding: set[Path] = set()  # the locks this object's fetches hold now
 
     @staticmethod
     def _sha256_is(name: str) -> Callable[[bytes], bool]:
@@ -325,6 +327,7 @@ class ContentCache:
             return self._wait_for(path, lock, name, fetch, valid)
         except OSError:
             return fetch()
+        self._holding.add(lock)
         try:
             data = fetch()
             if valid(data):
@@ -335,7 +338,21 @@ class ContentCache:
             return data
         finally:
             os.close(fd)
-            lock.unlink(missing_ok=True)
+            self._give_up(lock)
+
+    def _give_up(self, lock: Path) -> None:
+        try:
+            self._holding.remove(lock)  # atomic: of this fetch's end and release(), one unlinks it
+        except KeyError:
+            return  # released already; the lock there now may be another reader's
+        lock.unlink(missing_ok=True)
+
+    def release(self) -> None:
+        """Give up the locks of this object's fetches still in flight, which their reader abandons (a
+        DataLoader worker that ends does not wait for them). The readers waiting for those objects
+        fetch them themselves at once, instead of waiting ``wait_s`` for a lock nobody will remove."""
+        for lock in list(self._holding):
+            self._give_up(lock)
 
     def discard(self, name: str) -> None:
         """Remove ``name`` (no error if another reader already did)."""

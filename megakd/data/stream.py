@@ -46,7 +46,6 @@ import tarfile
 import threading
 import weakref
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -464,6 +463,41 @@ class ShardGroup:
         return self.epoch, self.index
 
 
+def _in_daemon_threads(call, jobs: list, width: int) -> list:
+    """``[call(job) for job in jobs]``, at most ``width`` at a time, each in a daemon thread; once all
+    have ended, the first error (in job order) is raised.
+
+    Not ``concurrent.futures``: a process joins its pool threads when it exits. A DataLoader worker
+    whose read-ahead was cancelled with a request in flight then waited for that request, and at exit
+    the HTTP client's own retries (its resolver's executor already shut down) made that 10 s and more,
+    which closing the loader paid (docs/data.md, "Read-ahead").
+    """
+    results: list = [None] * len(jobs)
+    errors: list[BaseException | None] = [None] * len(jobs)
+    pending = iter(range(len(jobs)))
+    lock = threading.Lock()
+
+    def work() -> None:
+        while True:
+            with lock:
+                i = next(pending, None)
+            if i is None:
+                return
+            try:
+                results[i] = call(jobs[i])
+            except BaseException as error:  # raised in the caller's thread below
+                errors[i] = error
+
+    threads = [threading.Thread(target=work, daemon=True, name="shard read") for _ in range(min(width, len(jobs)))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if (error := next((e for e in errors if e is not None), None)) is not None:
+        raise error
+    return results
+
+
 class _Prefetch(threading.Thread):
     """Reads one shard group in the background (a daemon: a run that ends never waits for it).
 
@@ -606,8 +640,7 @@ class SampleReader:
             else [None] * len(group.shards)
         jobs = [(int(shard), w, t) for shard, w, t in zip(group.shards, wanted, together)]
         if self.plan.store.remote and len(jobs) > 1:
-            with ThreadPoolExecutor(min(8, len(jobs))) as pool:
-                group.loaded = list(pool.map(lambda job: self._load_shard(group, *job, cancel), jobs))
+            group.loaded = _in_daemon_threads(lambda job: self._load_shard(group, *job, cancel), jobs, width=8)
         else:
             group.loaded = [self._load_shard(group, *job, cancel) for job in jobs]
 
@@ -653,6 +686,9 @@ class SampleReader:
             return True
         logger.debug("read-ahead of epoch %d group %d still finishing a request after %.1f s", ahead.group.epoch,
                      ahead.group.index, timeout)
+        for cache in (self.index_cache, self.shared_reads):
+            if cache is not None:  # the rank's other readers must not wait for what it may never fetch
+                cache.release()
         return False
 
     def sample(self, position: int) -> tuple[int, int, np.ndarray] | None:
@@ -727,9 +763,8 @@ class _RankDataset(IterableDataset):
             # exception raised in a DataLoader worker arrives wrapped in a worker traceback).
             yield {"_error": e}
         finally:
-            # Ended (a worker told to stop, an in-process iterator dropped): give the read-ahead up now.
-            # A worker cannot exit while the read-ahead's fetch threads run, and at its exit a fetch
-            # still going fails and is retried for a minute (concurrent.futures refuses new work then).
+            # Ended (a worker told to stop, an in-process iterator dropped): give the read-ahead up now,
+            # and with it the cache locks of its fetches, which the rank's other workers may be waiting for.
             reader.close(timeout=0)
 
 

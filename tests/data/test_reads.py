@@ -152,3 +152,31 @@ def test_index_cache_breaks_a_dead_fetchers_lock_and_survives_a_read_only_dir(tm
     unusable = tmp_path / "a-file"  # a cache path that cannot be a directory (read-only mounts fail alike)
     unusable.write_text("not a directory")
     assert ContentCache(unusable).get(digest(data), lambda: data) == data
+
+
+def test_a_released_lock_sends_its_waiters_to_fetch_at_once(tmp_path):
+    """A reader that abandons a fetch in flight (a DataLoader worker ending) releases its lock. The
+    readers waiting for the object then fetch it themselves, instead of waiting for the lock to go
+    stale (``wait_s``), which the rank's last workers paid in full when a pass ended."""
+    data = b"a shared read"
+    abandoned, hung = ContentCache(tmp_path / "c", wait_s=60), threading.Event()
+    threading.Thread(target=abandoned.get, args=(digest(data), lambda: (hung.wait(60), b"")[1]), daemon=True).start()
+    lock = tmp_path / "c" / f"{digest(data)}.lock"
+    deadline = time.monotonic() + 10
+    while not lock.exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(ContentCache(tmp_path / "c", wait_s=60).get(
+        digest(data), lambda: data)))
+    waiter.start()
+    waiter.join(0.5)
+    assert waiter.is_alive()  # waiting for the fetch in flight, as it should
+    started = time.monotonic()
+    abandoned.release()
+    waiter.join(5)
+    assert not waiter.is_alive() and time.monotonic() - started < 1.0 and got == [data]
+    assert (tmp_path / "c" / digest(data)).read_bytes() == data and not lock.exists()
+    hung.set()  # the abandoned fetch ends (with nothing): it must not remove what is there now
+    time.sleep(0.1)
+    assert (tmp_path / "c" / digest(data)).read_bytes() == data

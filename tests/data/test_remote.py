@@ -11,6 +11,7 @@ from __future__ import annotations
 # ruff: noqa: F811  (pytest fixtures imported from tests.remote_servers are test arguments)
 import gc
 import itertools
+import multiprocessing
 import shutil
 import signal
 import subprocess
@@ -325,6 +326,36 @@ def test_read_ahead_passed_over_is_cancelled(local, served, tokenizer):
     assert not ahead.is_alive() and isinstance(ahead.error, ReadCancelled)
     assert time.monotonic() - started < 5
     assert reader.close() and not read_aheads(before)
+
+
+def _read_ahead_then_close(reader: SampleReader, go, closed) -> None:
+    reader.sample(0)  # group 0 read; group 1 read ahead, by one thread per shard
+    go.wait()
+    reader.close(timeout=0)  # what a DataLoader worker does when its pass ends
+    closed.set()
+
+
+def test_a_worker_exits_without_waiting_for_a_request_its_cancelled_read_ahead_has_in_flight(served, tokenizer):
+    """A worker's read-ahead is given up with its requests in flight when a pass ends. The process
+    must end at once all the same: before its shard reads ran in daemon threads, it joined them at
+    exit and waited for the request (and the HTTP client's retries at shutdown), 10 s and more."""
+    got = loader(served.url, tokenizer, shuffle_shards=2)
+    reader = SampleReader(got.plan, [])
+    served.hold(Path(got.plan.files[shard]).stem for shard in reader.group_at(0, 1).shards)
+    context = multiprocessing.get_context("fork")
+    go, closed = context.Event(), context.Event()
+    child = context.Process(target=_read_ahead_then_close, args=(reader, go, closed))
+    child.start()
+    try:
+        wait_for(lambda: served.held > 0, timeout=30)  # the read-ahead of group 1 waits for an answer
+        go.set()
+        assert closed.wait(10)
+        child.join(5)
+        assert not child.is_alive(), "the worker waited at exit for its cancelled read-ahead's request"
+        assert child.exitcode == 0 and served.held > 0  # and the request was still unanswered
+    finally:
+        served.release()
+        child.join(10)
 
 
 def test_cancel_during_backoff_returns_promptly():

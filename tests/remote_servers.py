@@ -352,12 +352,6 @@ def http_server(tmp_path):
 REPO = Path(__file__).resolve().parents[1]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class _Restart(threading.Thread):
     """``server._listen(spare, at)`` in a thread; ``join()`` raises what it raised."""
 
@@ -391,7 +385,9 @@ class ServerProcess:
     kind = ""
 
     def __init__(self) -> None:
-        self.port = free_port()
+        from megakd.engine.backends import free_local_port  # here: the server processes stay free of torch
+
+        self.port = free_local_port()
         self.proc: subprocess.Popen | None = None
         self.outages: list[float] = []
         self._stopped_at: float | None = None

@@ -40,11 +40,7 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from megakd.engine.backends import free_local_port  # noqa: E402 (after the environment is set)
 
 
 def wait_listening(server: subprocess.Popen, port: int, name: str) -> None:
@@ -62,7 +58,7 @@ def wait_listening(server: subprocess.Popen, port: int, name: str) -> None:
 def start_s3() -> subprocess.Popen:
     """moto's S3 server in its own process (so it does not share this process's GIL with the loader);
     the AWS_* environment points every client (workers too) at it."""
-    port = free_port()
+    port = free_local_port()
     server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1",
@@ -79,7 +75,7 @@ def start_nginx(root: Path, work: Path) -> tuple[subprocess.Popen, str] | None:
     config of its own in `work`; None where nginx is not installed."""
     if shutil.which("nginx") is None:
         return None
-    port, conf = free_port(), work / "nginx.conf"
+    port, conf = free_local_port(), work / "nginx.conf"
     temp = {k: work / f"nginx-{k}" for k in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")}
     conf.write_text(
         # As root, nginx's workers would drop to `nobody`, who cannot read the bench's private temp dir.

@@ -18,6 +18,7 @@ import datetime
 import logging
 import math
 import os
+import socket
 import sys
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -62,6 +63,13 @@ def init_distributed(dist_backend: str = "auto") -> tuple[int, int, int]:
             torch.cuda.set_device(local_rank)
         create_process_group(dist_backend)
     return rank, world, local_rank
+
+
+def free_local_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a one-process group, a test server)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def require_launcher(name: str) -> None:

@@ -35,14 +35,13 @@ import json
 import logging
 import math
 import os
-import socket
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from megakd.config import BackendConfig, Config, ConfigError
-from megakd.engine.backends import DDPBackend, create_process_group, init_distributed
+from megakd.engine.backends import DDPBackend, create_process_group, free_local_port, init_distributed
 from megakd.engine.units import Unit
 from megakd.errors import UserError
 from megakd.store.checkpoint import DEEPSPEED_TAG
@@ -140,10 +139,7 @@ def init_deepspeed(dist_backend: str) -> tuple[int, int, int]:
     # already exists (e.g. an earlier engine in this process); for a lone process it is 0.
     os.environ.setdefault("LOCAL_RANK", str(local_rank))
     if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        create_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        create_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_local_port()}", rank=0, world_size=1)
     deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False)
     return rank, world, local_rank
 

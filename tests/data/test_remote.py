@@ -27,10 +27,10 @@ import torch
 from megakd.data.shards import INDEX_DTYPE, MANIFEST, read_manifest, sample_key, write_shards
 from megakd.data.storage import ReadCancelled, ShardStore, StorageError, cancel_on
 from megakd.data.stream import PretrainingLoader, SampleReader, ShardError, _Prefetch
+from megakd.engine.backends import free_local_port
 from megakd.errors import UserError
 from tests.data.conftest import corpus_docs, write_jsonl
 from tests.remote_servers import (  # noqa: F401, F811 (fixtures)
-    free_port,
     http_process,
     http_server,
     s3,
@@ -361,7 +361,7 @@ def test_a_worker_exits_without_waiting_for_a_request_its_cancelled_read_ahead_h
 def test_cancel_during_backoff_returns_promptly():
     """A read retrying a dead endpoint (connections refused) inside `cancel_on` gives up out of its backoff
     wait as soon as the event is set: ReadCancelled, not StorageError, and no further try."""
-    store = ShardStore(f"http://127.0.0.1:{free_port()}", retries=8, backoff_s=20.0)
+    store = ShardStore(f"http://127.0.0.1:{free_local_port()}", retries=8, backoff_s=20.0)
     cancel, outcome = threading.Event(), {}
 
     def read() -> None:

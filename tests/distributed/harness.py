@@ -6,7 +6,6 @@ import dataclasses
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ import torch
 from megakd.config import load_config
 from megakd.data.stream import PretrainingLoader
 from megakd.data.tokenizer import Tokenizer
+from megakd.engine.backends import free_local_port
 from megakd.engine.pretrain import build_trainer
 from megakd.engine.runlog import read_metrics as read_metrics_file
 from megakd.store.checkpoint import latest_checkpoint
@@ -24,12 +24,6 @@ from megakd.store.checkpoint_models import read_unit_state
 REPO = Path(__file__).parents[2]
 CONFIG = REPO / "configs" / "electra-tiny.yaml"
 WORKER = Path(__file__).with_name("worker.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def child_env(**extra: str) -> dict[str, str]:
@@ -47,7 +41,7 @@ def torchrun(nprocs: int, runs: list[dict], spec_path: Path, timeout: float = 60
     """Run `runs` (see worker.py) in one `torchrun --nproc_per_node nprocs` launch; raise with its log."""
     spec_path.write_text(json.dumps({"config": str(CONFIG), "runs": runs}))
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nprocs}",
-           f"--master_port={free_port()}", str(WORKER), str(spec_path)]
+           f"--master_port={free_local_port()}", str(WORKER), str(spec_path)]
     proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=timeout)
     if proc.returncode:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n"

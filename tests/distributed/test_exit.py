@@ -15,7 +15,8 @@ import sys
 
 import pytest
 
-from tests.distributed.harness import REPO, child_env, free_port
+from megakd.engine.backends import free_local_port
+from tests.distributed.harness import REPO, child_env
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +43,7 @@ def test_exit_process_ends_every_launch_with_its_code(tmp_path, code):
     script.write_text(SCRIPT)
     for launch in range(6):
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                               f"--master_port={free_port()}", str(script), str(code)],
+                               f"--master_port={free_local_port()}", str(script), str(code)],
                               env=child_env(), capture_output=True, text=True, timeout=120, cwd=REPO)
         assert "terminate called" not in proc.stderr, f"launch {launch}:\n{proc.stderr[-3000:]}"
         assert proc.returncode == (1 if code else 0), f"launch {launch}:\n{proc.stderr[-3000:]}"

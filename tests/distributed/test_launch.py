@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from megakd.engine.backends import free_local_port
 from megakd.store.checkpoint import latest_checkpoint, step_of
 from tests.distributed.harness import (
     CONFIG,
@@ -20,7 +21,6 @@ from tests.distributed.harness import (
     assert_metrics_close,
     assert_same_weights,
     child_env,
-    free_port,
     read_metrics,
     reference_run,
 )
@@ -56,7 +56,7 @@ def test_two_netns_nodes_zero2_match_single_node(tiny_data, tmp_path):
     overrides = tiny_overrides(tiny_data, tmp_path / "nodes", **COMMON, **{"train.max_steps": 3,
                                "backend.name": "deepspeed", "backend.zero_stage": 2})
     _run([str(LAUNCH / "netns_nodes.sh"), str(LAUNCH / "torchrun.sh"), "1", "-c", str(CONFIG), *overrides],
-         MASTER_PORT=str(free_port()))
+         MASTER_PORT=str(free_local_port()))
     reference_run(tiny_overrides(tiny_data, tmp_path / "reference", **COMMON, **{"train.max_steps": 3}), world=2)
     _assert_matches_reference(tmp_path / "nodes", tmp_path / "reference", [1, 2, 3])
 
@@ -67,7 +67,7 @@ def test_signal_checkpoints_and_next_launch_resumes(tiny_data, tmp_path):
     run_dir = tmp_path / "run"
     overrides = tiny_overrides(tiny_data, run_dir, **COMMON, **{"train.max_steps": 500, "backend.name": "deepspeed",
                                                                 "backend.zero_stage": 1})
-    cmd = [str(LAUNCH / "deepspeed.sh"), "--num_gpus", "2", "--master_port", str(free_port()), "-c", str(CONFIG),
+    cmd = [str(LAUNCH / "deepspeed.sh"), "--num_gpus", "2", "--master_port", str(free_local_port()), "-c", str(CONFIG),
            *overrides]
     log = (tmp_path / "first.log").open("w")
     proc = subprocess.Popen(cmd, env=child_env(), stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
@@ -92,6 +92,6 @@ def test_signal_checkpoints_and_next_launch_resumes(tiny_data, tmp_path):
     resume = tiny_overrides(tiny_data, run_dir, **COMMON, **{"train.max_steps": total, "backend.name": "deepspeed",
                                                              "backend.zero_stage": 1})
     _run([str(LAUNCH / "torchrun.sh"), "2", "-c", str(CONFIG), "--resume", "auto", *resume],
-         MASTER_PORT=str(free_port()))
+         MASTER_PORT=str(free_local_port()))
     reference_run(tiny_overrides(tiny_data, tmp_path / "reference", **COMMON, **{"train.max_steps": total}), world=2)
     _assert_matches_reference(run_dir, tmp_path / "reference", list(range(1, total + 1)))

@@ -44,6 +44,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megakd.engine.backends import free_local_port
 from megakd.engine.deepspeed_backend import DeepSpeedBackend
 from megakd.engine.pipeline import PipelineBackend
 from megakd.engine.trainer import Trainer
@@ -55,7 +56,6 @@ from tests.distributed.harness import (
     CONFIG,
     assert_metrics_close,
     child_env,
-    free_port,
     read_metrics,
 )
 from tests.helpers import tiny_overrides
@@ -75,7 +75,7 @@ STATE_FILE = "loaded_state.pt"
 def _launch(nprocs: int, runs: list[dict], spec_path: Path, timeout: float = 900) -> None:
     spec_path.write_text(json.dumps({"config": str(CONFIG), "runs": runs}))
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nprocs}",
-           f"--master_port={free_port()}", __file__, str(spec_path)]
+           f"--master_port={free_local_port()}", __file__, str(spec_path)]
     proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=timeout)
     if proc.returncode:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n"

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
+from megakd.engine.backends import free_local_port
 from megakd.store.checkpoint import latest_checkpoint, list_checkpoints, step_of
-from tests.distributed.harness import child_env, free_port
+from tests.distributed.harness import child_env
 from tests.faults.harness import REPO, megakd
 from tests.helpers import tiny_overrides
 
@@ -124,7 +125,7 @@ def test_signal_under_torchrun_with_workers(tiny_data, tmp_path, to_one_rank):
     both ranks and all four workers; a SIGUSR1 to rank 1 alone reaches only it. Either way both
     ranks agree (all-reduced flag) to stop after the same step and write one consistent checkpoint."""
     run, log = tmp_path / "run", tmp_path / "log"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_local_port()}",
            "-m", "megakd.cli", "pretrain", "-c", "configs/electra-tiny.yaml",
            *tiny_overrides(tiny_data, run, **{**LONG, "backend.name": "ddp", "data.num_workers": 2,
                                               "train.global_batch_size": 16})]

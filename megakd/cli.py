@@ -569,7 +569,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="small settings, for tests of the report's structure")
     p.add_argument("--seeds", type=int, nargs="+", help="override the finding's seeds")
     p.add_argument("--recipe", help="the pretraining recipe the finding trains from (default: the finding's own; "
-                   "with all: replaces configs/electra-mini.yaml in disc_lr, soteacher, labelreg and tgt)")
+                   "with several: replaces configs/electra-mini.yaml in disc_lr, soteacher and tgt)")
     p.add_argument("--out", default="docs/REPRODUCTION.md", help="the report (its other sections are kept)")
     p.add_argument("--work", default="runs/repro", help="scratch directory for the runs")
     p.add_argument("--jobs", type=int, default=2,

@@ -176,11 +176,16 @@ def _step_flops(cfg: Config) -> StepFlops:
     return step_flops(cfg, cfg.train.global_batch_size)
 
 
+def finetuned_model(cfg: Config) -> str:
+    """Which model of a pretraining config fine-tuning starts from: an ELECTRA run's discriminator, a
+    masked LM's own (`generator`)."""
+    return "discriminator" if cfg.model.objective == "electra" else "generator"
+
+
 def _encoder_flops(cfg: Config) -> float:
     """Forward FLOPs per token of the encoder a pretraining config hands to fine-tuning."""
     cfg = finish_config(cfg)
-    encoder = cfg.model.discriminator if cfg.model.objective == "electra" else cfg.model.generator
-    return encoder_flops_per_token(encoder, cfg.data.seq_len)
+    return encoder_flops_per_token(getattr(cfg.model, finetuned_model(cfg)), cfg.data.seq_len)
 
 
 @dataclass(frozen=True)
@@ -256,6 +261,12 @@ class FindingRun:
     def pretrained(self) -> str:
         """How the report names the shared encoder: its recipe and at which sizes it was pretrained."""
         return f"`{self.recipe.name}` pretrained ({'quick sizes' if self.quick else 'the full recipe'})"
+
+    @property
+    def encoder(self) -> str:
+        """What of a pretraining run of the recipe fine-tuning starts from, as the report names it."""
+        return {"discriminator": "the discriminator", "generator": "the masked LM"}[
+            finetuned_model(load_config(self.recipe, []))]
 
     @property
     def seeds_override(self) -> str:

@@ -20,7 +20,7 @@ from megakd.finish import finish_config
 from megakd.repro.dwt import TEACHERS as DWT_TEACHERS
 from megakd.repro.findings import FINDINGS, MODULES
 from megakd.repro.report import write_text_atomically
-from megakd.repro.runs import FINETUNE_RT, FULL_FINETUNE, Settings, student_overrides
+from megakd.repro.runs import FINETUNE_RT, FULL_FINETUNE, Settings, finetuned_model, student_overrides
 from megakd.repro.soteacher import SOTEACHER_RT
 from megakd.repro.tgt import TGT_RT
 
@@ -62,12 +62,16 @@ PAPERS: dict[str, PaperRegime] = {
 }
 
 # megakd's side: the parameter_counts entry the claim is about. soteacher, labelreg and tgt are
-# judged by fine-tuning the shared student, with the recipe's own discriminator fine-tuned as the
-# teacher or labeler (megakd/repro/labelreg.py, soteacher.py, tgt.py): their model is the student,
-# their LR the student's fine-tuning one.
-MEASURED = {"lambda": "total", "disc_lr": "total", "dwt": "generator", "soteacher": "discriminator",
-            "labelreg": "discriminator", "tgt": "discriminator"}
+# judged by fine-tuning the shared student, with the recipe's own encoder (`finetuned_model`: an
+# ELECTRA run's discriminator, a masked LM's own) fine-tuned as the teacher or labeler
+# (megakd/repro/labelreg.py, soteacher.py, tgt.py): their model is the student, their LR the
+# student's fine-tuning one.
+MEASURED = {"lambda": "total", "disc_lr": "total", "dwt": "generator"}
 SHARED_ENCODER = {"soteacher": SOTEACHER_RT, "labelreg": FINETUNE_RT, "tgt": TGT_RT}  # -> their fine-tuning recipe
+
+
+def _measured(name: str, cfg) -> str:
+    return MEASURED.get(name) or finetuned_model(cfg)
 
 
 def _training(name: str, cfg) -> str:
@@ -77,7 +81,7 @@ def _training(name: str, cfg) -> str:
             else {cfg.optim.generator.lr}
         return f"{' / '.join(f'{lr:g}' for lr in sorted(lrs))}, batch {cfg.train.global_batch_size}"
     f = load_config(SHARED_ENCODER[name], list(FULL_FINETUNE), cls=FinetuneConfig)  # cfg: the student's
-    lr = auto_lr(cfg.model.discriminator.hidden_size) if f.finetune.lr == "auto" else f.finetune.lr
+    lr = auto_lr(getattr(cfg.model, finetuned_model(cfg)).hidden_size) if f.finetune.lr == "auto" else f.finetune.lr
     return (f"AdaMax {lr:.3g}, batch {f.finetune.batch_size}, {f.finetune.epochs} epochs over "
             f"{f.task.max_train_examples:,} RT sentences")
 
@@ -118,12 +122,12 @@ def scale_rows() -> list[list[str]]:
     for name in FINDINGS:
         paper = PAPERS[name]
         cfg = _finding_config(name, student_overrides() if name in SHARED_ENCODER else ())
-        here = parameter_counts(cfg)[MEASURED[name]]
+        here = parameter_counts(cfg)[_measured(name, cfg)]
         paper_cfg = finish_config(load_config(CONFIGS / paper.config, [])) if paper.config else None
         paper_params = paper.params or parameter_counts(paper_cfg)["total"]
         paper_tokens = paper.tokens or (_tokens(paper_cfg) if paper_cfg else None)
         if name in SHARED_ENCODER:
-            teacher = f"{parameter_counts(_finding_config(name))['discriminator'] / here:.2g}×"
+            teacher = f"{parameter_counts(_finding_config(name))[finetuned_model(cfg)] / here:.2g}×"
         elif name == "dwt":
             ratios = [parameter_counts(_finding_config(name, (f"model.generator.num_layers={layers}",)))["generator"]
                       / here for layers in DWT_TEACHERS.values()]
@@ -137,8 +141,9 @@ def scale_rows() -> list[list[str]]:
                            + (f" ({_times(paper_tokens / _tokens(whole))} fewer)" if paper_tokens else ""))
         rows.append([
             f"`{name}`",
-            f"{paper.model} → {Path(_full(name).recipe).name} ({_encoder_shape(cfg, MEASURED[name])}"
-            + (f" student, {_encoder_shape(_finding_config(name), 'discriminator')} teacher)" if name in SHARED_ENCODER
+            f"{paper.model} → {Path(_full(name).recipe).name} ({_encoder_shape(cfg, _measured(name, cfg))}"
+            + (f" student, {_encoder_shape(_finding_config(name), finetuned_model(cfg))} teacher)"
+               if name in SHARED_ENCODER
                else ")"),
             f"{_count(paper_params)} → {_count(here)} ({_times(paper_params / here)} fewer here)",
             f"{paper.teacher_ratio} → {teacher}",

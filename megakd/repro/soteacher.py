@@ -70,7 +70,7 @@ def declare(run: FindingRun) -> ReportFn:
         plot = _plot(measured, run.out_dir / "repro" / "soteacher.png")
         draws = run.settings.draws
         setup = (f"`{run.command}`: `configs/soteacher-rt.yaml` (λ_LR 1e-5, λ_CR 1 linear, {epochs} epochs; "
-                 f"student: KD α 0.5, τ 4, τ²) on RT; teachers fine-tuned from the discriminator of {run.pretrained}, "
+                 f"student: KD α 0.5, τ 4, τ²) on RT; teachers fine-tuned from {run.encoder} of {run.pretrained}, "
                  f"pretrained {len(draws)} times (draws: train.seed "
                  f"{', '.join(map(str, draws))}); students randomly initialised with the smaller shared student's "
                  f"architecture (both models of the recipe at {run.student_size}; the scale table gives the size "

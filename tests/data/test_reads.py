@@ -175,7 +175,7 @@ def test_a_released_lock_sends_its_waiters_to_fetch_at_once(tmp_path):
     started = time.monotonic()
     abandoned.release()
     waiter.join(5)
-    assert not waiter.is_alive() and time.monotonic() - started < 1.0 and got == [data]
+    assert not waiter.is_alive() and time.monotonic() - started < 3.0 and got == [data]  # not wait_s (60 s)
     assert (tmp_path / "c" / digest(data)).read_bytes() == data and not lock.exists()
     hung.set()  # the abandoned fetch ends (with nothing): it must not remove what is there now
     time.sleep(0.1)

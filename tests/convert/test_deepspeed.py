@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ from torch import nn
 from megakd.config import load_config
 from megakd.configio import save_config
 from megakd.convert import ConversionError, to_hf
+from megakd.engine.backends import free_local_port
 from megakd.models.electra import MaskedLM
 from megakd.store.checkpoint import write_manifest
 from tests.helpers import TINY_VOCAB, tiny_overrides
@@ -34,11 +34,8 @@ class _Loss(nn.Module):
 
 @pytest.fixture(scope="module", autouse=True)
 def _single_process_world():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(port)}
+           "MASTER_PORT": str(free_local_port())}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     yield

@@ -677,8 +677,9 @@ class SampleReader:
 
     def close(self, timeout: float = 2.0) -> bool:
         """Give up the read-ahead (if any) and wait up to ``timeout`` s for its thread to end; whether it
-        has (a request already under way is not interrupted). The reader stays usable: a later
-        :meth:`sample` reads again."""
+        has (a request already under way is not interrupted; if one is, the cache locks of its fetches
+        are given up, so the rank's other readers do not wait for it). The reader stays usable: a
+        later :meth:`sample` reads again."""
         ahead, self._ahead = self._ahead, None
         if ahead is None or ahead.close(timeout):
             if ahead is not None:

@@ -10,7 +10,7 @@ two pretraining draws of teacher and student.
 The paper's regime needs a pretrained student that pays off downstream and a teacher clearly
 stronger than it. The recipe is therefore `bert-mini-long.yaml`, the masked LM that pays off here
 at 4 × 128 (docs/recipes.md, "Does pretraining pay off here?"): the student is its 2 × 64 version
-(the shared student size), KD's teacher the 4 × 128 one fine-tuned (3.7× the parameters). Under
+(the shared student size), KD's teacher the 4 × 128 one fine-tuned (3.6× the parameters). Under
 `electra-mini.yaml` (the report's first form) the 2 × 64 student fine-tuned no better than its
 random init, so "pretrained vs random init" did not separate the students.
 """

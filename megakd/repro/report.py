@@ -7,11 +7,14 @@ the report accumulates. The file is written atomically.
 
 from __future__ import annotations
 
+import ast
 import math
 import re
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import yaml
 
 from megakd.repro.findings import MODULES
 
@@ -26,7 +29,7 @@ reproduced, not reproduced at this scale, or inconclusive, with the reason. Noth
 until a finding appears: the settings are fixed in `megakd/repro/` before the run. Each section
 ends with the commit of the code that measured it; `megakd repro all --plan` lists the sections
 whose measuring code (megakd/, kernels/, configs/; another finding's module aside) has changed
-since.
+since (a change to comments, docstrings or layout alone does not count).
 
 Where a section pretrains each arm once and its seeds are fine-tuning seeds (its setup says
 which), a p-value over those seeds says how sure the difference is *for those pretrained
@@ -132,6 +135,46 @@ def _git(*args: str) -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
+def code_changes(since: str, paths: tuple[str, ...]) -> list[str] | None:
+    """`%h %s` of each commit after `since` that changed how `paths` run (None: git cannot tell). A commit
+    that only edits comments, docstrings or layout does not count: Python is compared by its syntax tree
+    without docstrings, YAML by the value it loads, anything else byte for byte."""
+    log = _git("log", "--format=%x00%h %s", "--name-only", f"{since}..HEAD", "--", *paths)
+    if log is None:
+        return None
+    changes = []
+    for entry in filter(None, log.split("\0")):
+        subject, *files = entry.strip().splitlines()
+        if any(_runs_differently(subject.split()[0], f) for f in files if f):
+            changes.append(subject)
+    return changes
+
+
+def _runs_differently(commit: str, path: str) -> bool:
+    before, after = _git("show", f"{commit}^:{path}"), _git("show", f"{commit}:{path}")
+    if before is None or after is None:  # added or removed
+        return True
+    try:
+        return _meaning(path, before) != _meaning(path, after)
+    except (SyntaxError, ValueError, yaml.YAMLError):  # not parseable: compare the text
+        return before != after
+
+
+def _meaning(path: str, text: str) -> object:
+    if path.endswith(".py"):
+        tree = ast.parse(text)
+        for node in ast.walk(tree):
+            body = getattr(node, "body", None)
+            if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
+                    and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                    and isinstance(body[0].value.value, str)):
+                node.body = body[1:] or [ast.Pass()]
+        return ast.dump(tree)
+    if path.endswith((".yaml", ".yml")):
+        return yaml.safe_load(text)
+    return text
+
+
 def code_version() -> str:
     """The commit of the measuring code (`+changes`: megakd/, kernels/ or configs/ differ from it), or
     `version X` outside a git checkout."""
@@ -157,22 +200,20 @@ def section_versions(report: str | Path) -> dict[str, str | None]:
 
 
 def staleness(report: str | Path) -> list[str]:
-    """One line per section of `report`: the code that measured it and the commits that have changed the
-    code it runs (`measuring_paths`) since, so an older measurement shows before it is trusted, and what
-    changed can be read before deciding to re-run it."""
+    """One line per section of `report`: the code that measured it and the commits that have changed how
+    the code it runs (`measuring_paths`) works since (`code_changes`), so an older measurement shows before
+    it is trusted, and what changed can be read before deciding to re-run it."""
     lines = []
     for name, stamp in section_versions(report).items():
         commit = re.fullmatch(r"([0-9a-f]{7,40})(\+changes)?", stamp or "")
-        log = (_git("log", "--format=%h %s", f"{commit.group(1)}..HEAD", "--", *measuring_paths(name))
-               if commit else None)
+        changes = code_changes(commit.group(1), measuring_paths(name)) if commit else None
         if stamp is None:
             lines.append(f"{name}: measuring code not recorded (re-run it to stamp it)")
-        elif log is None:
+        elif changes is None:
             lines.append(f"{name}: measured with {stamp}, which this checkout cannot compare with")
-        elif not log and not commit.group(2):
+        elif not changes and not commit.group(2):
             lines.append(f"{name}: measured with {stamp}, the current measuring code")
         else:
-            changes = log.splitlines()
             shown = "; ".join(c if len(c) <= 80 else c[:79] + "…" for c in changes[:MAX_LISTED])
             more = f"; {len(changes) - MAX_LISTED} more" if len(changes) > MAX_LISTED else ""
             lines.append(f"{name}: measured with {stamp}; {len(changes)} commit(s) changed the code it runs "

@@ -73,13 +73,15 @@ def _head(repo) -> str:
 
 def test_sections_say_which_code_measured_them_and_whether_it_changed_since(tmp_path, monkeypatch):
     """A section is stamped with the measuring commit; `repro --plan`'s lines mark it once megakd/, kernels/
-    or configs/ change, not when only docs or another finding's module do, and mark an unstamped section and
-    uncommitted code."""
+    or configs/ change, not when only docs, another finding's module, or comments, docstrings and layout do,
+    and mark an unstamped section and uncommitted code."""
     from megakd.repro import report
 
     repo = tmp_path / "src"
     (repo / "megakd").mkdir(parents=True)
     (repo / "megakd" / "a.py").write_text("x = 1\n")
+    (repo / "configs").mkdir()
+    (repo / "configs" / "r.yaml").write_text("lr: 0.001\n")
     _git(repo, "init", "-q")
     _git(repo, "add", "-A")
     _git(repo, "commit", "-qm", "one")
@@ -101,6 +103,10 @@ def test_sections_say_which_code_measured_them_and_whether_it_changed_since(tmp_
     _git(repo, "add", "-A")
     _git(repo, "commit", "-qm", "tgt's settings")
     assert "the current measuring code" in report.staleness(out)[0]
+    (repo / "megakd" / "a.py").write_text('"""Why x is one."""\n\n# a comment\nx = (1)  # still one\n')
+    (repo / "configs" / "r.yaml").write_text("# the paper's LR\nlr: 1.0e-3\n")
+    _git(repo, "commit", "-qam", "comments, a docstring and layout only")
+    assert "the current measuring code" in report.staleness(out)[0]
     (repo / "megakd" / "a.py").write_text("x = 2\n")
     assert report.code_version() == _head(repo) + "+changes"  # measured with code that no commit holds
     _git(repo, "commit", "-qam", "code")
@@ -112,6 +118,10 @@ def test_sections_say_which_code_measured_them_and_whether_it_changed_since(tmp_
         _git(repo, "commit", "-qam", f"change {i}")
     assert f"4 commit(s) changed the code it runs (megakd/, kernels/, configs/) since ({_head(repo)} change 2; " \
            in report.staleness(out)[0] and "; 1 more): older code" in report.staleness(out)[0]
+    (repo / "configs" / "r.yaml").write_text("lr: 0.002\n")
+    _git(repo, "commit", "-qam", "a recipe's value")
+    assert f"5 commit(s) changed the code it runs (megakd/, kernels/, configs/) since ({_head(repo)} a recipe's " \
+           in report.staleness(out)[0]
 
 
 def test_the_reports_scale_table_is_the_one_the_findings_settings_give():

@@ -440,13 +440,42 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plans = plan(cfg, hw, args.gpus, args.gpu_mem, zero=args.zero, pp=args.pp, micro_batches=args.micro_batch,
                  efficiency=args.efficiency, overlap=args.overlap, reserve_gib=args.reserve_gb)
     counts = parameter_counts(cfg)
-    emit(format_plan(cfg, hw, args.gpus, args.gpu_mem, counts, model_flops(cfg), plans, args.top,
-                     args.efficiency, storage))
+    table = format_plan(cfg, hw, args.gpus, args.gpu_mem, counts, model_flops(cfg), plans, args.top,
+                        args.efficiency, storage)
+    if args.emit_overrides:  # stdout: only the words, for $(megakd plan ... --emit-overrides) in a launcher line
+        print(table.split("\n\n")[0], file=sys.stderr)
+        emit(" ".join(_runnable_overrides(args, cfg, plans)))
+    else:
+        emit(table)
     if args.json:
         Path(args.json).write_text(json.dumps({"parameters": counts, "flops": model_flops(cfg).to_dict(),
                                                "storage": storage.to_dict(),
                                                "plans": [p.to_dict() for p in plans]}, indent=1))
     return 0
+
+
+def _runnable_overrides(args: argparse.Namespace, cfg: Config, plans: list) -> list[str]:
+    """The user's overrides and the fastest fitting layout that megakd's config validation accepts (the
+    planner also weighs layouts the pipeline backend refuses, e.g. ZeRO-1 or bf16 with pipeline stages)."""
+    from megakd.bench.planner import layout_overrides
+
+    given = [*args.overrides, *args.set_overrides]
+    refused = []
+    for rank, p in enumerate((p for p in plans if p.fits), 1):
+        words = [*given, *layout_overrides(cfg, p.layout)]
+        try:
+            load_config(args.config, words)
+        except ConfigError as err:
+            refused.append((rank, str(err)))
+            continue
+        print(f"layout #{rank}: ZeRO-{p.layout.zero_stage}, {p.layout.pipeline_stages} pipeline stage(s), "
+              f"micro-batch {p.layout.micro_batch} x {p.accumulation} accumulation on {args.gpus} GPUs, "
+              f"step {p.step_s:.2f} s" + "".join(f"\n  skipped #{r}: {why}" for r, why in refused), file=sys.stderr)
+        return words
+    reasons = "; ".join(dict.fromkeys(why for _, why in refused))  # each reason once
+    raise UserError(f"--emit-overrides: no layout fits in {args.gpu_mem:g} GB"
+                    + (f" that megakd runs ({len(refused)} refused: {reasons})" if refused else "")
+                    + "; try more GPUs, --gpu-mem or other --zero/--pp")
 
 
 BENCH_PARTS = ("collectives", "matmul", "loader", "train")
@@ -664,7 +693,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl = command(sub, "plan", "memory/throughput planner: layouts that fit, best first", _examples(
         "megakd plan configs/electra-base.yaml --gpus 64 --gpu-mem 80 --gpu h100 --storage-gbps 10",
         "megakd plan configs/electra-large.yaml --gpus 32 --gpu-mem 40 --zero 2 train.precision=bf16",
-        "megakd plan configs/electra-base.yaml --gpus 8 --gpu-mem 80 --bench bench/bench_w8.json"))
+        "megakd plan configs/electra-base.yaml --gpus 8 --gpu-mem 80 --bench bench/bench_w8.json",
+        "megakd plan configs/electra-base.yaml --gpus 64 --gpu-mem 80 --emit-overrides  # for the launcher line"))
     pl.add_argument("config", help="pretraining recipe, e.g. configs/electra-base.yaml")
     pl.add_argument("--gpus", type=int, required=True, help="GPUs in all")
     pl.add_argument("--gpu-mem", type=float, required=True, help="memory per GPU in GB (GiB), e.g. 40 or 80")
@@ -678,6 +708,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--reserve-gb", type=float, default=2.0, help="memory kept free (CUDA context, fragmentation)")
     pl.add_argument("--top", type=int, default=10, help="layouts printed")
     pl.add_argument("--json", help="also write every evaluated layout here")
+    pl.add_argument("--emit-overrides", action="store_true",
+                    help="print only the fastest runnable layout as key=value overrides for the launcher line "
+                         "(with the given overrides; the hardware and the chosen row go to stderr)")
     pl.add_argument("--storage-gbps", metavar="GBPS",
                     help="aggregate shared-storage read bandwidth in GB/s (1 GB = 1e9 bytes): a step "
                          "takes at least its reads / this; a warning when that bounds the step "

@@ -261,6 +261,15 @@ def plan(cfg: Config, hw: Hardware, gpus: int, gpu_mem_gib: float, *, zero: int 
                                         p.memory["total"]))
 
 
+def layout_overrides(cfg: Config, layout: ParallelPlan) -> list[str]:
+    """A plan's layout as the `key=value` overrides a launcher line takes (the accumulation follows from
+    train.global_batch_size, the micro-batch and the world size the launcher starts)."""
+    words = ["backend.name=deepspeed", f"backend.zero_stage={layout.zero_stage}",
+             f"backend.pipeline_stages={layout.pipeline_stages}", f"train.micro_batch_size={layout.micro_batch}"]
+    models = ("generator", "discriminator") if cfg.model.objective == "electra" else ("generator",)
+    return words + [f"model.{m}.activation_checkpointing={str(layout.checkpointing).lower()}" for m in models]
+
+
 TAR_BLOCK = 512  # a tar member: one 512-byte header block + its data rounded up to whole blocks
 NPY_HEADER = 128  # np.save's header of a 1-D uint16/uint32 array (format 1.0, padded to 64 bytes)
 INDEX_BYTES_PER_SAMPLE = 12  # a member index record (size and digest), fetched once a run per node

@@ -166,3 +166,31 @@ def test_cli_plan_reports_storage(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "7.55 MB per step" in text and "warning: storage-bound:" in text
     assert json.loads(out.read_text())["storage"]["step_bytes"] == math.ceil(2048 * 3072 * 1.2)
+
+
+def test_emit_overrides_is_the_best_runnable_layout_as_a_launcher_takes_it(capsys):
+    """stdout holds only the words; loaded onto the recipe they are the plan's first fitting row, and the
+    hardware preset the numbers assume is named on stderr."""
+    assert main(["plan", "configs/electra-base.yaml", "--gpus", "8", "--gpu-mem", "40", "--emit-overrides"]) == 0
+    captured = capsys.readouterr()
+    words = captured.out.split()
+    cfg = finish_config(load_config("configs/electra-base.yaml", words))
+    best = next(p for p in plan(cfg, GPUS["a100"], 8, 40) if p.fits)
+    assert ParallelPlan(cfg.backend.zero_stage, cfg.backend.pipeline_stages, cfg.train.micro_batch_size,
+                        cfg.model.discriminator.activation_checkpointing) == best.layout
+    assert cfg.backend.name == "deepspeed" and "hardware: 8 x A100-SXM4" in captured.err
+
+
+def test_emit_overrides_skips_layouts_the_config_refuses(capsys):
+    """The planner weighs ZeRO-1 pipelines, which megakd's pipeline backend refuses: such rows are skipped with
+    the config's reason, and with none left the command stops in one line (exit 2)."""
+    args = ["plan", "configs/electra-base.yaml", "--gpus", "8", "--gpu-mem", "40", "--pp", "2", "--emit-overrides"]
+    assert main([*args, "train.precision=fp32"]) == 0
+    captured = capsys.readouterr()
+    assert "skipped #1: backend.pipeline_stages=2 needs backend.zero_stage=0" in captured.err
+    words = captured.out.split()
+    assert words[0] == "train.precision=fp32" and "backend.zero_stage=0" in words
+    load_config("configs/electra-base.yaml", words)  # runnable as emitted
+    assert main(args) == 2  # bf16: no pipeline layout megakd runs
+    error = capsys.readouterr().err.splitlines()[-1]  # after the hardware lines, one line
+    assert error.startswith("megakd: error: --emit-overrides:") and "needs train.precision=fp32" in error

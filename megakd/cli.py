@@ -15,6 +15,7 @@ import os
 import re
 import signal
 import sys
+import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -75,6 +76,7 @@ def _train(args: argparse.Namespace, entry: str) -> int:
     from megakd.engine import pretrain
 
     run = getattr(pretrain, entry)
+    started = time.monotonic()
     export = None
     if cfg.run.export_hf:  # written by rank 0 once the run finished, under its lock (`RunSession.export`)
         from megakd.convert import export_run
@@ -93,7 +95,33 @@ def _train(args: argparse.Namespace, entry: str) -> int:
     if result.exported is not None:
         log.info("exported HuggingFace model to %s", result.exported)
     log.info("finished %d steps; run directory %s", result.step, result.run_dir)
+    metrics = Path(result.run_dir) / "metrics.jsonl"
+    if _rank() == 0 and metrics.is_file():  # rank 0 writes the metrics
+        from megakd.engine.runlog import summarize_run
+
+        log.info("%s", run_report(summarize_run(metrics), result.run_dir, time.monotonic() - started,
+                                  result.exported))
     return 0
+
+
+def run_report(summary: dict, run_dir: Path, seconds: float, exported: Path | None) -> str:
+    """The end of every pretraining command: what the run learned, in the figures the README quotes."""
+    minutes, secs = divmod(round(seconds), 60)
+    lines = [f"summary of {run_dir}: step {summary['last_step']}, {minutes} min {secs} s in this command"]
+    if summary["tail"]:
+        first, last, rows = summary["tail_steps"]
+        lines.append(f"  last 10 % of logged steps ({rows} lines, steps {first}-{last}): "
+                     + ", ".join(f"{k} {v:.3f}" for k, v in summary["tail"].items()))
+    if summary["best_val"]:
+        lines.append("  best validation: " + ", ".join(f"{k} {v:.3f} (step {step})"
+                                                        for k, (v, step) in summary["best_val"].items()))
+    if summary["probe"]:
+        (last, at), (best, best_at) = summary["probe"]["last"], summary["probe"]["best"]
+        lines.append(f"  probe: accuracy {last:.3f} at step {at} (best {best:.3f} at step {best_at})")
+    lines.append(f"  HuggingFace export: {exported}" if exported is not None
+                 else "  HuggingFace export: none (run.export_hf=false); megakd convert to-hf makes one")
+    lines.append(f"  metrics: {run_dir}/metrics.jsonl, plots: {run_dir}/plots/")
+    return "\n".join(lines)
 
 
 def cmd_finetune(args: argparse.Namespace) -> int:
@@ -123,6 +151,32 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     finally:
         runtime.close()
     log.info("fine-tuning finished; summary in %s/summary.json", cfg.run.dir)
+    return 0
+
+
+def cmd_glue(args: argparse.Namespace) -> int:
+    """A model over the GLUE tasks (megakd/glue/run.py); exit codes as for `megakd finetune`."""
+    from megakd.glue.config import GlueConfig
+
+    cfg = load_config(args.config, args.overrides, cls=GlueConfig)
+    if args.print_config:
+        print_config(cfg)
+        return 0
+    from megakd.finetune.runtime import Runtime, Stopped, describe
+    from megakd.glue.run import check_data, run_glue
+
+    check_data(cfg)  # a missing split stops here, before run.dir is touched
+    runtime = Runtime(cfg, resume=args.resume)
+    try:
+        runtime.open()
+        log.info("GLUE on %s", describe(runtime))
+        run_glue(cfg, runtime)
+    except Stopped as stop:
+        log.warning("stopped on a signal after a checkpoint; run the same command with --resume auto to continue")
+        return EXIT_INTERRUPTED if stop.interrupted else 0
+    finally:
+        runtime.close()
+    log.info("GLUE finished; results in %s/results.json and results.md", cfg.run.dir)
     return 0
 
 
@@ -556,6 +610,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. finetune.seeds=[1,2,3]")
     p.set_defaults(func=cmd_finetune)
+
+    p = command(sub, "glue", "GLUE as the papers report it: the benchmark's files, its metrics, seeds' medians, "
+                "the test-set submission", _examples(
+                    "python tools/make_glue_data.py --out glue_data  # small stand-in GLUE files (CPU example)",
+                    "megakd glue -c configs/glue.yaml model.path=runs/electra-tiny/hf/discriminator "
+                    "glue.data_dir=glue_data glue.tasks=[cola,sst2,mrpc,stsb]",
+                    "launch/torchrun.sh 8 glue -c configs/glue.yaml model.path=hf-base glue.data_dir=glue_data",
+                    note="docs/glue.md: getting GLUE onto an offline cluster, the protocol, the submission."))
+    p.add_argument("-c", "--config", required=True, help="YAML recipe, e.g. configs/glue.yaml")
+    p.add_argument("--resume", choices=["auto"], help="'auto': reuse finished tasks and seeds in run.dir and "
+                   "continue the unfinished seed from its newest intact checkpoint")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. glue.tasks=[cola,rte]")
+    p.set_defaults(func=cmd_glue)
 
     p = command(sub, "distill", "DWT: pretraining with a frozen teacher MLM (distill.teacher) on the "
                 "student's MLM loss", _examples(

@@ -216,6 +216,41 @@ def read_metrics(path: Path) -> list[dict]:
     return [json.loads(ln) for ln in Path(path).read_text().splitlines() if ln.strip()]
 
 
+def tail_mean(rows: list[dict], key: str, fraction: float = 0.1) -> float:
+    """Mean of `key` over the logged steps in the last `fraction` of the run (at least one row)."""
+    values = [r[key] for r in rows if key in r]
+    if not values:
+        raise KeyError(f"no logged step has {key!r}")
+    tail = values[-max(1, round(fraction * len(values))):]
+    return sum(tail) / len(tail)
+
+
+# What the end-of-run summary averages over the last 10 % of logged steps (the figures the README quotes).
+TAIL_KEYS = ("gen_loss", "gen_acc", "disc_loss", "rtd_f1", "rtd_precision", "rtd_recall", "kd_loss")
+
+
+def summarize_run(metrics_path: Path) -> dict:
+    """What a run learned, from its metrics.jsonl: the last-10 % averages of `TAIL_KEYS` (and the steps they
+    span), the best value and step of every validation metric (losses lowest, scores highest), and the
+    probe's last and best accuracy. Read after training: it changes nothing a run computes."""
+    records = [r for r in read_metrics(metrics_path) if "step" in r]
+    summary: dict = {"last_step": records[-1]["step"] if records else 0, "tail": {}, "best_val": {}, "probe": {}}
+    logged = [r for r in records if any(k in r for k in TAIL_KEYS)]
+    if logged:
+        tail = logged[-max(1, round(0.1 * len(logged))):]
+        summary["tail_steps"] = (tail[0]["step"], tail[-1]["step"], len(tail))
+        summary["tail"] = {k: tail_mean(logged, k) for k in TAIL_KEYS if any(k in r for r in logged)}
+    for key in sorted({k for r in records for k in r if k.startswith("val_")}):
+        points = [(r[key], r["step"]) for r in records if r.get(key) is not None]
+        if points:
+            lowest_is_best = key.endswith("loss")
+            summary["best_val"][key] = min(points) if lowest_is_best else max(points, key=lambda p: (p[0], -p[1]))
+    probes = [(r["probe_acc"], r["step"]) for r in records if r.get("probe_acc") is not None]
+    if probes:
+        summary["probe"] = {"last": probes[-1], "best": max(probes, key=lambda p: (p[0], -p[1]))}
+    return summary
+
+
 def plot_metrics(metrics_path: Path, out_dir: Path) -> list[Path]:
     """loss.png (generator and discriminator losses), rtd.png (RTD F1 and accuracies), probe.png (probe_acc)."""
     import matplotlib
@@ -241,7 +276,8 @@ def plot_metrics(metrics_path: Path, out_dir: Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(7, 4))
         for key in keys:
             pts = [(r["step"], r[key]) for r in records if key in r]
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=key)
+            # A point or two drawn as a bare line is invisible (a short run's one probe): mark sparse series.
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=key, marker="o" if len(pts) <= 20 else None)
         ax.set_xlabel("step")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)

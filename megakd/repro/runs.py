@@ -37,6 +37,7 @@ from megakd.bench.flops import StepFlops, encoder_flops_per_token, step_flops
 from megakd.config import Config, load_config
 from megakd.engine.pretrain import run_distill, run_pretraining
 from megakd.engine.runlog import read_metrics
+from megakd.engine.runlog import tail_mean as tail_mean  # the findings' modules import it from here
 from megakd.finetune.config import FinetuneConfig
 from megakd.finetune.jobs import run_job
 from megakd.finish import finish_config
@@ -347,15 +348,6 @@ def recipe_value(recipe: str | Path, key: str, overrides: tuple[str, ...] = (), 
 
 def metric_rows(run_dir: Path) -> list[dict]:
     return read_metrics(run_dir / "metrics.jsonl")
-
-
-def tail_mean(rows: list[dict], key: str, fraction: float = 0.1) -> float:
-    """Mean of `key` over the logged steps in the last `fraction` of the run (at least one row)."""
-    values = [r[key] for r in rows if key in r]
-    if not values:
-        raise KeyError(f"no logged step has {key!r}")
-    tail = values[-max(1, round(fraction * len(values))):]
-    return sum(tail) / len(tail)
 
 
 def last_value(rows: list[dict], key: str) -> float:

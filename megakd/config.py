@@ -84,8 +84,13 @@ class DataConfig:
     # fraction of the bytes it needs (a reader fetches at most 1 + this times its share).
     read_overfetch: float = 0.2
     # Tries after a transient storage error (connection reset, timeout, 5xx, throttling), with
-    # backoff from 0.25 s doubling to 30 s (8: about a minute); then the run saves and stops.
+    # backoff from 0.25 s doubling to 30 s (8: about a minute of waits); then the run saves and stops.
     read_retries: int = 8
+    # Seconds an object-store request may take to connect, and may wait for its next byte, before the
+    # try fails (and is retried). Worst case to the error for a store that stops answering:
+    # (read_retries + 1) x (both timeouts) + the backoffs: 7 minutes for the defaults (docs/data.md).
+    read_connect_timeout_s: float = 10.0
+    read_timeout_s: float = 30.0
     # Held-out shards for train.eval_every; "auto" = <data.shards>/valid when it exists
     # (`megakd data shards --valid-fraction`), "" = none.
     valid_shards: str = "auto"
@@ -321,6 +326,10 @@ class Config:
                 raise ConfigError(f"{key}: expected an integer below 2**31, got {value}")
         if self.data.read_retries < 0:
             raise ConfigError(f"data.read_retries: expected an integer >= 0, got {self.data.read_retries}")
+        for key, value in (("data.read_connect_timeout_s", self.data.read_connect_timeout_s),
+                           ("data.read_timeout_s", self.data.read_timeout_s)):
+            if not 0 < value <= 3600:
+                raise ConfigError(f"{key}: expected seconds in (0, 3600], got {shown(value)}")
         check_seed("train.seed", self.train.seed)
         if self.train.probe_every < 0:
             raise ConfigError(f"train.probe_every: expected >= 0 (0 = off), got {self.train.probe_every}")

@@ -225,6 +225,9 @@ class _Handler(BaseHTTPRequestHandler):
             with self.server.owner.lock:
                 self.server.owner.ranged += 1
             body = data[start:end + 1]
+            if (mode := self.server.owner.misbehaves(path)) is not None:
+                self._misbehave(mode, body, start, len(data))
+                return
             self.send_response(206)
             self.send_header("Content-Range", f"bytes {start}-{end}/{len(data)}")
         else:
@@ -234,6 +237,35 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Accept-Ranges", "bytes")
         self.end_headers()
         self.wfile.write(body)
+
+
+    def _misbehave(self, mode: str, body: bytes, start: int, size: int) -> None:
+        """Answer a range request as a hostile or broken server would (see RangeHTTPServer.misbehave)."""
+        owner = self.server.owner
+        self.send_response(206)
+        self.send_header("Content-Range", f"bytes {start}-{start + len(body) - 1}/{size}")
+        if mode == "stall":  # the true length, half the body, then nothing until released
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body[: len(body) // 2])
+            self.wfile.flush()
+            owner.released.wait(60)
+            self.close_connection = True
+            return
+        if mode == "lying-length":
+            self.send_header("Content-Length", str(10**13))
+        else:  # "endless": no length at all, a body read until the connection closes
+            self.send_header("Connection", "close")
+        self.end_headers()
+        self.close_connection = True
+        chunk = body * (1 + (1 << 16) // max(1, len(body)))
+        sent = 0
+        with contextlib.suppress(OSError):  # the client hung up: what a read with a budget does
+            while not owner.released.is_set() and sent < 1 << 33:
+                self.wfile.write(chunk)
+                sent += len(chunk)
+        with owner.lock:
+            owner.misbehaved_bytes = max(owner.misbehaved_bytes, sent)
 
 
 class _FileServer(ThreadingHTTPServer):
@@ -252,7 +284,8 @@ class RangeHTTPServer:
 
     ``fail(n, status)`` answers the next ``n`` requests with ``status``; ``hold(stems)`` keeps every
     request for a file with one of those stems unanswered until ``release()`` (a request hung in
-    flight); ``stop()`` / ``start()`` take it down and bring it back on the same port (in this
+    flight); ``misbehave(mode, stems)`` answers their range requests as a stalling or lying server
+    would, until ``release()``; ``stop()`` / ``start()`` take it down and bring it back on the same port (in this
     process: DataLoader workers forked meanwhile keep its listening socket open, so test outages
     with :class:`HTTPProcess`).
     """
@@ -267,6 +300,9 @@ class RangeHTTPServer:
         self.held = 0  # requests being held now
         self.released = threading.Event()
         self.connections: set[socket.socket] = set()  # open (keep-alive) connections, closed by stop()
+        self.misbehaving: tuple[str, frozenset[str], int] | None = None  # (mode, stems, good answers left)
+        self.misbehaved = 0  # range requests answered badly so far
+        self.misbehaved_bytes = 0  # the most body bytes one bad answer got out before the client hung up
         self.port = port
         self._server: _FileServer | None = None
         self.start()
@@ -315,7 +351,29 @@ class RangeHTTPServer:
 
     def release(self) -> None:
         self.held_stems = frozenset()
+        self.misbehaving = None
         self.released.set()
+
+    def misbehave(self, mode: str, stems, after: int = 0) -> None:
+        """After ``after`` more good ones, answer every range request for a file with one of these stems
+        badly: ``"stall"`` (headers with the true length and half the body, then silence until
+        ``release()``), ``"lying-length"`` (``Content-Length: 10**13`` and a body that never ends) or
+        ``"endless"`` (no length, a body that never ends)."""
+        self.released.clear()
+        with self.lock:
+            self.misbehaving = (mode, frozenset(stems), after)
+
+    def misbehaves(self, path: Path) -> str | None:
+        """The bad answer due for this range request of ``path`` (counting down the good ones), if any."""
+        with self.lock:
+            if self.misbehaving is None or path.stem not in self.misbehaving[1]:
+                return None
+            mode, stems, good = self.misbehaving
+            if good > 0:
+                self.misbehaving = (mode, stems, good - 1)
+                return None
+            self.misbehaved += 1
+            return mode
 
     def hold_if_asked(self, rel: str) -> None:
         """Called by each request: wait (up to a minute) while its file's stem is held."""

@@ -3,10 +3,16 @@
 :class:`ShardStore` is the one door the data code goes through: whole objects, byte ranges of
 an object, and writes. Local paths are plain file calls (no fsspec); URLs go through fsspec, with
 the storage library's usual credentials (``AWS_*``, ``GOOGLE_APPLICATION_CREDENTIALS``, ...), never
-the config file. Reads of a URL are retried on transient errors (a reset connection, a timeout, a
-5xx or throttling answer) with exponential backoff; each retry is counted (``retries``) and a
-read that still fails after the last try raises :class:`StorageError` naming the URL. A missing
-object or a refused permission is not transient and fails at once. Reads made inside
+the config file. Every request to a URL has megakd's own timeouts (``connect_timeout_s`` to connect,
+``read_timeout_s`` without a byte arriving) and a byte budget: an object or a range is read to at most
+the size asked for (the manifest's), so a server that stalls, or answers a length it never ends, fails
+the try instead of holding it for minutes or filling memory (HTTP(S) and S3 are read by megakd's own
+request here; other schemes get the timeouts their client library takes). Reads of a URL are retried
+on transient errors (a reset connection, a timeout, a 5xx or throttling answer) with exponential
+backoff; each retry is counted (``retries``) and a read that still fails after the last try raises
+:class:`StorageError` naming the URL. A missing object, a refused permission or an answer over its
+budget is not transient and fails at once. Credentials in a URL (``https://user:secret@host``) never
+appear in what a store says (``user:***@``, :func:`redact`). Reads made inside
 :func:`cancel_on` give up (:class:`ReadCancelled`) once its event is set: between tries and during
 the backoff waits, so an abandoned read-ahead stops at once instead of retrying a dead endpoint.
 
@@ -16,10 +22,13 @@ DataLoader worker never inherits a parent's connection pool or event loop.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
+import io
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -31,6 +40,8 @@ from megakd.errors import UserError
 logger = logging.getLogger(__name__)
 
 OPEN_BLOCK = 1 << 22  # bytes an object store is asked for at a time when a whole object is streamed (open)
+WHOLE_OBJECT_LIMIT = 1 << 30  # the budget of a whole-object read whose size nothing states (a manifest)
+CHUNK = 1 << 16  # bytes taken from a response at a time, so its budget is checked as it arrives
 REMOTE_SCHEMES = ("s3://", "gs://", "gcs://", "http://", "https://")
 EXTRAS = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "http": "aiohttp", "https": "aiohttp"}
 
@@ -70,6 +81,14 @@ def check_cancelled() -> None:
         raise ReadCancelled("read cancelled: its reader was closed")
 
 
+_CREDENTIALS = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://)([^/@\s:]*)(:[^/@\s]*)?@")
+
+
+def redact(text: str) -> str:
+    """``text`` with the password (or lone token) of every ``scheme://user:secret@`` URL in it as ``***``."""
+    return _CREDENTIALS.sub(lambda m: f"{m[1]}{m[2]}:***@" if m[3] else f"{m[1]}***@", text)
+
+
 def is_remote(spec: str | Path) -> bool:
     return str(spec).startswith(REMOTE_SCHEMES)
 
@@ -101,12 +120,15 @@ def transient(error: BaseException) -> bool:
 class ShardStore:
     """A directory of shards, local or remote; names inside it are ``/``-separated relative paths."""
 
-    def __init__(self, spec: str | Path, *, retries: int = 8, backoff_s: float = 0.25, max_backoff_s: float = 30.0):
+    def __init__(self, spec: str | Path, *, retries: int = 8, backoff_s: float = 0.25, max_backoff_s: float = 30.0,
+                 connect_timeout_s: float = 10.0, read_timeout_s: float = 30.0):
         self.spec = str(spec).rstrip("/") if is_remote(spec) else str(spec)
         self.remote = is_remote(spec)
         self.retries = retries
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
+        self.connect_timeout_s = connect_timeout_s
+        self.read_timeout_s = read_timeout_s
         self.retried = 0  # transient failures retried so far, in this process
         self.fetched = 0  # bytes read so far, in this process
         self.requested = 0  # GETs asked of the storage so far (an object, a byte range, a block), in this process
@@ -117,15 +139,26 @@ class ShardStore:
         return {**self.__dict__, "_fs": None, "_fs_pid": -1, "retried": 0, "fetched": 0, "requested": 0}
 
     def __repr__(self) -> str:
-        return self.spec
+        return redact(self.spec)
 
     def url(self, name: str) -> str:
+        """Where ``name`` is, for messages (credentials redacted); requests use :meth:`_address`."""
+        return redact(self._address(name))
+
+    def _address(self, name: str) -> str:
         return f"{self.spec}/{name}" if self.remote else str(Path(self.spec) / name)
 
     def child(self, name: str) -> ShardStore:
-        """The store of a subdirectory (e.g. ``valid/``), with the same retry policy."""
-        return ShardStore(self.url(name), retries=self.retries, backoff_s=self.backoff_s,
-                          max_backoff_s=self.max_backoff_s)
+        """The store of a subdirectory (e.g. ``valid/``), with the same retry and timeout policy."""
+        return ShardStore(self._address(name), retries=self.retries, backoff_s=self.backoff_s,
+                          max_backoff_s=self.max_backoff_s, connect_timeout_s=self.connect_timeout_s,
+                          read_timeout_s=self.read_timeout_s)
+
+    def worst_case_s(self) -> float:
+        """The longest a read of a store that stops answering takes to fail for good: every try waits
+        out a timeout (connecting, or for the next byte), and the backoffs between them."""
+        backoff = sum(min(self.backoff_s * 2 ** i, self.max_backoff_s) for i in range(self.retries))
+        return (self.retries + 1) * (self.connect_timeout_s + self.read_timeout_s) + backoff
 
     @property
     def local_path(self) -> Path:
@@ -143,13 +176,81 @@ class ShardStore:
                 raise UserError(f"{self.spec}: reading a URL needs fsspec (pip install fsspec)") from None
             scheme = self.spec.split("://", 1)[0]
             try:
-                fs, _ = url_to_fs(self.spec, skip_instance_cache=True)
+                fs, _ = url_to_fs(self.spec, skip_instance_cache=True, **self._timeouts(scheme))
             except ImportError:
                 raise UserError(f"{self.spec}: reading {scheme}:// needs {EXTRAS.get(scheme, 'its fsspec backend')} "
                                 f"(pip install 'megakd[remote]')") from None
             del fsspec
             self._fs, self._fs_pid = fs, os.getpid()
         return self._fs
+
+    def _timeouts(self, scheme: str) -> dict:
+        """The fsspec options that give every request of ``scheme`` this store's timeouts."""
+        if scheme == "s3":  # botocore's socket timeouts
+            return {"config_kwargs": {"connect_timeout": self.connect_timeout_s, "read_timeout": self.read_timeout_s}}
+        import aiohttp  # http(s) and gcsfs speak aiohttp
+
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s, sock_read=self.read_timeout_s)
+        if scheme in ("http", "https"):
+            return {"client_kwargs": {"timeout": timeout}}
+        return {"requests_timeout": timeout} if scheme in ("gs", "gcs") else {}
+
+    def _get(self, name: str, ranges: list[tuple[int, int]] | None = None,
+             budget: int = WHOLE_OBJECT_LIMIT) -> list[bytes]:
+        """GETs of object ``name``: one per byte range ``[start, end)`` (concurrently), or of the whole
+        object (``ranges=None``), never reading more of an answer than its range, or ``budget`` for
+        the whole object: over that is a :class:`StorageError`, not a longer wait or a full memory."""
+        fs, address = self._filesystem(), self._address(name)
+        asks = [(start, end, end - start) for start, end in ranges] if ranges is not None else [(None, None, budget)]
+        if self.spec.startswith(("http://", "https://", "s3://")):
+            from fsspec.asyn import sync
+
+            get = self._http_get if self.spec.startswith("http") else self._s3_get
+
+            async def together() -> list[bytes]:
+                return list(await asyncio.gather(*(get(fs, name, address, *ask) for ask in asks)))
+
+            return sync(fs.loop, together)
+        got = []
+        for start, end, limit in asks:  # other schemes: the client's own reads, checked after
+            data = fs.cat_file(address, start=start, end=end)
+            if len(data) > limit:
+                raise self._over_budget(name, start, len(data), limit)
+            got.append(data)
+        return got
+
+    def _over_budget(self, name: str, start: int | None, said: int | None, budget: int) -> StorageError:
+        where = self.url(name) + (f" bytes [{start}, {start + budget})" if start is not None else "")
+        what = f"says Content-Length {said}" if said is not None else "sends more bytes"
+        return StorageError(f"{where}: the answer {what}, more than the {budget} asked for (a misbehaving server or "
+                            "proxy); not read further")
+
+    async def _http_get(self, fs, name: str, address: str, start: int | None, end: int | None, budget: int) -> bytes:
+        headers = {"Range": f"bytes={start}-{end - 1}"} if start is not None else {}
+        session = await fs.set_session()
+        async with session.get(fs.encode_url(address), headers=headers, **fs.kwargs) as response:
+            fs._raise_not_found_for_status(response, address)
+            if start is not None and response.status == 200:  # a server that ignores Range: read the object's head
+                return await _bounded(response.content.read, end, None, skip=start)
+            if response.content_length is not None and response.content_length > budget:
+                raise self._over_budget(name, start, response.content_length, budget)
+            return await _bounded(response.content.read, budget,
+                                  lambda: self._over_budget(name, start, None, budget))
+
+    async def _s3_get(self, fs, name: str, address: str, start: int | None, end: int | None, budget: int) -> bytes:
+        bucket, key, version = fs.split_path(address)
+        extra = {"Range": f"bytes={start}-{end - 1}"} if start is not None else {}
+        if version:
+            extra["VersionId"] = version
+        response = await fs._call_s3("get_object", Bucket=bucket, Key=key, **extra)
+        body = response["Body"]
+        try:
+            said = response.get("ContentLength")
+            if said is not None and said > budget:
+                raise self._over_budget(name, start, said, budget)
+            return await _bounded(body.read, budget, lambda: self._over_budget(name, start, None, budget))
+        finally:
+            body.close()
 
     def retrying(self, what: str, name: str, call):
         """``call()``, retried with exponential backoff while its error is transient."""
@@ -167,15 +268,13 @@ class ShardStore:
                         raise  # already one line naming the object (a damaged shard, a bad sample)
                     if isinstance(error, FileNotFoundError):
                         raise FileNotFoundError(f"{self.url(name)}: not found") from None
-                    raise StorageError(f"{self.url(name)}: {what} failed ({type(error).__name__}: "
-                                       f"{str(error).splitlines()[0][:200] if str(error) else ''})") from None
+                    raise StorageError(f"{self.url(name)}: {what} failed ({_said(error)})") from None
                 if attempt == self.retries:
                     raise StorageError(f"{self.url(name)}: {what} still failing after {self.retries + 1} tries over "
-                                       f"{time.monotonic() - started:.0f} s ({type(error).__name__}: "
-                                       f"{str(error).splitlines()[0][:200] if str(error) else ''})") from None
+                                       f"{time.monotonic() - started:.0f} s ({_said(error)})") from None
                 self.retried += 1
-                logger.warning("%s: %s failed (%s: %s); retry %d of %d in %.2f s", self.url(name), what,
-                               type(error).__name__, error, attempt + 1, self.retries, delay)
+                logger.warning("%s: %s failed (%s); retry %d of %d in %.2f s", self.url(name), what, _said(error),
+                               attempt + 1, self.retries, delay)
                 if cancel is None:
                     time.sleep(delay)
                 elif cancel.wait(delay):
@@ -186,12 +285,16 @@ class ShardStore:
         raise AssertionError("unreachable")
 
     # -- reads -------------------------------------------------------------------------------------
-    def read(self, name: str) -> bytes:
-        """The whole object ``name``."""
+    def read(self, name: str, max_bytes: int = WHOLE_OBJECT_LIMIT) -> bytes:
+        """The whole object ``name``, which must be at most ``max_bytes`` long (the size a manifest
+        states, where one does): a longer one is refused before more than that is read."""
         if not self.remote:
-            data = (Path(self.spec) / name).read_bytes()
+            with open(Path(self.spec) / name, "rb") as f:
+                data = f.read(max_bytes + 1)
+            if len(data) > max_bytes:
+                raise StorageError(f"{self.url(name)}: more than the {max_bytes} bytes expected; not read")
         else:
-            data = self.retrying("read", name, lambda: self._filesystem().cat_file(self.url(name)))
+            data = self.retrying("read", name, lambda: self._get(name, budget=max_bytes)[0])
         self.fetched += len(data)
         self.requested += 1
         return data
@@ -203,20 +306,12 @@ class ShardStore:
         url = self.url(name)
         if not self.remote:
             parts = []
-            with open(url, "rb") as f:
+            with open(self._address(name), "rb") as f:
                 for start, end in ranges:
                     f.seek(start)
                     parts.append(f.read(end - start))
         else:
-            def fetch() -> list[bytes]:
-                starts, ends = zip(*ranges)
-                got = self._filesystem().cat_ranges([url] * len(ranges), list(starts), list(ends), on_error="return")
-                for part in got:
-                    if isinstance(part, BaseException):
-                        raise part
-                return got
-
-            parts = self.retrying(f"ranged read ({len(ranges)} ranges)", name, fetch)
+            parts = self.retrying(f"ranged read ({len(ranges)} ranges)", name, lambda: self._get(name, ranges))
         self.fetched += sum(len(part) for part in parts)
         self.requested += len(ranges)  # fsspec asks an object store for each range separately
         for (start, end), part in zip(ranges, parts):
@@ -231,17 +326,17 @@ class ShardStore:
             path = Path(self.spec) / name
             return path.stat().st_size if path.is_file() else None
         try:
-            return int(self.retrying("stat", name, lambda: self._filesystem().size(self.url(name))))
+            return int(self.retrying("stat", name, lambda: self._filesystem().size(self._address(name))))
         except FileNotFoundError:
             return None
 
-    def open(self, name: str):
-        """A sequential binary reader of the whole object (the streaming path of unindexed shards);
-        the caller counts what it read with :meth:`streamed`."""
+    def open(self, name: str, size: int):
+        """A sequential binary reader of the whole object, ``size`` bytes long (its manifest's; the
+        streaming path of unindexed shards); the caller counts what it read with :meth:`streamed`.
+        From an object store it reads ranges of :data:`OPEN_BLOCK` bytes, each within its budget."""
         if not self.remote:
             return open(Path(self.spec) / name, "rb")
-        return self.retrying("open", name, lambda: self._filesystem().open(self.url(name), "rb",
-                                                                          block_size=OPEN_BLOCK))
+        return io.BufferedReader(_RangedReader(self, name, size), buffer_size=OPEN_BLOCK)
 
     def streamed(self, size: int) -> None:
         """Count ``size`` bytes read through :meth:`open`: one request per block of an object store's."""
@@ -272,7 +367,54 @@ class ShardStore:
                        key=lambda p: (p.name == last, -len(p.relative_to(local_dir).parts), str(p)))
         for path in files:
             name = path.relative_to(local_dir).as_posix()
-            self.retrying("upload", name, lambda path=path, name=name: fs.put_file(str(path), self.url(name)))
+            self.retrying("upload", name, lambda path=path, name=name: fs.put_file(str(path), self._address(name)))
+
+
+def _said(error: BaseException) -> str:
+    """An error's type and first line (credentials redacted), for a one-line message; a timeout says
+    which of the store's timeouts it was where the client tells."""
+    text = str(error).splitlines()[0][:200] if str(error) else ""
+    if not text and isinstance(error, (TimeoutError, asyncio.TimeoutError)):
+        text = "no answer within the store's timeout"
+    return redact(f"{type(error).__name__}: {text}")
+
+
+async def _bounded(read, budget: int, over, skip: int = 0) -> bytes:
+    """The body ``read(n)`` gives, chunk by chunk, to at most ``budget`` bytes: more is ``over()``
+    raised, or with ``over=None`` not read (the object's head was all that was wanted; its bytes from
+    ``skip`` on are returned)."""
+    parts, got = [], 0
+    while chunk := await read(CHUNK):
+        got += len(chunk)
+        parts.append(chunk)
+        if got > budget:
+            if over is not None:
+                raise over()
+            break
+    data = b"".join(parts)
+    return data if over is not None else data[skip:budget]
+
+
+class _RangedReader(io.RawIOBase):
+    """A whole object of known size read sequentially as ranges of a store, each within its budget."""
+
+    def __init__(self, store: ShardStore, name: str, size: int) -> None:
+        self.store, self.name, self.size, self.at = store, name, size, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        end = min(self.size, self.at + min(len(buffer), OPEN_BLOCK))
+        if end <= self.at:
+            return 0
+        data = self.store.retrying("read", self.name, lambda: self.store._get(self.name, [(self.at, end)])[0])
+        if len(data) != end - self.at:
+            raise StorageError(f"{self.store.url(self.name)}: bytes [{self.at}, {end}) gave {len(data)} bytes "
+                               "(object truncated or replaced?)")
+        buffer[:len(data)] = data
+        self.at = end
+        return len(data)
 
 
 class ContentCache:

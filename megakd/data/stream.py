@@ -211,7 +211,7 @@ def read_whole_shard(store: ShardStore, entry: dict, dtype: str, *, vocab_size: 
     headers: dict[bytes, tuple[np.dtype, tuple[int, ...]]] = {}
     first = entry["first_index"]
     failure: ShardError | None = None
-    with store.open(entry["file"]) as f:
+    with store.open(entry["file"], entry["bytes"]) as f:
         reader = _HashingReader(f)
         try:
             with tarfile.open(fileobj=reader, mode="r|") as stream:
@@ -273,7 +273,7 @@ def read_index(store: ShardStore, entry: dict, cache: ContentCache | None = None
     sharing the cache directory, e.g. all ranks and workers of a node).
     """
     meta = entry["index"]
-    fetch = functools.partial(store.read, meta["file"])
+    fetch = functools.partial(store.read, meta["file"], meta["bytes"])
     raw = cache.get(meta["sha256"], fetch) if cache is not None else fetch()
     if len(raw) != meta["bytes"] or hashlib.sha256(raw).hexdigest() != meta["sha256"]:
         raise ShardError(f"index {store.url(meta['file'])}: {len(raw)} bytes with sha256 "

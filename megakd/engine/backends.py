@@ -300,8 +300,7 @@ class MicroBatchLoopBackend(TrainingBackend):
         if non_finite or held:
             for unit in units:
                 self.skip_step(unit)
-            return StepResult(None, dict(stats), STORAGE_FAILED if held else "non-finite loss", stop or held,
-                              interrupted)
+            return StepResult(None, dict(stats), STORAGE_FAILED if held else "non-finite loss", stop, interrupted)
         with step.timer("optimizer"), phase("optimizer"):
             norms = self.step(units)
         return StepResult(norms, dict(stats), None if norms is not None else "non-finite gradient norm",

@@ -64,12 +64,19 @@ def resolve_data(cfg: Config) -> tuple[Path, ShardStore]:
     if bool(d.tokenizer) != bool(d.shards):
         raise ConfigError("data.tokenizer and data.shards: set both (your own data) or neither (bundled corpus)")
     if d.tokenizer:
-        return Path(d.tokenizer), ShardStore(d.shards, retries=d.read_retries)
+        return Path(d.tokenizer), shard_store(cfg, d.shards)
     from megakd.data.default_corpus import prepare_default_data
 
     tokenizer_dir, shards_dir = prepare_default_data(cache_root(cfg), vocab_size=bundled_vocab_size(cfg),
                                                      seq_len=d.seq_len, corpus=d.corpus)
-    return tokenizer_dir, ShardStore(shards_dir, retries=d.read_retries)
+    return tokenizer_dir, shard_store(cfg, shards_dir)
+
+
+def shard_store(cfg: Config, spec: str | Path) -> ShardStore:
+    """The shards at ``spec`` with data.*'s retry and timeout policy."""
+    d = cfg.data
+    return ShardStore(spec, retries=d.read_retries, connect_timeout_s=d.read_connect_timeout_s,
+                      read_timeout_s=d.read_timeout_s)
 
 
 def build_units(cfg: Config, generator: MaskedLM, discriminator: Discriminator | None,
@@ -189,7 +196,7 @@ def valid_shards_dir(cfg: Config, shards: ShardStore) -> ShardStore | None:
     if cfg.data.valid_shards == "auto":
         beside = shards.child("valid")
         return beside if beside.size(MANIFEST) is not None else None
-    return ShardStore(cfg.data.valid_shards, retries=cfg.data.read_retries) if cfg.data.valid_shards else None
+    return shard_store(cfg, cfg.data.valid_shards) if cfg.data.valid_shards else None
 
 
 def build_validator(cfg: Config, tokenizer: Tokenizer, shards_dir: ShardStore, micro_batch: int,

@@ -45,6 +45,14 @@ class TooManyBadSteps(UserError):
     """Too many non-finite steps in a row: the run stops, its last checkpoint intact."""
 
 
+class StoppedWaitingForData(BaseException):
+    """A stop signal that came while the loop waited for its next batch (`RunSession.waiting_for_data`).
+
+    A ``BaseException`` like ``KeyboardInterrupt``: it ends the wait (a fetch, a retry's backoff)
+    and nothing on the way up may take it for a storage error.
+    """
+
+
 class RunSession:
     """Ownership of one run directory, stop signals and the all-ranks-agree save, on one backend."""
 
@@ -54,6 +62,7 @@ class RunSession:
         self.lock = rundir.RunDirLock(self.run_dir)
         self._holding = contextlib.ExitStack()  # the lock (rank 0), from `own` until `release`
         self._stop_signal: int | None = None  # the first stop signal received, if any
+        self._waiting = False  # inside `waiting_for_data`: a stop signal ends the wait
 
     # -- ownership ---------------------------------------------------------------------------------
     def own(self, decide: Callable[[], float] = lambda: 0.0) -> float:
@@ -123,6 +132,23 @@ class RunSession:
             self._stop_signal = signum
         elif signum == signal.SIGINT:
             self._stop_signal = signum  # already stopping; the next SIGINT aborts
+        if self._waiting:
+            self._waiting = False
+            raise StoppedWaitingForData(signum)
+
+    @contextlib.contextmanager
+    def waiting_for_data(self) -> Iterator[None]:
+        """Within (inside `stop_signals`): a stop signal, besides being recorded, raises
+        `StoppedWaitingForData` at once, so a loop waiting on storage that stalls or retries stops
+        within seconds instead of after the read's timeouts and retries. A signal before the block
+        raises at its start."""
+        if self._stop_signal is not None:
+            raise StoppedWaitingForData(self._stop_signal)
+        self._waiting = True
+        try:
+            yield
+        finally:
+            self._waiting = False
 
     def stop_flags(self) -> tuple[bool, bool]:
         """(a stop was asked for, a SIGINT was among the signals) on this rank.

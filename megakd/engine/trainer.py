@@ -8,6 +8,7 @@ metrics.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import defaultdict
 from collections.abc import Callable
@@ -25,7 +26,14 @@ from megakd.engine.hooks import AtEnd, Checkpoints, Clock, Hook, Hooks, Progress
 from megakd.engine.layouts import Layout
 from megakd.engine.probe import Probe
 from megakd.engine.runlog import MetricsWriter, plot_metrics
-from megakd.engine.session import RunSession, rng_state, seed_rng, set_rng_state, skipped_update
+from megakd.engine.session import (
+    RunSession,
+    StoppedWaitingForData,
+    rng_state,
+    seed_rng,
+    set_rng_state,
+    skipped_update,
+)
 from megakd.engine.units import StepContext, Unit, never
 from megakd.engine.validation import Validator
 from megakd.errors import UserError
@@ -329,18 +337,21 @@ class Trainer:
             self.step += 1
         return result
 
-    def _stop_on_storage_failure(self, batches: StepBatches, data: dict, rng: dict) -> None:
-        """Some rank's storage failed for good during a step that every rank then skipped: save the
-        run exactly as it was before that step (data position and random streams rewound on every
-        rank; the skipped step changed nothing else), so a resume continues bit-exactly, and stop
-        with the failing rank's one-line error."""
+    def _stop_on_storage_failure(self, batches: StepBatches, data: dict, rng: dict, stop: bool) -> None:
+        """Some rank's storage failed for good, or a stop signal ended its wait for data, during a step
+        that every rank then skipped: save the run exactly as it was before that step (data position
+        and random streams rewound on every rank; the skipped step changed nothing else), so a resume
+        continues bit-exactly. Then stop with the failing rank's one-line error, or, where no rank of
+        this one's failed and a stop was asked for (`stop`), return as a preemption does."""
         self.loader.load_state_dict(data)
         self._set_rng_state(rng)
         path = self.save()
-        log.warning("storage failed at step %d: saved %s; resume with --resume auto once it is back", self.step + 1,
-                    path)
         if batches.failure is not None:
+            log.warning("storage failed at step %d: saved %s; resume with --resume auto once it is back",
+                        self.step + 1, path)
             raise batches.failure
+        if stop:
+            return
         raise DataStorageError(f"step {self.step + 1}: another rank's storage failed (see its message); the run was "
                            f"saved at step {self.step}")
 
@@ -410,17 +421,25 @@ class Trainer:
         with self.session.stop_signals():
             try:
                 self.layout.train()
-                batches = StepBatches(iter(self.loader), can_hold=self.backend.holds_steps)
+                waiting = self.session.waiting_for_data if self.backend.holds_steps else contextlib.nullcontext
+                batches = StepBatches(iter(self.loader), can_hold=self.backend.holds_steps, waiting=waiting)
                 self._clock = Clock(hooks)
                 while self.step < self.cfg.train.max_steps:
                     step_start = self.loader.state_dict(), self._rng_state()
-                    result = self._step(batches)
+                    try:
+                        result = self._step(batches)
+                    except StoppedWaitingForData:  # before the first batch: the run is as its last save left it
+                        preempted, interrupted = True, self.session.stop_flags()[1]
+                        log.warning("stopped at step %d on a signal while waiting for data; nothing new to save, "
+                                    "continue with --resume auto", self.step)
+                        break
                     if result.skipped == STORAGE_FAILED:
-                        self._stop_on_storage_failure(batches, *step_start)
-                    if result.norms is not None:
+                        self._stop_on_storage_failure(batches, *step_start, stop=result.stop)
+                    elif result.norms is not None:
                         hooks.after_step(self.step, stopping=result.stop)
                     if result.stop:
-                        self.save()
+                        if result.skipped != STORAGE_FAILED:
+                            self.save()
                         preempted, interrupted = True, result.interrupted
                         log.warning("stopped at step %d on a signal; continue with --resume auto", self.step)
                         break
@@ -443,31 +462,44 @@ class StepBatches:
     collectives. It keeps repeating its last micro-batch instead, and reports `held()` in the step's
     agreement, so every rank skips that update, saves and stops (`Trainer._stop_on_storage_failure`).
     Without a previous batch, or under a backend that cannot skip an update, the error is raised.
+
+    A stop signal that ends the wait for a batch (`waiting`, `RunSession.waiting_for_data`) is held
+    the same way, so the ranks skip the step and save the run as it was before it; without a previous
+    batch it is raised (`StoppedWaitingForData`): the run is as its last save left it.
     """
 
-    def __init__(self, batches, can_hold: bool):
+    def __init__(self, batches, can_hold: bool, waiting=contextlib.nullcontext):
         self.batches = batches
         self.can_hold = can_hold
+        self.waiting = waiting
         self.last: dict | None = None
         self.failure: DataStorageError | None = None
+        self.stopped = False  # a stop signal ended the wait for a batch
 
     def __iter__(self):
         return self
 
     def __next__(self) -> dict:
-        if self.failure is None:
+        if self.failure is None and not self.stopped:
             try:
-                self.last = next(self.batches)
+                with self.waiting():
+                    self.last = next(self.batches)
                 return self.last
             except DataStorageError as error:
                 if self.last is None or not self.can_hold:
                     raise
                 log.error("%s", error)
                 self.failure = error
+            except StoppedWaitingForData:
+                if self.last is None:
+                    raise
+                log.warning("a stop signal ended the wait for a batch: the step is skipped and the run saved as it "
+                            "was before it")
+                self.stopped = True
         return self.last
 
     def held(self) -> bool:
-        return self.failure is not None
+        return self.failure is not None or self.stopped
 
 
 _HYPERPARAMETERS = ("lr", "initial_lr", "betas", "eps", "weight_decay")

@@ -1,0 +1,136 @@
+"""The promises at the edges: storage that lies or stalls, outputs someone else writes into, run
+directories that are not runs, configs with absurd sizes, credentials in URLs, a full disk.
+
+Each row attacks a promise of the README or docs/reliability.md with the real thing: a local HTTP
+server that misbehaves on purpose (tests/remote_servers.py: a stall, a lying length, an endless
+body), the real CLI in a fresh process, a real tmpfs that is full. Timeouts are set small here
+(1 s) so each attack takes seconds; the defaults that fit a cluster are checked against docs/data.md.
+"""
+
+from __future__ import annotations
+
+# ruff: noqa: F811  (pytest fixtures imported from tests.remote_servers are test arguments)
+import re
+import signal
+import subprocess
+import sys
+import time
+import tracemalloc
+from pathlib import Path
+
+import pytest
+
+from megakd.config import Config
+from megakd.data.shards import write_shards
+from megakd.data.storage import ShardStore, StorageError
+from megakd.data.stream import PretrainingLoader
+from megakd.data.tokenizer import Tokenizer
+from tests.faults.harness import REPO, megakd
+from tests.helpers import tiny_overrides
+from tests.remote_servers import http_server  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+
+CONFIG = REPO / "configs" / "electra-tiny.yaml"
+SMALL = 16  # samples per shard of `small_shards`: a shard group is two steps of the tiny run
+
+
+@pytest.fixture(scope="module")
+def small_shards(tiny_data, tmp_path_factory) -> Path:
+    """The tiny data in shards of 16 samples, so a run over HTTP fetches a new shard every two steps."""
+    tokenizer_dir, _ = tiny_data
+    out = tmp_path_factory.mktemp("edges") / "shards"
+    write_shards([tokenizer_dir.parent / "slice.jsonl"], Tokenizer.load(tokenizer_dir), 64, out,
+                 samples_per_shard=SMALL)
+    return out
+
+
+def shard_stems(shards: Path) -> set[str]:
+    return {p.stem for p in shards.glob("*.tar")}
+
+
+# -- 1. storage that stalls or lies ----------------------------------------------------------------------
+# A store with 1 s timeouts and one retry: each bad answer must end in one line naming the object, in
+# no more than the store's stated worst case, without reading more than the range asked for.
+MISBEHAVIOURS = [
+    ("stall", "still failing after 2 tries"),  # headers and half the body, then silence: the read timeout
+    ("lying-length", "says Content-Length 10000000000000, more than the"),  # refused before the body
+    ("endless", "sends more bytes, more than the"),  # no length: cut at the range's size
+]
+
+
+@pytest.mark.parametrize("mode,says", MISBEHAVIOURS, ids=[m for m, _ in MISBEHAVIOURS])
+def test_misbehaving_server_is_one_line_in_bounded_time_and_memory(tiny_data, small_shards, http_server, mode,
+                                                                     says):
+    server = http_server(small_shards)
+    server.misbehave(mode, shard_stems(small_shards))
+    store = ShardStore(server.url, retries=1, backoff_s=0.05, connect_timeout_s=1.0, read_timeout_s=1.0)
+    loader = PretrainingLoader(store, Tokenizer.load(tiny_data[0]), micro_batch_size=4, shuffle_shards=1)
+    tracemalloc.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(StorageError) as error:
+            next(iter(loader))
+        elapsed = time.monotonic() - started
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+        loader.close()
+    message = str(error.value)
+    assert "\n" not in message and says in message, message
+    assert re.match(rf"{re.escape(server.url)}/shard-\d+\.tar", message), message
+    assert elapsed <= store.worst_case_s() + 2.0, (elapsed, store.worst_case_s())
+    assert peak < 32 << 20, f"{peak / 2**20:.0f} MiB held reading a {SMALL}-sample shard"
+    assert server.misbehaved >= 1
+
+
+def test_the_documented_worst_case_is_the_defaults():
+    """docs/data.md states the time to the one-line error for a store that stops answering; it is the
+    default config's (retries, both timeouts, the backoffs)."""
+    d = Config().data
+    store = ShardStore("http://x", retries=d.read_retries, connect_timeout_s=d.read_connect_timeout_s,
+                       read_timeout_s=d.read_timeout_s)
+    docs = (REPO / "docs" / "data.md").read_text()
+    stated = re.search(r"at most (\d+) s \(about (\d+) minutes\) to the one-line error", docs)
+    assert stated, "docs/data.md no longer states the worst case"
+    assert int(stated.group(1)) == round(store.worst_case_s()), store.worst_case_s()
+    assert int(stated.group(2)) == round(store.worst_case_s() / 60)
+
+
+def _http_run(tiny_data, shards_url: str, run: Path, **extra) -> list[str]:
+    return ["-c", str(CONFIG), *tiny_overrides((tiny_data[0], shards_url), run, **{
+        "train.max_steps": 8, "train.save_every": 100, "run.export_hf": "false", "data.shuffle_shards": 1,
+        "data.num_workers": 0, "data.read_timeout_s": 120, **extra})]
+
+
+@pytest.mark.slow
+def test_sigterm_during_a_stalled_fetch_saves_and_exits_within_seconds(tiny_data, small_shards, http_server,
+                                                                       tmp_path):
+    """A run whose store stalls mid-body (a 120 s read timeout, 8 retries: 18 minutes before the
+    error) gets SIGTERM while it waits: it saves the step it reached and exits 0 within seconds, and
+    `--resume auto` finishes the run once the store answers again."""
+    server = http_server(small_shards)
+    server.misbehave("stall", shard_stems(small_shards), after=3)
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "megakd.cli", "pretrain", *_http_run(tiny_data, server.url, run)],
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while server.misbehaved == 0:
+        assert proc.poll() is None, proc.stderr.read()[-2000:]
+        assert time.monotonic() < deadline, "the store never stalled"
+        time.sleep(0.05)
+    time.sleep(0.5)  # well inside the stalled read
+    signalled = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    code = proc.wait(timeout=60)
+    took = time.monotonic() - signalled
+    stderr = proc.stderr.read()
+    assert code == 0, stderr[-2000:]
+    assert took < 10, f"{took:.1f} s from SIGTERM to exit"
+    assert "stop signal ended the wait for a batch" in stderr, stderr[-2000:]
+    saved = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert len(saved) == 1 and saved[0] != "step_00000008", saved
+    server.release()
+    out = megakd("pretrain", "--resume", "auto", *_http_run(tiny_data, server.url, run))
+    assert out.code == 0, out.stderr[-2000:]
+    assert (run / "checkpoints" / "step_00000008").is_dir()

@@ -532,6 +532,15 @@ def _runnable_overrides(args: argparse.Namespace, cfg: Config, plans: list) -> l
                     + "; try more GPUs, --gpu-mem or other --zero/--pp")
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    """Exit 0 when megakd's own requirements are met (GPU, NCCL and extras are reported, not required), else 1."""
+    from megakd.bench.doctor import doctor_report
+
+    text, base_ok = doctor_report()
+    emit(text)
+    return 0 if base_ok else 1
+
+
 BENCH_PARTS = ("collectives", "matmul", "loader", "train")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 RECIPES = Path(__file__).parents[1] / "configs"  # in the source tree, as megakd/repro/runs.py finds it
@@ -760,9 +769,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     pl = command(sub, "plan", "memory/throughput planner: layouts that fit, best first", _examples(
         "megakd plan configs/electra-base.yaml --gpus 64 --gpu-mem 80 --gpu h100 --storage-gbps 10",
-        "megakd plan configs/electra-large.yaml --gpus 32 --gpu-mem 40 --zero 2 train.precision=bf16",
         "megakd plan configs/electra-base.yaml --gpus 8 --gpu-mem 80 --bench bench/bench_w8.json",
-        "megakd plan configs/electra-base.yaml --gpus 64 --gpu-mem 80 --emit-overrides  # for the launcher line"))
+        "megakd plan configs/electra-base.yaml --gpus 64 --gpu-mem 80 --emit-overrides  # launcher line words"))
     pl.add_argument("config", help="pretraining recipe, e.g. configs/electra-base.yaml")
     pl.add_argument("--gpus", type=int, required=True, help="GPUs in all")
     pl.add_argument("--gpu-mem", type=float, required=True, help="memory per GPU in GB (GiB), e.g. 40 or 80")
@@ -790,6 +798,12 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--set", dest="set_overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="the same as a positional key=value (kept for older scripts)")
     pl.set_defaults(func=cmd_plan)
+
+    d = command(sub, "doctor", "what this machine has (torch, CUDA, NCCL, Triton, DeepSpeed, GPUs, launcher "
+                "variables) against what megakd needs, and what will not work here", _examples(
+                    "megakd doctor  # on a login node, then on a GPU node (srun megakd doctor)",
+                    "megakd doctor > doctor.txt  # beside a bug report"))
+    d.set_defaults(func=cmd_doctor)
 
     cf = command(sub, "config", "the config keys (types, defaults, meanings) and the recipes in configs/",
                  _examples("megakd config keys 'optim.*.lr'  # a glob on the whole key; or a word of the key",

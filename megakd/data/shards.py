@@ -63,6 +63,11 @@ _TASK_CHARS = 1 << 20  # documents are sent to workers in batches of about this 
 # above what the bytes can hold are refused, so no reader sizes anything by an impossible count.
 _MIN_SAMPLE_BYTES = 2 * tarfile.BLOCKSIZE
 _END_OF_ARCHIVE = 2 * tarfile.BLOCKSIZE
+# What one shard of a manifest may claim, checked before anything is sized from it on any store: a
+# reader holds a shard group's sample order (8 bytes a sample) and a shard's index in memory, so an
+# absurd count must be refused, not allocated. `data shards` writes 8,192 samples (~1 GB at seq 512).
+MAX_SHARD_SAMPLES = 1 << 24
+MAX_SHARD_BYTES = 1 << 40
 
 
 def shard_name(i: int) -> str:
@@ -444,6 +449,9 @@ def read_manifest(shards: str | Path | ShardStore) -> dict:
         if not _is_int(s.get("first_index")) or s["first_index"] != first or not _is_int(s.get("samples")) \
                 or s["samples"] < 1:
             raise UserError(f"{path}: shard entry {s.get('file')!r} has inconsistent first_index/samples")
+        if s["samples"] > MAX_SHARD_SAMPLES or s["bytes"] > MAX_SHARD_BYTES:
+            raise UserError(f"{path}: shard {s['file']!r} has samples={s['samples']} and bytes={s['bytes']}, expected "
+                            f"at most {MAX_SHARD_SAMPLES} samples and {MAX_SHARD_BYTES} bytes per shard")
         if s["samples"] > (s["bytes"] - _END_OF_ARCHIVE) // _MIN_SAMPLE_BYTES:
             raise UserError(f"{path}: shard {s['file']!r} has samples={s['samples']}, more than its "
                             f"bytes={s['bytes']} can hold (at most (bytes - {_END_OF_ARCHIVE}) // "

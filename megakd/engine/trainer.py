@@ -227,6 +227,8 @@ class Trainer:
             if found is None and checkpoint.list_checkpoints(self.run_dir):
                 raise StoreError(f"{checkpoint.checkpoints_root(self.run_dir)}: no intact checkpoint to "
                                  "resume from (every one failed verification; see the warnings above)")
+            if found is None:
+                rundir.check_is_a_run(self.run_dir, self.session.lock)
             return checkpoint.step_of(found) + 1 if found is not None else 0
         if resume is not None:
             checkpoint.verify(self._explicit_checkpoint(resume))

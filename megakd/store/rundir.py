@@ -24,6 +24,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -60,6 +61,9 @@ FIXED = ("model.", "electra.decoupled", "train.seed", "train.precision", "data.m
          "data.vocab_size", "backend.name", "backend.zero_stage", "backend.pipeline_stages")
 
 
+_JOB_LINE = re.compile(rb"host [^\n]*, pid \d+, job [0-9a-f]{16}\n")  # what `announce` writes
+
+
 class RunDirTakenOver(StoreError):
     """`.lock` was removed, replaced or rewritten while this job held it: another job may own the run now."""
 
@@ -76,33 +80,50 @@ class RunDirLock:
         self._fd: int | None = None
         self._file_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the file this job locked
         self._identity: bytes | None = None  # what `announce` wrote into it
+        self._created: list[Path] = []  # what `acquire` created (directories, then the lock file), undone unannounced
+        self.held_a_run = False  # `.lock` was there, naming a megakd job: the directory is (or was) a run
 
     def acquire(self) -> None:
-        """Take the lock or raise naming the holder. Nothing is written yet (see `announce`)."""
+        """Take the lock or raise naming the holder. Nothing is written yet (see `announce`); a lock file
+        or directory created here is removed again if the job never announces (`release`), so a refused
+        start leaves no trace. A `.lock` that is not megakd's (a file of the user's) is refused untouched."""
+        self._created = [p for p in reversed([self.path.parent, *self.path.parent.parents]) if not p.exists()]
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = self._open()
+        fd, created = self._open()
+        if created:
+            self._created.append(self.path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.read(fd, 200).decode(errors="replace").strip() or "unknown holder"
             os.close(fd)
+            self._undo_created()
             raise StoreError(f"{self.path.parent}: in use by another megakd job ({holder}); wait for it to end "
                              "or pick another run.dir") from None
+        found = os.pread(fd, 4096, 0)
+        if found and not _JOB_LINE.fullmatch(found):
+            os.close(fd)
+            raise StoreError(f"{self.path}: not a megakd run lock (it holds {found[:60]!r}); a directory that is not a "
+                             "run is never written: pick another run.dir") from None
         self._fd = fd
         st = os.fstat(fd)
-        self._file_id, self._identity = (st.st_dev, st.st_ino), None
+        self._file_id, self._identity, self.held_a_run = (st.st_dev, st.st_ino), None, bool(found)
         _HELD[self.path.parent.resolve()] = self
 
-    def _open(self) -> int:
-        """Open (or create) the lock as a regular file inside the run directory, never through a link.
+    def _open(self) -> tuple[int, bool]:
+        """Open (or create) the lock as a regular file inside the run directory, never through a link;
+        whether it was created.
 
         `announce` truncates and rewrites the file, so a `.lock` that is a symbolic link would have
         that done to its target outside the run (or create the target of a dangling link); a FIFO
         or device would hang or misbehave. O_NONBLOCK keeps a FIFO from blocking the open.
         """
-        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         try:
-            fd = os.open(self.path, flags, 0o644)
+            try:
+                fd, created = os.open(self.path, flags | os.O_CREAT | os.O_EXCL, 0o644), True
+            except FileExistsError:
+                fd, created = os.open(self.path, flags), False
         except OSError as err:
             found = {errno.ELOOP: "is a symbolic link", errno.EISDIR: "is a directory"}.get(err.errno)
             if found is None:
@@ -111,7 +132,16 @@ class RunDirLock:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
             raise StoreError(f"{self.path}: not a regular file; {LOCK_EXPECTED}")
-        return fd
+        return fd, created
+
+    def _undo_created(self) -> None:
+        """Remove what `acquire` created (the lock file, then the directories, only while empty)."""
+        for path in reversed(self._created):
+            try:
+                path.unlink() if path == self.path else path.rmdir()
+            except OSError:
+                break  # not ours alone any more (another job's lock in it, a file written meanwhile)
+        self._created = []
 
     def announce(self) -> None:
         """Record this process as the holder, once the run has been allowed to start.
@@ -129,6 +159,7 @@ class RunDirLock:
             raise StoreError(f"{self.path}: {what} while recording this job as the run's holder; the run did not "
                              "start and nothing else was written") from None
         self._identity = identity
+        self._created = []  # the run started: what acquire created is the run's now
 
     def ownership_error(self) -> RunDirTakenOver | None:
         """Why this job no longer owns the run directory, or None while `.lock` is still its file.
@@ -172,6 +203,8 @@ class RunDirLock:
         if self._fd is not None:
             if _HELD.get(self.path.parent.resolve()) is self:
                 del _HELD[self.path.parent.resolve()]
+            if self._identity is None:
+                self._undo_created()  # refused before the run started: as it was (still locked while removed)
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
@@ -252,6 +285,17 @@ def used_entries(run_dir: Path) -> list[str]:
     if not run_dir.is_dir():
         return []
     return sorted(p.name for p in run_dir.iterdir() if p.name != LOCK_FILE)
+
+
+def check_is_a_run(run_dir: Path, lock: RunDirLock) -> None:
+    """`--resume auto` without a checkpoint starts from step 0 only in an unused directory or in a run
+    that never saved (its `.lock` names a megakd job): a directory of someone else's files is refused."""
+    used = used_entries(run_dir)
+    if used and not lock.held_a_run:
+        shown = ", ".join(used[:4]) + (", ..." if len(used) > 4 else "")
+        raise StoreError(f"{run_dir}: holds {shown} but no megakd run (no checkpoint, no run lock); --resume auto "
+                         "only continues runs: pick another run.dir, or start a new run with run.overwrite=true to "
+                         "move these aside")
 
 
 def claim_for_new_run(run_dir: Path, overwrite: bool) -> Path | None:

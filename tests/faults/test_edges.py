@@ -10,7 +10,9 @@ body), the real CLI in a fresh process, a real tmpfs that is full. Timeouts are 
 from __future__ import annotations
 
 # ruff: noqa: F811  (pytest fixtures imported from tests.remote_servers are test arguments)
+import json
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,12 +22,13 @@ from pathlib import Path
 
 import pytest
 
+from megakd.cli import main
 from megakd.config import Config
-from megakd.data.shards import write_shards
+from megakd.data.shards import INDEX_DTYPE, MANIFEST, write_shards
 from megakd.data.storage import ShardStore, StorageError
 from megakd.data.stream import PretrainingLoader
 from megakd.data.tokenizer import Tokenizer
-from tests.faults.harness import REPO, megakd
+from tests.faults.harness import REPO, megakd, snapshot
 from tests.helpers import tiny_overrides
 from tests.remote_servers import http_server  # noqa: F401 (fixture)
 
@@ -134,3 +137,81 @@ def test_sigterm_during_a_stalled_fetch_saves_and_exits_within_seconds(tiny_data
     out = megakd("pretrain", "--resume", "auto", *_http_run(tiny_data, server.url, run))
     assert out.code == 0, out.stderr[-2000:]
     assert (run / "checkpoints" / "step_00000008").is_dir()
+
+
+# -- 2. a manifest with absurd but self-consistent counts -------------------------------------------------
+def _absurd_manifest(shards: Path, out: Path) -> Path:
+    """A copy of ``shards`` whose first shard claims 9 x 10**11 samples (bytes and index sized to match)."""
+    shutil.copytree(shards, out)
+    manifest = json.loads((out / MANIFEST).read_text())
+    entry, claimed = manifest["shards"][0], 9 * 10**11
+    manifest["num_samples"] += claimed - entry["samples"]
+    for later in manifest["shards"][1:]:
+        later["first_index"] += claimed - entry["samples"]
+    entry["samples"], entry["bytes"] = claimed, claimed * 1024 + 1024
+    entry["index"]["bytes"] = claimed * INDEX_DTYPE.itemsize
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    return out
+
+
+@pytest.mark.parametrize("where", ["local", "http"])
+def test_absurd_manifest_counts_are_one_line_before_anything_is_written(tiny_data, small_shards, http_server,
+                                                                          tmp_path, capsys, where):
+    shards = _absurd_manifest(small_shards, tmp_path / "absurd")
+    spec = str(shards) if where == "local" else http_server(shards).url
+    run = tmp_path / "run"
+    code = main(["pretrain", *_http_run(tiny_data, spec, run)])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2 and line.startswith("megakd: error: ") and MANIFEST in line, line
+    assert "expected at most 16777216 samples" in line, line
+    assert not run.exists()
+
+
+# -- 3. run directories that are not runs ---------------------------------------------------------------
+# A refusal leaves the directory exactly as it was: no `.lock` created, a foreign `.lock` never written,
+# and `--resume auto` never takes a directory of someone else's files for a run to start in.
+def _users_files(root: Path) -> Path:
+    (root / "notes").mkdir(parents=True)
+    (root / "notes" / "todo.txt").write_text("buy milk\n")
+    (root / "config.yaml").write_text("my: own config\n")
+    return root
+
+
+def _users_lock(root: Path) -> Path:
+    root.mkdir(parents=True)
+    (root / ".lock").write_text("my own lock file, keep out\n")
+    return root
+
+
+RUN_DIR_ROWS = [  # (id, make the directory, run it as cwd, flags, fragment of the one line)
+    ("a user's directory", _users_files, False, (), "already holds a run (config.yaml, notes)"),
+    ("the current directory", _users_files, True, (), "already holds a run (config.yaml, notes)"),
+    ("only a user's .lock", _users_lock, False, (), "not a megakd run lock"),
+    ("only a user's .lock, --resume auto", _users_lock, False, ("--resume", "auto"), "not a megakd run lock"),
+    ("--resume auto on a user's directory", _users_files, False, ("--resume", "auto"), "but no megakd run"),
+]
+
+
+@pytest.mark.parametrize("make,as_cwd,flags,says", [r[1:] for r in RUN_DIR_ROWS], ids=[r[0] for r in RUN_DIR_ROWS])
+def test_a_refused_run_dir_is_left_exactly_as_it_was(tiny_data, tmp_path, monkeypatch, capsys, make, as_cwd, flags,
+                                                     says):
+    run = make(tmp_path / "dir")
+    before = snapshot(run)
+    if as_cwd:
+        monkeypatch.chdir(run)
+    code = main(["pretrain", *flags, *_http_run(tiny_data, str(tiny_data[1]), Path(".") if as_cwd else run)])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2 and says in line, line
+    assert snapshot(run) == before
+
+
+def test_a_refused_new_run_dir_is_not_left_behind(tiny_data, tmp_path, capsys):
+    """A run refused after it locked a directory it created (here: every checkpoint of the `--resume`
+    path is another run's) removes that directory again."""
+    other = tmp_path / "other"
+    (other / "checkpoints" / "step_00000002").mkdir(parents=True)
+    run = tmp_path / "new" / "run"
+    code = main(["pretrain", "--resume", str(other / "checkpoints" / "step_00000002"),
+                 *_http_run(tiny_data, str(tiny_data[1]), run)])
+    assert code == 2, capsys.readouterr().err
+    assert not (tmp_path / "new").exists()

@@ -29,7 +29,7 @@ from megakd.configio import (
     read_recipe,
     value_text,
 )
-from megakd.errors import LaunchError, UserError
+from megakd.errors import LaunchError, UserError, redact
 from megakd.repro import FINDINGS
 
 log = logging.getLogger("megakd")
@@ -50,6 +50,16 @@ def setup_logging(level: str = "INFO") -> None:
     )
     for noisy in ("matplotlib", "PIL", "urllib3", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_redacting)
+
+
+def _redacting(record: logging.LogRecord) -> bool:
+    """A log filter: a line never shows a URL's credentials (configs and storage errors are logged)."""
+    message = record.getMessage()
+    if (clean := redact(message)) != message:
+        record.msg, record.args = clean, ()
+    return True
 
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
@@ -853,8 +863,8 @@ _INPUT_OS_ERRORS = (FileNotFoundError, FileExistsError, PermissionError, IsADire
 
 def _one_line(err: BaseException) -> str:
     if isinstance(err, OSError) and err.filename is not None:
-        return f"{err.filename}: {err.strerror.lower() if err.strerror else err}"
-    return " ".join(str(err).split())
+        return redact(f"{err.filename}: {err.strerror.lower() if err.strerror else err}")
+    return redact(" ".join(str(err).split()))
 
 
 def _version() -> str:

@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 import yaml
 
-from megakd.errors import UserError
+from megakd.errors import UserError, redact_values
 
 
 class ConfigError(UserError):
@@ -433,7 +433,8 @@ def value_text(value: Any) -> str:
 
 
 def save_config(cfg: Any, path: str | Path) -> None:
+    """``cfg`` as YAML at ``path`` (written aside, then renamed), credentials in URLs redacted."""
     path = Path(path)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    tmp.write_text(yaml.safe_dump(redact_values(config_to_dict(cfg)), sort_keys=False))
     tmp.replace(path)

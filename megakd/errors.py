@@ -9,6 +9,26 @@ because callers and tests have long caught the data pipeline's checks as ValueEr
 
 from __future__ import annotations
 
+import re
+from typing import Any
+
+_CREDENTIALS = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://)([^/@\s:]*)(:[^/@\s]*)?@")
+
+
+def redact(text: str) -> str:
+    """``text`` with the password (or lone token) of every ``scheme://user:secret@`` URL in it as ``***``:
+    what megakd writes or logs (configs, messages, log lines) never carries a URL's credentials."""
+    return _CREDENTIALS.sub(lambda m: f"{m[1]}{m[2]}:***@" if m[3] else f"{m[1]}***@", text)
+
+
+def redact_values(tree: Any) -> Any:
+    """A config tree (dicts, lists, scalars) with :func:`redact` applied to every string in it."""
+    if isinstance(tree, dict):
+        return {k: redact_values(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(redact_values(v) for v in tree)
+    return redact(tree) if isinstance(tree, str) else tree
+
 
 class UserError(ValueError):
     """Bad input the user can fix; the message names the file or key and what was expected."""

@@ -28,14 +28,13 @@ import hashlib
 import io
 import logging
 import os
-import re
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from megakd.errors import UserError
+from megakd.errors import UserError, redact
 
 logger = logging.getLogger(__name__)
 
@@ -79,14 +78,6 @@ def check_cancelled() -> None:
     event = getattr(_cancel, "event", None)
     if event is not None and event.is_set():
         raise ReadCancelled("read cancelled: its reader was closed")
-
-
-_CREDENTIALS = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://)([^/@\s:]*)(:[^/@\s]*)?@")
-
-
-def redact(text: str) -> str:
-    """``text`` with the password (or lone token) of every ``scheme://user:secret@`` URL in it as ``***``."""
-    return _CREDENTIALS.sub(lambda m: f"{m[1]}{m[2]}:***@" if m[3] else f"{m[1]}***@", text)
 
 
 def is_remote(spec: str | Path) -> bool:

@@ -37,6 +37,7 @@ from typing import Any
 
 import yaml
 
+from megakd.errors import redact_values
 from megakd.store.files import StoreError, first_line, human_bytes, is_disk_full
 
 LOCK_FILE = ".lock"
@@ -342,8 +343,9 @@ def _is_steering(key: str, old: Any, new: Any) -> bool:
 
 
 def state_changes(saved: dict, current: dict) -> dict:
-    """{key: (old, new)} of every state-bearing key that differs (steering keys may change freely)."""
-    old, new = flatten(saved), flatten(current)
+    """{key: (old, new)} of every state-bearing key that differs (steering keys may change freely). Values
+    compare as saved, i.e. with credentials in URLs redacted (a URL's password is never in config.yaml)."""
+    old, new = flatten(redact_values(saved)), flatten(redact_values(current))
     return {key: (old.get(key), new.get(key)) for key in sorted(set(old) | set(new))
             if old.get(key) != new.get(key) and not _is_steering(key, old.get(key), new.get(key))}
 
@@ -381,7 +383,8 @@ def record_history(run_dir: Path, saved: dict, step: int) -> Path:
     earlier = sorted(int(p.stem.split("_")[1]) for p in history.glob("step_*.yaml"))
     start = max((s for s in earlier if s < step), default=0)
     path = history / f"step_{step:08d}.yaml"
-    text = yaml.safe_dump({"applied_from_step": start, "applied_until_step": step, **saved}, sort_keys=False)
+    text = yaml.safe_dump({"applied_from_step": start, "applied_until_step": step, **redact_values(saved)},
+                          sort_keys=False)
     tmp = history / f".{path.name}.tmp"
     try:  # whole or absent: written aside, then renamed into place
         tmp.write_text(text)

@@ -215,3 +215,30 @@ def test_a_refused_new_run_dir_is_not_left_behind(tiny_data, tmp_path, capsys):
                  *_http_run(tiny_data, str(tiny_data[1]), run)])
     assert code == 2, capsys.readouterr().err
     assert not (tmp_path / "new").exists()
+
+
+# -- 4. credentials in URLs -------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_credentials_in_a_url_are_in_no_file_a_run_writes_nor_in_its_log(tiny_data, small_shards, http_server,
+                                                                         tmp_path):
+    """A run reads shards from ``http://user:s3cr3t-t0ken@host/``, saves, resumes with a changed key (so
+    config_history/ is written) and then meets its server gone (a storage error line): the password is
+    in no file under the run directory and in none of the output, while the resume accepts the same URL."""
+    server = http_server(small_shards)
+    url = server.url.replace("http://", "http://alice:s3cr3t-t0ken@")
+    run = tmp_path / "run"
+    first = megakd("pretrain", *_http_run(tiny_data, url, run, **{"train.max_steps": 2}), "--log-level", "DEBUG")
+    assert first.code == 0, first.stderr[-2000:]
+    second = megakd("pretrain", "--resume", "auto", "--allow-change", "optim.discriminator.lr",
+                    *_http_run(tiny_data, url, run, **{"train.max_steps": 4, "optim.discriminator.lr": 1e-3}))
+    assert second.code == 0, second.stderr[-2000:]
+    assert list((run / "config_history").iterdir())
+    server.stop()
+    third = megakd("pretrain", "--resume", "auto",
+                   *_http_run(tiny_data, url, run, **{"train.max_steps": 6, "data.read_retries": 0}))
+    assert third.code == 2 and "alice:***@127.0.0.1" in third.error_line(), third.stderr[-2000:]
+    for out in (first, second, third):
+        assert "s3cr3t" not in out.stdout + out.stderr
+    leaks = [p for p in run.rglob("*") if p.is_file() and b"s3cr3t" in p.read_bytes()]
+    assert not leaks, leaks
+    assert "alice:***@" in (run / "config.yaml").read_text()

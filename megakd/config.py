@@ -45,7 +45,7 @@ def check_count(key: str, value: int) -> None:
 @dataclass
 class RunConfig:
     dir: str = "runs/electra-tiny"  # the run directory: config, metrics, checkpoints, plots, HF export
-    keep_last: int = 3  # checkpoints kept in run.dir/checkpoints (older ones are deleted)
+    keep_last: int = 3  # checkpoints kept in run.dir/checkpoints (older ones are deleted); 0 = keep every one
     tensorboard: bool = True  # write TensorBoard events to run.dir/tb
     wandb: bool = False  # log to Weights & Biases too (one wandb run per run directory, resumed on requeue)
     wandb_project: str = "megakd"  # the wandb project
@@ -324,8 +324,13 @@ class Config:
         ):
             if value >= COUNT_LIMIT:
                 raise ConfigError(f"{key}: expected an integer below 2**31, got {value}")
-        if self.data.read_retries < 0:
-            raise ConfigError(f"data.read_retries: expected an integer >= 0, got {self.data.read_retries}")
+        for key, value, least, meaning in (
+            ("data.read_retries", self.data.read_retries, 0, ""),
+            ("train.save_every", self.train.save_every, 0, " (0 = only the final checkpoint)"),
+            ("run.keep_last", self.run.keep_last, 0, " (0 = keep every checkpoint)"),
+        ):
+            if value < least:
+                raise ConfigError(f"{key}: expected an integer >= {least}{meaning}, got {value}")
         for key, value in (("data.read_connect_timeout_s", self.data.read_connect_timeout_s),
                            ("data.read_timeout_s", self.data.read_timeout_s)):
             if not 0 < value <= 3600:

@@ -242,3 +242,21 @@ def test_credentials_in_a_url_are_in_no_file_a_run_writes_nor_in_its_log(tiny_da
     leaks = [p for p in run.rglob("*") if p.is_file() and b"s3cr3t" in p.read_bytes()]
     assert not leaks, leaks
     assert "alice:***@" in (run / "config.yaml").read_text()
+
+
+# -- 5. config values that meant nothing ----------------------------------------------------------------
+BAD_VALUES = [
+    ("train.save_every", "-5", "expected an integer >= 0"),
+    ("run.keep_last", "-3", "expected an integer >= 0 (0 = keep every checkpoint)"),
+    ("data.read_timeout_s", "0", "expected seconds in (0, 3600]"),
+    ("data.read_connect_timeout_s", "-1", "expected seconds in (0, 3600]"),
+]
+
+
+@pytest.mark.parametrize("key,value,says", BAD_VALUES, ids=[f"{k}={v}" for k, v, _ in BAD_VALUES])
+def test_meaningless_values_are_refused_before_the_run_dir(tiny_data, tmp_path, capsys, key, value, says):
+    run = tmp_path / "run"
+    code = main(["pretrain", *_http_run(tiny_data, str(tiny_data[1]), run, **{key: value})])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2 and f"{key}: {says}" in line, line
+    assert not run.exists()

@@ -462,3 +462,38 @@ def test_user_paths_placeholders_and_good_names_pass(tmp_path):
         "```bash\nlaunch/torchrun.sh 2 finetune -c configs/finetune-rt.yaml backend.name=ddp  # a comment\n"
         "megakd convert to-hf SRC OUT --force\n```\n")
     assert check_markdown(doc) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Figures that come from code (tools/doc_figures.py): generated, never typed.
+
+
+@cache
+def _doc_figures():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("doc_figures", ROOT / "tools" / "doc_figures.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_figures_in_the_docs_are_what_the_code_gives_now():
+    """The planner's rows, the storage example, the findings' scale gap and which findings older code
+    measured: a change to the code that moves one fails here until `python tools/doc_figures.py --write`."""
+    problems = _doc_figures().stale_blocks()
+    assert not problems, "\n".join(problems) + "\n(regenerate: python tools/doc_figures.py --write)"
+
+
+def test_a_stale_or_missing_figure_block_is_named_and_rewritten_in_place(tmp_path):
+    figures = _doc_figures()
+    (tmp_path / "a.md").write_text("Before <!-- figures:speed -->1.18 s<!-- /figures:speed --> after.\n"
+                                   "<!-- figures:other -->kept<!-- /figures:other -->\n")
+    table = {"speed": ("a.md", lambda: "1.15 s"), "rows": ("a.md", lambda: "x")}
+    assert figures.stale_blocks(tmp_path, table) == [
+        "a.md: figures:speed is stale: the code now gives '1.15 s'", "a.md: no <!-- figures:rows --> block"]
+    assert figures.write_blocks(tmp_path, table) == ["speed"]
+    assert (tmp_path / "a.md").read_text() == ("Before <!-- figures:speed -->1.15 s<!-- /figures:speed --> after.\n"
+                                               "<!-- figures:other -->kept<!-- /figures:other -->\n")
+    assert figures.stale_blocks(tmp_path, {"speed": table["speed"]}) == []

@@ -199,19 +199,34 @@ def section_versions(report: str | Path) -> dict[str, str | None]:
     return found
 
 
+def section_changes(report: str | Path) -> dict[str, tuple[str | None, list[str] | None]]:
+    """Each section of `report`: its stamp, and the commits since it that changed how the code it runs works
+    (None: no stamp, or git cannot tell)."""
+    out = {}
+    for name, stamp in section_versions(report).items():
+        commit = re.fullmatch(r"([0-9a-f]{7,40})(\+changes)?", stamp or "")
+        out[name] = stamp, code_changes(commit.group(1), measuring_paths(name)) if commit else None
+    return out
+
+
+def measured_by_current_code(stamp: str | None, changes: list[str] | None) -> bool:
+    """A section's numbers come from the code as it is: a clean commit's stamp, and nothing since that runs
+    differently."""
+    return stamp is not None and changes == [] and not stamp.endswith("+changes")
+
+
 def staleness(report: str | Path) -> list[str]:
     """One line per section of `report`: the code that measured it and the commits that have changed how
     the code it runs (`measuring_paths`) works since (`code_changes`), so an older measurement shows before
     it is trusted, and what changed can be read before deciding to re-run it."""
     lines = []
-    for name, stamp in section_versions(report).items():
+    for name, (stamp, changes) in section_changes(report).items():
         commit = re.fullmatch(r"([0-9a-f]{7,40})(\+changes)?", stamp or "")
-        changes = code_changes(commit.group(1), measuring_paths(name)) if commit else None
         if stamp is None:
             lines.append(f"{name}: measuring code not recorded (re-run it to stamp it)")
         elif changes is None:
             lines.append(f"{name}: measured with {stamp}, which this checkout cannot compare with")
-        elif not changes and not commit.group(2):
+        elif measured_by_current_code(stamp, changes):
             lines.append(f"{name}: measured with {stamp}, the current measuring code")
         else:
             shown = "; ".join(c if len(c) <= 80 else c[:79] + "…" for c in changes[:MAX_LISTED])

@@ -381,7 +381,9 @@ def recipe_summary(path: Path) -> tuple[str, str]:
     """(the command that runs the recipe, its description): the first sentence of its opening comment, with
     parenthesised asides dropped, cut at the first colon when that sentence is long."""
     data = read_recipe(path)
-    if set(data) - {config_key(f.name) for f in dataclasses.fields(Config)}:  # sections only fine-tuning has
+    if "glue" in data:
+        command = "glue"
+    elif set(data) - {config_key(f.name) for f in dataclasses.fields(Config)}:  # sections only fine-tuning has
         command = "finetune"
     else:
         command = "distill" if (data.get("distill") or {}).get("teacher") else "pretrain"
@@ -632,11 +634,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command(sub, "glue", "GLUE as the papers report it: the benchmark's files, its metrics, seeds' medians, "
                 "the test-set submission", _examples(
-                    "python tools/make_glue_data.py --out glue_data  # small stand-in GLUE files (CPU example)",
                     "megakd glue -c configs/glue.yaml model.path=runs/electra-tiny/hf/discriminator "
                     "glue.data_dir=glue_data glue.tasks=[cola,sst2,mrpc,stsb]",
                     "launch/torchrun.sh 8 glue -c configs/glue.yaml model.path=hf-base glue.data_dir=glue_data",
-                    note="docs/glue.md: getting GLUE onto an offline cluster, the protocol, the submission."))
+                    note="docs/glue.md: GLUE on an offline cluster, the protocol, the submission; "
+                         "tools/make_glue_data.py writes small stand-in GLUE files for a CPU run."))
     p.add_argument("-c", "--config", required=True, help="YAML recipe, e.g. configs/glue.yaml")
     p.add_argument("--resume", choices=["auto"], help="'auto': reuse finished tasks and seeds in run.dir and "
                    "continue the unfinished seed from its newest intact checkpoint")

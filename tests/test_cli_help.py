@@ -14,6 +14,7 @@ from megakd.cli import build_parser, main, parse_args
 from megakd.config import Config, ConfigError, load_config
 from megakd.configio import config_to_dict
 from megakd.finetune.config import FinetuneConfig
+from megakd.glue.config import GlueConfig
 from megakd.store.rundir import flatten
 
 REPO = Path(__file__).parents[1]
@@ -70,7 +71,7 @@ def test_examples_parse_and_name_recipes_that_load(line):
             assert (REPO / word).exists(), (line, word)
     recipe = getattr(args, "config", None)
     if recipe:
-        cls = FinetuneConfig if args.command == "finetune" else Config
+        cls = {"finetune": FinetuneConfig, "glue": GlueConfig}.get(args.command, Config)
         overrides = getattr(args, "overrides", None) or getattr(args, "rest", [])
         load_config(REPO / recipe, [*overrides, *getattr(args, "set_overrides", [])], cls=cls)
 
@@ -128,7 +129,7 @@ def test_recipes_lists_every_config_with_its_command_and_a_description(capsys):
     assert rows["configs/dwt-weak.yaml"][0] == "distill" and rows["configs/finetune-rt.yaml"][0] == "finetune"
     for path, (command, description) in rows.items():
         assert len(description) > 10, path
-        load_config(REPO / path, cls=FinetuneConfig if command == "finetune" else Config)  # each validates
+        load_config(REPO / path, cls={"finetune": FinetuneConfig, "glue": GlueConfig}.get(command, Config))  # validates
 
 
 def test_a_reader_that_stops_early_ends_the_output_without_a_traceback():

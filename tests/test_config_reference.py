@@ -68,7 +68,8 @@ def test_keys_filters_by_glob_or_word_and_names_each_tree(capsys):
     assert out[0].startswith("megakd pretrain and megakd distill (megakd.config.Config)")
     assert main(["config", "keys", "--finetune", "lr"]) == 0
     keys = [line.split()[0] for line in capsys.readouterr().out.splitlines()[1:]]
-    assert keys == ["finetune.lr", "finetune.lr_select_frac", "soteacher.lambda_lr"]  # no labelreg.*
+    assert keys == ["finetune.lr", "finetune.lr_select_frac", "finetune.layer_lr_decay",
+                    "soteacher.lambda_lr"]  # no labelreg.*
     assert main(["config", "keys", "no_such_key"]) == 2
     assert "no config key matches 'no_such_key'" in capsys.readouterr().err
 

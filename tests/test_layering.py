@@ -24,7 +24,7 @@ LAYERS: list[set[str]] = [
     {"finish"},
     {"store"},
     {"engine"},
-    {"finetune", "eval", "convert", "bench", "repro"},
+    {"finetune", "glue", "eval", "convert", "bench", "repro"},
     {"cli", "__init__"},
 ]
 LAYER_OF = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}

@@ -84,9 +84,13 @@ class OptimConfig:
     batch_size: int = 32  # the global batch (split over the ranks)
     eval_batch_size: int = 64  # batch of the dev-set predictions
     warmup_frac: float = 0.1  # fraction of the optimizer steps of linear warm-up (then linear decay to 0)
-    weight_decay: float = 0.0  # decoupled weight decay
-    betas: tuple[float, float] = (0.9, 0.98)  # AdaMax β1, β2
-    eps: float = 1e-6  # AdaMax ε
+    weight_decay: float = 0.0  # weight decay of the matrices (adamax: coupled L2, as torch's Adamax; adamw: decoupled)
+    optimizer: Literal["adamax", "adamw"] = "adamax"  # adamw: ELECTRA's GLUE setting (docs/glue.md)
+    # < 1: layer-wise LR decay; the head trains at lr, encoder layer i of L at lr·decay^(L+1−i), the embeddings
+    # at lr·decay^(L+2) (docs/glue.md)
+    layer_lr_decay: float = 1.0
+    betas: tuple[float, float] = (0.9, 0.98)  # the optimizer's β1, β2
+    eps: float = 1e-6  # the optimizer's ε
     clip_norm: float = 1.0  # 0 = off
     dropout: float = 0.1  # encoder hidden dropout and classifier dropout
     max_seq_len: int = 256  # tokens per example, [CLS] and [SEP] included; longer ones are truncated
@@ -194,6 +198,8 @@ class FinetuneConfig:
             raise ConfigError(f"finetune.lr: expected rates > 0, got {f.lr}")
         if not 0.0 < f.lr_select_frac < 1.0:
             raise ConfigError(f"finetune.lr_select_frac: expected a fraction in (0, 1), got {f.lr_select_frac}")
+        if not 0.0 < f.layer_lr_decay <= 1.0:
+            raise ConfigError(f"finetune.layer_lr_decay: expected a factor in (0, 1], got {f.layer_lr_decay}")
         if f.clip_norm < 0 or f.eps <= 0:
             raise ConfigError("finetune.clip_norm must be >= 0 and finetune.eps > 0")
         if not 0.0 <= lr.alpha <= 1.0:

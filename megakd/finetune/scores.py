@@ -56,12 +56,18 @@ def mcc(pred: np.ndarray, labels: np.ndarray, num_classes: int = 2) -> float:
     return float(cov / denom) if denom else 0.0
 
 
+def pearson(pred: np.ndarray, labels: np.ndarray) -> float:
+    """Pearson correlation (STS-B's first metric); 0 when a side is constant."""
+    x = np.asarray(pred, dtype=np.float64).reshape(-1)
+    y = np.asarray(labels, dtype=np.float64).reshape(-1)
+    x, y = x - x.mean(), y - y.mean()
+    denom = math.sqrt(float(x @ x) * float(y @ y))
+    return float(x @ y / denom) if denom else 0.0
+
+
 def spearman(pred: np.ndarray, labels: np.ndarray) -> float:
     """Pearson correlation of the ranks (ties get their average rank); 0 when a side is constant."""
-    rp, rl = rankdata(pred), rankdata(labels)
-    rp, rl = rp - rp.mean(), rl - rl.mean()
-    denom = math.sqrt(float(rp @ rp) * float(rl @ rl))
-    return float(rp @ rl / denom) if denom else 0.0
+    return pearson(rankdata(pred), rankdata(labels))
 
 
 def task_metrics(outputs: np.ndarray, labels: np.ndarray, num_labels: int) -> dict[str, float]:

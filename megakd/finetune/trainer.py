@@ -9,10 +9,11 @@ candidates' slice scores go to `summary.json`. Under data parallelism every rank
 trial together and takes rank 0's scores, so all ranks choose the same rate.
 
 One seed: AdaMax (β (0.9, 0.98), ε 1e-6, coupled L2 weight decay on matrices only, as torch's
-Adamax implements it), linear warm-up over `warmup_frac` of the optimizer steps then linear decay
-to 0 (`megakd.engine.optim.build_scheduler`), gradient clipping at 1.0, dropout 0.1, dev evaluation
-after every epoch. The batch order of epoch e is `randperm` from a generator seeded with
-(seed, e), so a seed reproduces bit-for-bit on CPU. `finetune.batch_size` is the global batch,
+Adamax implements it; or AdamW with layer-wise LR decay, `finetune.optimizer` and
+`finetune.layer_lr_decay`, ELECTRA's GLUE setting), linear warm-up over `warmup_frac` of the
+optimizer steps then linear decay to 0 (`megakd.engine.optim.build_scheduler`), gradient clipping
+at 1.0, dropout 0.1, dev evaluation after every epoch. The batch order of epoch e is `randperm` from
+a generator seeded with (seed, e), so a seed reproduces bit-for-bit on CPU. `finetune.batch_size` is the global batch,
 split over the data-parallel ranks of the backend (megakd/finetune/runtime.py).
 
 Objectives see the batch (with the examples' stable `index` and their `row` in the train split)
@@ -47,7 +48,7 @@ from torch import Tensor, nn
 
 from megakd.config import ConfigError, ScheduleConfig
 from megakd.configio import save_config
-from megakd.data.tasks import EncodedTask, load_split
+from megakd.data.tasks import EncodedTask, Example, load_split
 from megakd.data.tokenizer import Tokenizer
 from megakd.engine.hooks import Checkpoints, Clock, Hooks, ProgressBar, StepEnd, StepHook
 from megakd.engine.layouts import Layout, MicroStepOutput
@@ -55,7 +56,7 @@ from megakd.engine.optim import build_scheduler, param_groups
 from megakd.engine.runlog import MetricsWriter
 from megakd.engine.session import rng_state, set_rng_state, skipped_update
 from megakd.engine.units import StepContext, Unit
-from megakd.finetune.config import FinetuneConfig, LabelregConfig, ModelInitConfig, auto_lr
+from megakd.finetune.config import FinetuneConfig, LabelregConfig, ModelInitConfig, OptimConfig, auto_lr
 from megakd.finetune.models import Pretrained, build_classifier, load_pretrained
 from megakd.finetune.runtime import Runtime, Stopped, single_process
 from megakd.finetune.scores import mean_std_record, task_metrics
@@ -192,6 +193,33 @@ def teacher_logits_for(path: str, key: str, student_tokenizer: Tokenizer, train:
     return torch.from_numpy(predict(freeze(teacher), train, batch_size, runtime))
 
 
+def layerwise_param_groups(model: SequenceClassifier, weight_decay: float, lr: float, decay: float) -> list[dict]:
+    """Parameter groups whose rate falls by `decay` per layer below the head: the head at `lr`, encoder layer
+    i of L at lr·decay^(L+1−i), the embeddings (and the shared relative-position table) at lr·decay^(L+2);
+    weight decay on matrices only, as `param_groups`."""
+    top = model.config.num_layers + 2
+    groups: dict[tuple[int, bool], dict] = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        parts = name.split(".")
+        depth = (int(parts[2]) + 1 if parts[1] == "layers" else 0) if parts[0] == "encoder" else top
+        matrix = p.ndim >= 2
+        group = groups.setdefault((depth, matrix), {"params": [], "weight_decay": weight_decay if matrix else 0.0,
+                                                    "lr": lr * decay ** (top - depth)})
+        group["params"].append(p)
+    return [groups[k] for k in sorted(groups)]
+
+
+def build_optimizer(model: SequenceClassifier, f: OptimConfig, lr: float) -> torch.optim.Optimizer:
+    """AdaMax (the dissertation's setting) or AdamW (ELECTRA's GLUE setting) at peak rate `lr`, with
+    layer-wise decay when `finetune.layer_lr_decay` < 1 (two groups otherwise, as before it existed)."""
+    groups = (param_groups(model.named_parameters(), f.weight_decay) if f.layer_lr_decay == 1.0 else
+              layerwise_param_groups(model, f.weight_decay, lr, f.layer_lr_decay))
+    kind = torch.optim.Adamax if f.optimizer == "adamax" else torch.optim.AdamW
+    return kind(groups, lr=lr, betas=tuple(f.betas), eps=f.eps)
+
+
 @dataclass
 class SeedResult:
     seed: int
@@ -243,8 +271,7 @@ class SeedTraining:
         self.out_dir, self.runtime, self.steps_per_epoch = out_dir, runtime, steps_per_epoch
         self.total = steps_per_epoch * f.epochs
         model.to(runtime.device)
-        optimizer = torch.optim.Adamax(param_groups(model.named_parameters(), f.weight_decay), lr=lr,
-                                       betas=tuple(f.betas), eps=f.eps)
+        optimizer = build_optimizer(model, f, lr)
         schedule = ScheduleConfig(warmup_steps=round(f.warmup_frac * self.total), decay="linear")
         self.unit = Unit(name=UNIT, loss_module=ClassifierLoss(model, objective), model=model, optimizer=optimizer,
                          scheduler=build_scheduler(optimizer, schedule, self.total), clip_norm=f.clip_norm)
@@ -448,14 +475,17 @@ ObjectiveFactory = Callable[[int, SequenceClassifier, Tokenizer, EncodedTask, Pa
 
 
 def run_seeds(cfg: FinetuneConfig, run_dir: Path, init: ModelInitConfig, make_objective: ObjectiveFactory,
-              runtime: Runtime) -> tuple[list[SeedResult], EncodedTask, EncodedTask, dict]:
+              runtime: Runtime, read_split: Callable[[str], list[Example]] | None = None
+              ) -> tuple[list[SeedResult], EncodedTask, EncodedTask, dict]:
     """Every seed of `finetune.seeds` into `run_dir/seed_<s>/`.
 
     Returns the results, the encoded splits and the LR record (`lr_record`). The dev split is read
-    only after the learning rate is fixed.
+    only after the learning rate is fixed. `read_split` ("train" or "dev" → examples) replaces
+    `load_split(cfg.task, ...)` for callers with their own files (megakd/glue).
     """
+    read = read_split or (lambda split: load_split(cfg.task, split))
     run_dir.mkdir(parents=True, exist_ok=True)
-    train_ex = load_split(cfg.task, "train")
+    train_ex = read("train")
     pretrained: Pretrained | None = load_pretrained(init.path, init.tokenizer) if init.path else None
     tokenizer = pretrained.tokenizer if pretrained else Tokenizer.load(init.tokenizer)
     encoder = pretrained.config if pretrained else init.encoder
@@ -467,7 +497,7 @@ def run_seeds(cfg: FinetuneConfig, run_dir: Path, init: ModelInitConfig, make_ob
     record = {"setting": cfg.finetune.lr, "candidates": candidates, "lr": candidates[0]}
     if len(candidates) > 1:
         record = select_lr(cfg, run_dir / "lr_select", init, pretrained, train, make_objective, candidates, runtime)
-    dev = EncodedTask(load_split(cfg.task, "dev"), tokenizer, max_len, regression)
+    dev = EncodedTask(read("dev"), tokenizer, max_len, regression)
     log.info("task %s: %d dev examples; lr %g", cfg.task.name, len(dev), record["lr"])
     results = []
     for seed in cfg.finetune.seeds:

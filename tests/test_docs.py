@@ -333,6 +333,11 @@ def check_command(text: str) -> list[str]:
     """A shell line: megakd (directly, behind a launch/ script or `-m megakd.cli`), a tool, or anything else."""
     code, _, comment = (re.split(r"(^|\s)#", text, maxsplit=1) + ["", ""])[:3]  # a comment is prose: names only
     problems = [p for word in comment.split() for p in check_name(word)]
+    # A command substitution, `$(megakd plan ... --emit-overrides)`, is a command of its own; its output is a
+    # placeholder in the line around it.
+    for inner in re.findall(r"\$\(([^()]*)\)", code):
+        problems += check_command(inner)
+    code = re.sub(r"\$\([^()]*\)", "$SUBSTITUTED", code)
     for segment in re.split(r"&&|\|\||;|\s\|\s", code):
         try:
             words = shlex.split(segment)
@@ -497,3 +502,9 @@ def test_a_stale_or_missing_figure_block_is_named_and_rewritten_in_place(tmp_pat
     assert (tmp_path / "a.md").read_text() == ("Before <!-- figures:speed -->1.15 s<!-- /figures:speed --> after.\n"
                                                "<!-- figures:other -->kept<!-- /figures:other -->\n")
     assert figures.stale_blocks(tmp_path, {"speed": table["speed"]}) == []
+
+
+def test_a_command_substitution_is_checked_as_its_own_command():
+    line = ("launch/torchrun.sh 8 -c configs/electra-tiny.yaml train.max_steps=2 "
+            "$(megakd plan configs/electra-base.yaml --gpus 8 --gpu-mem 80 --emit-overides)")
+    assert check_command(line) == ["`megakd plan --emit-overides`: megakd plan has no option --emit-overides"]

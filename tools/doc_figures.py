@@ -6,10 +6,11 @@
 
 A block is the text between `<!-- figures:NAME -->` and `<!-- /figures:NAME -->` in its document
 (inline or on lines of their own; GitHub shows neither marker). The blocks: the planner's rows
-(`megakd plan`, the A100 preset, datasheet peaks), the storage reads of a 64-GPU electra-base job, the
-scale gap of the findings (megakd/repro/scale.py) and which findings were measured by older code
-(`megakd repro all --plan` lists the commits since). tests/test_docs.py fails while a block is stale,
-so a code change that moves a figure fails until the docs are regenerated.
+(`megakd plan`, the A100 preset, datasheet peaks), the storage reads of a 64-GPU electra-base job,
+the scale gap of the findings (megakd/repro/scale.py), which findings were measured by older code
+(`megakd repro all --plan` lists the commits since) and what one pass of each cluster recipe reads.
+tests/test_docs.py fails while a block is stale, so a code change that moves a figure fails until
+the docs are regenerated.
 """
 
 from __future__ import annotations
@@ -98,6 +99,26 @@ def storage_sentence() -> str:
             f"workers × 64 ranks each reading the whole corpus) read {whole_shard:.0f} times as much")
 
 
+CLUSTER_RECIPES = ("electra-base.yaml", "electra-large.yaml", "rtd-generator-base.yaml", "dwt-base-weak.yaml",
+                   "dwt-base-student.yaml")
+
+
+def recipe_data() -> str:
+    """docs/cluster.md's data table: what one pass of each cluster recipe reads (steps x batch x seq_len)."""
+    from megakd.bench.planner import sample_member_bytes
+
+    lines = ["", "| recipe | steps × batch × seq_len | token positions (10⁹) | samples (10⁶) | shards on disk |",
+             "|---|---|---|---|---|"]
+    for recipe in CLUSTER_RECIPES:
+        cfg = _config(recipe)
+        samples = cfg.train.max_steps * cfg.train.global_batch_size
+        shard_bytes = samples * sample_member_bytes(cfg.data.seq_len, cfg.model.generator.vocab_size)
+        lines.append(f"| `configs/{recipe}` | {cfg.train.max_steps:,} × {cfg.train.global_batch_size:,} × "
+                     f"{cfg.data.seq_len} | {samples * cfg.data.seq_len / 1e9:.3g} | {samples / 1e6:.3g} | "
+                     f"{shard_bytes / 1e9:.3g} GB |")
+    return "\n".join([*lines, ""])
+
+
 def _ratio(text: str) -> float:
     return float(text.replace(",", "").rstrip("×"))
 
@@ -140,6 +161,7 @@ FIGURES: dict[str, tuple[str, Callable[[], str]]] = {
     "findings-staleness": ("README.md", findings_staleness),
     "plan-table": ("docs/distributed.md", plan_table),
     "storage": ("docs/distributed.md", storage_sentence),
+    "recipe-data": ("docs/cluster.md", recipe_data),
 }
 
 

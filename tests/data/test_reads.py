@@ -161,25 +161,26 @@ def test_a_released_lock_sends_its_waiters_to_fetch_at_once(tmp_path):
     ``wait_s`` is an hour, so only the release can end its wait within the join's minute: no timing."""
     data = b"a shared read"
     abandoned, hung = ContentCache(tmp_path / "c", wait_s=3600), threading.Event()
-    fetcher = threading.Thread(target=abandoned.get, args=(digest(data), lambda: (hung.wait(60), b"")[1]),
-                               daemon=True)
+    fetcher = threading.Thread(target=abandoned.get, args=(digest(data), lambda: (hung.wait(), b"")[1]), daemon=True)
     fetcher.start()
-    lock = tmp_path / "c" / f"{digest(data)}.lock"
-    deadline = time.monotonic() + 60
-    while not lock.exists():
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    got = []
-    waiter = threading.Thread(target=lambda: got.append(ContentCache(tmp_path / "c", wait_s=3600).get(
-        digest(data), lambda: data)), daemon=True)
-    waiter.start()
-    waiter.join(0.5)
-    assert waiter.is_alive()  # waiting for the fetch in flight, as it should
-    abandoned.release()
-    waiter.join(60)
-    assert not waiter.is_alive() and got == [data]  # not after wait_s
-    assert (tmp_path / "c" / digest(data)).read_bytes() == data and not lock.exists()
-    hung.set()  # the abandoned fetch ends (with nothing): it must not remove what is there now
+    try:
+        lock = tmp_path / "c" / f"{digest(data)}.lock"
+        deadline = time.monotonic() + 60
+        while not lock.exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        got = []
+        waiter = threading.Thread(target=lambda: got.append(ContentCache(tmp_path / "c", wait_s=3600).get(
+            digest(data), lambda: data)), daemon=True)
+        waiter.start()
+        waiter.join(0.5)
+        assert waiter.is_alive()  # waiting for the fetch in flight, as it should
+        abandoned.release()
+        waiter.join(60)
+        assert not waiter.is_alive() and got == [data]  # not after wait_s
+        assert (tmp_path / "c" / digest(data)).read_bytes() == data and not lock.exists()
+    finally:
+        hung.set()  # the abandoned fetch ends (with nothing): it must not remove what is there now
     fetcher.join(60)
     assert not fetcher.is_alive()
     assert (tmp_path / "c" / digest(data)).read_bytes() == data

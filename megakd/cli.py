@@ -154,7 +154,11 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     try:
         runtime.open()
         log.info("fine-tuning on %s", describe(runtime))
-        run(cfg, runtime)
+        summary = run(cfg, runtime)
+        if runtime.is_main and summary.get("headline") in summary.get("metrics", {}):
+            from megakd.finetune.baselines import baseline_report
+
+            log.info("%s", baseline_report(cfg, summary))
     except Stopped as stop:
         log.warning("stopped on a signal after a checkpoint; run the same command with --resume auto to continue")
         return EXIT_INTERRUPTED if stop.interrupted else 0

@@ -77,5 +77,5 @@ require_shell_safe() {
 
 # takes_backend COMMAND: whether COMMAND reads backend.name (commands that train).
 takes_backend() {
-    case "$1" in pretrain|distill|finetune|bench) return 0 ;; *) return 1 ;; esac
+    case "$1" in pretrain|distill|finetune|glue|bench) return 0 ;; *) return 1 ;; esac
 }

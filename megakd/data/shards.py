@@ -449,13 +449,13 @@ def read_manifest(shards: str | Path | ShardStore) -> dict:
         if not _is_int(s.get("first_index")) or s["first_index"] != first or not _is_int(s.get("samples")) \
                 or s["samples"] < 1:
             raise UserError(f"{path}: shard entry {s.get('file')!r} has inconsistent first_index/samples")
-        if s["samples"] > MAX_SHARD_SAMPLES or s["bytes"] > MAX_SHARD_BYTES:
-            raise UserError(f"{path}: shard {s['file']!r} has samples={s['samples']} and bytes={s['bytes']}, expected "
-                            f"at most {MAX_SHARD_SAMPLES} samples and {MAX_SHARD_BYTES} bytes per shard")
         if s["samples"] > (s["bytes"] - _END_OF_ARCHIVE) // _MIN_SAMPLE_BYTES:
             raise UserError(f"{path}: shard {s['file']!r} has samples={s['samples']}, more than its "
                             f"bytes={s['bytes']} can hold (at most (bytes - {_END_OF_ARCHIVE}) // "
                             f"{_MIN_SAMPLE_BYTES})")
+        if s["samples"] > MAX_SHARD_SAMPLES or s["bytes"] > MAX_SHARD_BYTES:
+            raise UserError(f"{path}: shard {s['file']!r} has samples={s['samples']} and bytes={s['bytes']}, expected "
+                            f"at most {MAX_SHARD_SAMPLES} samples and {MAX_SHARD_BYTES} bytes per shard")
         first += s["samples"]
     if first != m["num_samples"]:
         raise UserError(f"{path}: shard sample counts sum to {first}, num_samples says {m['num_samples']}")

@@ -29,6 +29,15 @@ ADMIN_PROFILES = ("reference", "bert")
 COMPUTE_FIELDS = ("activation_checkpointing", "fused_qkv")
 
 
+# The largest size a config may give each field: far above any model trained today (a 1,024-layer,
+# 65,536-wide encoder), so that a config read from a file (a model directory, an export, an HF
+# config.json) cannot make megakd build millions of layers or a table of 10**12 rows before its
+# weights are checked against it.
+SIZE_LIMITS = {"vocab_size": 1 << 24, "hidden_size": 1 << 16, "num_layers": 1 << 10, "num_heads": 1 << 10,
+               "intermediate_size": 1 << 18, "max_position_embeddings": 1 << 20, "type_vocab_size": 1 << 10,
+               "embedding_size": 1 << 16}
+
+
 @dataclass
 class EncoderConfig:
     vocab_size: int | str = 30522  # pretraining configs also take "auto": the tokenizer's size, set before building
@@ -75,14 +84,13 @@ class EncoderConfig:
         return self._validate_fields(check_vocab=True)
 
     def _validate_fields(self, *, check_vocab: bool) -> EncoderConfig:
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size",
-                     "max_position_embeddings", "type_vocab_size"):
-            if name == "vocab_size" and not check_vocab:
+        for name, limit in SIZE_LIMITS.items():
+            if name == "vocab_size" and not check_vocab or name == "embedding_size" and self.embedding_size is None:
                 continue
-            if getattr(self, name) < 1:
-                raise ValueError(f"model.{name}: expected a positive integer, got {getattr(self, name)}")
-        if self.embedding_size is not None and self.embedding_size < 1:
-            raise ValueError(f"model.embedding_size: expected a positive integer or None, got {self.embedding_size}")
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= limit:
+                raise ValueError(f"model.{name}: expected a positive integer up to {limit}"
+                                 f"{' or None' if name == 'embedding_size' else ''}, got {value!r:.100}")
         if self.hidden_size % self.num_heads:
             raise ValueError(f"model.hidden_size: expected a multiple of num_heads={self.num_heads}, "
                              f"got {self.hidden_size}")

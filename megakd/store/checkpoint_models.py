@@ -13,8 +13,10 @@ layout's business (megakd/engine/layouts.py); reading needs only these stored fo
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import logging
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +26,7 @@ from torch import Tensor, nn
 
 from megakd.config import Config, ConfigError, load_config
 from megakd.models.electra import Discriminator, ElectraPair, MaskedLM
+from megakd.models.encoder import EncoderConfig
 from megakd.store.checkpoint import DEEPSPEED_TAG, MANIFEST, list_checkpoints, newest_intact, verify
 from megakd.store.files import (
     StoreError,
@@ -178,16 +181,20 @@ def load_state_checked(model: nn.Module, sd: Mapping[str, Tensor], source: str, 
     model.load_state_dict(sd, strict=True)
 
 
-def check_weight_shapes(build: Callable[[], nn.Module], weights: Path, config_key: str) -> None:
-    """Refuse a weights file whose header disagrees with the model `build()` makes, before it is made.
+def check_weight_shapes(build: Callable[..., nn.Module], encoders: list[EncoderConfig], weights: Path,
+                        config_key: str) -> None:
+    """Refuse a weights file whose header disagrees with the model `build(*encoders)` makes, before it is made.
 
-    The model is built on the meta device (no memory), so a config implying a huge model (a mistyped
-    vocab_size) is refused on its shapes instead of allocating gigabytes. Tied parameters (one
-    object under several keys) need only one of their keys in the file, as in `load_state_checked`.
+    First by size, building nothing deep: the model's parameter count for the configs' depths is
+    extrapolated from one- and two-layer copies built on the meta device, and a file holding far
+    fewer numbers is refused (a config.json saying 10**6 layers would otherwise take minutes and
+    gigabytes to build even there). Then the model itself is built on the meta device (no memory)
+    and every shape compared. Tied parameters (one object under several keys) need only one of their
+    keys in the file, as in `load_state_checked`.
     """
+    stored = check_weight_count(build, encoders, weights, config_key)
     with torch.device("meta"):
-        expected = build().state_dict(keep_vars=True)
-    stored = weight_shapes(weights)
+        expected = build(*encoders).state_dict(keep_vars=True)
     tied: dict[int, list[str]] = {}
     for key, tensor in expected.items():
         tied.setdefault(id(tensor), []).append(key)
@@ -201,6 +208,33 @@ def check_weight_shapes(build: Callable[[], nn.Module], weights: Path, config_ke
                                  f"expects {list(expected[key].shape)}")
 
 
+def check_weight_count(build: Callable[..., nn.Module], encoders: list[EncoderConfig], weights: Path,
+                       config_key: str) -> dict[str, tuple[int, ...]]:
+    """Refuse a safetensors file holding far fewer numbers than `build(*encoders)` has parameters,
+    building nothing deeper than two layers (see `check_weight_shapes`); the file's shapes by key."""
+    stored = weight_shapes(weights)
+    implied = _implied_parameters(build, encoders)
+    held = sum(math.prod(shape) for shape in stored.values())
+    if implied > 2 * held + (1 << 20):
+        raise StoreError(f"{weights}: holds {held:,} numbers but {config_key} describes a model of {implied:,} "
+                         f"parameters ({', '.join(f'{e.num_layers} layers x {e.hidden_size}' for e in encoders)})")
+    return stored
+
+
+def _implied_parameters(build: Callable[..., nn.Module], encoders: list[EncoderConfig]) -> int:
+    """The parameter count of `build(*encoders)`, from one- and two-layer copies on the meta device:
+    a model's parameters grow linearly in each encoder's depth."""
+    def count(*layers: int) -> int:
+        with torch.device("meta"):
+            model = build(*(dataclasses.replace(e, num_layers=n) for e, n in zip(encoders, layers)))
+        return sum(p.numel() for p in model.parameters())
+
+    shallow = [1] * len(encoders)
+    base = count(*shallow)
+    return base + sum((e.num_layers - 1) * (count(*shallow[:i], 2, *shallow[i + 1:]) - base)
+                      for i, e in enumerate(encoders))
+
+
 def load_checkpoint(step_dir: str | Path) -> CheckpointModels:
     """Rebuild the models described by `config.yaml` and load the unit weights into them."""
     step_dir = Path(step_dir)
@@ -211,18 +245,21 @@ def load_checkpoint(step_dir: str | Path) -> CheckpointModels:
         cfg = load_config(config_file)
     except ConfigError as err:
         raise StoreError(str(err)) from None
-    builders: dict[str, Callable[[], nn.Module]] = {"generator": lambda: MaskedLM(cfg.model.generator)}
+    builders: dict[str, tuple[Callable[[EncoderConfig], nn.Module], EncoderConfig]] = {
+        "generator": (MaskedLM, cfg.model.generator)}
     if "discriminator" in cfg.model.built_models():
-        builders["discriminator"] = lambda: Discriminator(cfg.model.discriminator)
+        builders["discriminator"] = (Discriminator, cfg.model.discriminator)
     if len(builders) == 2 and has_unit_state(step_dir, JOINT_UNIT):
-        units = {JOINT_UNIT: (lambda: ElectraPair(*(b() for b in builders.values()), share_embeddings=True),
+        units = {JOINT_UNIT: (lambda g, d: ElectraPair(MaskedLM(g), Discriminator(d), share_embeddings=True),
+                              [cfg.model.generator, cfg.model.discriminator],
                               f"{config_file} (model.generator / model.discriminator)")}
     else:
-        units = {name: (build, f"{config_file} (model.{name})") for name, build in builders.items()}
-    for unit, (build, config_key) in units.items():
+        units = {name: (build, [encoder], f"{config_file} (model.{name})")
+                 for name, (build, encoder) in builders.items()}
+    for unit, (build, encoders, config_key) in units.items():
         if (weights := step_dir / f"{unit}{WEIGHTS_SUFFIX}").is_file():
-            check_weight_shapes(build, weights, config_key)
-    models = {name: build() for name, build in builders.items()}
+            check_weight_shapes(build, encoders, weights, config_key)
+    models = {name: build(encoder) for name, (build, encoder) in builders.items()}
     if JOINT_UNIT in units:
         pair = ElectraPair(models["generator"], models["discriminator"], share_embeddings=True)
         _load_unit(step_dir, JOINT_UNIT, pair, units[JOINT_UNIT][1])

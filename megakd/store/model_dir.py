@@ -45,7 +45,7 @@ from megakd.data.tokenizer import HF_TOKENIZER_FILES, HFTokenizer, Tokenizer, co
 from megakd.fsutil import atomic_output_dir
 from megakd.models.electra import Discriminator, MaskedLM, SequenceClassifier
 from megakd.models.encoder import COMPUTE_FIELDS, Encoder, EncoderConfig
-from megakd.store.checkpoint_models import check_weight_shapes, load_state_checked
+from megakd.store.checkpoint_models import check_weight_count, check_weight_shapes, load_state_checked
 from megakd.store.files import StoreError, first_line
 
 log = logging.getLogger(__name__)
@@ -140,7 +140,7 @@ def load_model_dir(path: str | Path) -> tuple[str, nn.Module]:
     weights = Path(path) / WEIGHTS_FILE
     if not weights.is_file():
         raise StoreError(f"{weights}: missing")
-    check_weight_shapes(lambda: MODEL_KINDS[kind](info["encoder_config"]), weights, str(Path(path) / MODEL_FILE))
+    check_weight_shapes(MODEL_KINDS[kind], [info["encoder_config"]], weights, str(Path(path) / MODEL_FILE))
     model = MODEL_KINDS[kind](info["encoder_config"])
     try:
         load_model(model, str(weights), strict=True)
@@ -225,6 +225,8 @@ def read_hf_dir(src: str | Path) -> HFModel:
         raise StoreError(f"{src / 'config.json'}: {first_line(err)}") from None
     if not any((src / name).is_file() for name in HF_WEIGHT_FILES):
         raise StoreError(f"{src}: no weights (expected one of {', '.join(HF_WEIGHT_FILES)} beside config.json)")
+    if (safetensors := src / "model.safetensors").is_file():  # sized against the config before transformers builds
+        check_weight_count(MODEL_KINDS[kind], [config], safetensors, str(src / "config.json"))
     try:
         hf_model, loading = hf_class.from_pretrained(src, local_files_only=True, output_loading_info=True,
                                                      dtype=torch.float32)
@@ -263,7 +265,7 @@ def _read_megakd_export(src: Path, architecture: str, raw: dict) -> HFModel:
         sd = load_file(str(weights))
     except Exception as err:  # not a safetensors file, truncated, or a corrupt header
         raise StoreError(f"{weights}: not a readable safetensors file ({first_line(err)[:200]})") from None
-    check_weight_shapes(lambda: MODEL_KINDS[kind](config), weights, str(config_file))
+    check_weight_shapes(MODEL_KINDS[kind], [config], weights, str(config_file))
     model = MODEL_KINDS[kind](config)
     load_state_checked(model, sd, str(weights), str(config_file))
     source = {"path": str(src.resolve()), "architecture": architecture, "model_type": raw.get("model_type")}
@@ -299,7 +301,7 @@ def load_classifier(path: str | Path) -> tuple[SequenceClassifier, Tokenizer]:
         raise StoreError(f"{file}: encoder: {err}") from None
     weights = path / WEIGHTS_FILE
     try:
-        check_weight_shapes(lambda: SequenceClassifier(config, int(info["num_labels"])), weights, str(file))
+        check_weight_shapes(lambda c: SequenceClassifier(c, int(info["num_labels"])), [config], weights, str(file))
     except StoreError as err:
         raise StoreError(f"{weights}: cannot load as this classifier's safetensors "
                          f"({str(err).removeprefix(f'{weights}: ')})") from None

@@ -21,6 +21,7 @@ import tracemalloc
 from pathlib import Path
 
 import pytest
+import yaml
 
 from megakd.cli import main
 from megakd.config import Config
@@ -260,3 +261,52 @@ def test_meaningless_values_are_refused_before_the_run_dir(tiny_data, tmp_path, 
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert code == 2 and f"{key}: {says}" in line, line
     assert not run.exists()
+
+
+# -- 6. model configs with absurd sizes -----------------------------------------------------------------
+# A model's config is checked against bounds, then against its weights file's header, before any
+# module is built: a config saying 10**6 layers (or 1,000 over a 3-layer file) ends in one line at once.
+def _hf_with_layers(run: Path, root: Path, layers: int) -> Path:
+    out = root / "hf"
+    shutil.copytree(run / "hf" / "discriminator", out)
+    config = json.loads((out / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def _checkpoint_with_layers(run: Path, root: Path, layers: int) -> Path:
+    from megakd.store.checkpoint import write_manifest
+
+    step = sorted((run / "checkpoints").iterdir())[-1]
+    out = root / step.name
+    shutil.copytree(step, out)
+    config = yaml.safe_load((out / "config.yaml").read_text())
+    config["model"]["discriminator"]["num_layers"] = layers
+    (out / "config.yaml").write_text(yaml.safe_dump(config))
+    (out / MANIFEST).unlink()
+    write_manifest(out, int(step.name.split("_")[1]))
+    return out
+
+
+MODEL_SIZE_ROWS = [  # (id, the source, the conversion that reads it, its layers, fragment of the one line)
+    ("HF dir, 10**6 layers", _hf_with_layers, "from-hf", 10**6, "num_layers: expected a positive integer up to 1024"),
+    ("HF dir, 1000 layers over 2", _hf_with_layers, "from-hf", 1000, "numbers but"),
+    ("checkpoint, 10**6 layers", _checkpoint_with_layers, "to-hf", 10**6,
+     "num_layers: expected a positive integer up to 1024"),
+    ("checkpoint, 1000 layers over 2", _checkpoint_with_layers, "to-hf", 1000, "numbers but"),
+]
+
+
+@pytest.mark.parametrize("make,convert,layers,says", [r[1:] for r in MODEL_SIZE_ROWS],
+                         ids=[r[0] for r in MODEL_SIZE_ROWS])
+def test_absurd_model_sizes_are_refused_before_anything_is_built(tiny_electra_run, tmp_path, capsys, make, convert,
+                                                                 layers, says):
+    source = make(tiny_electra_run, tmp_path, layers)
+    started = time.monotonic()
+    code = main(["convert", convert, str(source), str(tmp_path / "out")])
+    took = time.monotonic() - started
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2 and says in line, line
+    assert took < 10, f"{took:.1f} s to refuse"
+    assert not (tmp_path / "out").exists()

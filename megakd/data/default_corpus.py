@@ -23,6 +23,7 @@ from pathlib import Path
 
 from megakd.data.shards import MANIFEST, write_shards
 from megakd.data.tokenizer import META_FILE, train_tokenizer
+from megakd.fsutil import OutputError, is_disk_full
 
 logger = logging.getLogger(__name__)
 
@@ -122,8 +123,11 @@ def prepare_default_data(cache_dir: str | Path, *, vocab_size: int, seq_len: int
             if not _complete(entry):  # lost a race to a builder that did not finish: a real error
                 raise
             shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(err, Exception) and is_disk_full(err):
+            raise OutputError(f"{entry}: no space left on device while building the bundled corpus's tokenizer and "
+                              "shards; the partial build was removed") from None
         raise
     logger.info("built default data in %s", entry)
     return entry / "tokenizer", entry / "shards"

@@ -11,7 +11,6 @@ checkpoints hold.
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import logging
 import os
@@ -25,6 +24,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from megakd.errors import UserError
+from megakd.fsutil import is_disk_full  # noqa: F401 (the store's writers import it from here)
 
 log = logging.getLogger(__name__)
 
@@ -181,16 +181,3 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def is_disk_full(err: BaseException) -> bool:
-    """ENOSPC/EDQUOT, also when a library wrapped the OSError in a RuntimeError (torch.save does).
-
-    torch.save's zip writer may instead report only its symptom, a short write ("unexpected pos N
-    vs M"): the bytes it asked for were not written, which on a local file is a full disk.
-    """
-    while err is not None:
-        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        if any(sign in str(err) for sign in ("No space left on device", "file write failed", "unexpected pos ")):
-            return True
-        err = err.__cause__ or err.__context__
-    return False

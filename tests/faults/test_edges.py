@@ -11,6 +11,7 @@ from __future__ import annotations
 
 # ruff: noqa: F811  (pytest fixtures imported from tests.remote_servers are test arguments)
 import json
+import os
 import re
 import shutil
 import signal
@@ -310,3 +311,77 @@ def test_absurd_model_sizes_are_refused_before_anything_is_built(tiny_electra_ru
     assert code == 2 and says in line, line
     assert took < 10, f"{took:.1f} s to refuse"
     assert not (tmp_path / "out").exists()
+
+
+# -- 7. outputs that someone else writes into ------------------------------------------------------------
+def test_an_output_is_claimed_and_never_published_over_someone_elses_files(tiny_data, tmp_path):
+    """`data shards` A reads its corpus from a FIFO, so it is mid-run for as long as the test wants: a
+    second `data shards` into the same --out is refused at its start (the claim), and a file someone
+    writes into --out meanwhile survives A's publish, which keeps A's shards under the name it gives."""
+    tokenizer_dir, _ = tiny_data
+    fifo, out = tmp_path / "corpus.jsonl", tmp_path / "shards"
+    os.mkfifo(fifo)
+    args = ["data", "shards", "--tokenizer", str(tokenizer_dir), "--seq-len", "64", "--out", str(out)]
+    first = subprocess.Popen([sys.executable, "-m", "megakd.cli", *args, "--input", str(fifo)], cwd=REPO,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        claim = tmp_path / ".shards.claim"
+        deadline = time.monotonic() + 60
+        while not (claim.is_file() and claim.read_text()):
+            assert first.poll() is None and time.monotonic() < deadline, "the first command never claimed --out"
+            time.sleep(0.05)
+        second = megakd(*args, "--input", str(tokenizer_dir.parent / "slice.jsonl"))
+        assert second.code == 2 and "being written by another megakd command" in second.error_line(), second.stderr
+        out.mkdir()
+        (out / "theirs.txt").write_text("someone else's\n")
+        fifo.write_text((tokenizer_dir.parent / "slice.jsonl").read_text())
+        code = first.wait(timeout=120)
+    finally:
+        first.kill()
+    line = first.stderr.read().strip().splitlines()[-1]
+    assert code == 2 and "changed while this command ran" in line, line
+    kept = Path(line.rsplit("the finished output is ", 1)[1])
+    assert (kept / MANIFEST).is_file() and kept.parent == tmp_path
+    assert sorted(p.name for p in out.iterdir()) == ["theirs.txt"]
+    assert not claim.exists() and not list(tmp_path.glob(".shards.partial-*"))
+
+
+# -- 8. a full disk on every writer ----------------------------------------------------------------------
+@pytest.fixture
+def full_disk(tmp_path):
+    """A fresh 96 KiB tmpfs under tmp_path (needs root), unmounted at the end."""
+    path = tmp_path / "disk"
+    path.mkdir()
+    if os.geteuid() != 0 or os.system(f"mount -t tmpfs -o size=96k tmpfs {path} 2>/dev/null") != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    yield path
+    os.system(f"umount {path}")
+
+
+WRITERS = {  # the command line of each writer, given the tiny data and an --out
+    "data shards": lambda tok, out: ["data", "shards", "--input", str(tok.parent / "slice.jsonl"), "--tokenizer",
+                                     str(tok), "--seq-len", "64", "--out", str(out)],
+    "data tokenizer": lambda tok, out: ["data", "tokenizer", "--input", str(tok.parent / "slice.jsonl"),
+                                        "--vocab-size", "512", "--out", str(out)],
+}
+
+
+@pytest.mark.parametrize("writer", list(WRITERS))
+def test_a_full_disk_is_one_line_naming_the_output(tiny_data, full_disk, writer):
+    out = full_disk / "out"
+    result = megakd(*WRITERS[writer](tiny_data[0], out))
+    assert result.code == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert result.error_line() == f"megakd: error: {out}: no space left on device while writing it; the partial " \
+                                  "output was removed, nothing else was changed", result.error_line()
+    assert list(full_disk.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_a_full_disk_while_building_the_bundled_corpus_is_one_line(full_disk, tmp_path):
+    result = megakd("pretrain", "-c", str(CONFIG), f"data.cache_dir={full_disk}", f"run.dir={tmp_path / 'run'}")
+    assert result.code == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    line = result.error_line()
+    said = r": no space left on device while building the bundled corpus's tokenizer and shards; the partial build " \
+           r"was removed"
+    assert re.fullmatch(rf"megakd: error: {re.escape(str(full_disk))}/default-\S+{said}", line), line
+    assert list(full_disk.iterdir()) == []

@@ -4,6 +4,7 @@ reader, the official metrics, the MNLI-checkpoint start, the submission, resume)
 from __future__ import annotations
 
 import json
+import shutil
 import zipfile
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 from sklearn.metrics import accuracy_score, matthews_corrcoef
 
 from megakd.cli import main
+from megakd.glue.config import electra_lr
 from megakd.glue.synthetic import write_glue_data
 from megakd.glue.tasks import TASKS, read_split
 
@@ -83,9 +85,31 @@ def test_submission_is_what_the_server_takes(glue_run):
 
 
 @pytest.mark.slow
-def test_resume_reuses_finished_tasks_and_a_used_run_dir_is_refused(glue_run):
+def test_resume_reuses_finished_tasks_and_seeds_and_a_used_run_dir_is_refused(glue_run):
     run_dir, data, model = glue_run
     before = {t: (run_dir / t / "task.json").read_text() for t in TASK_LIST}
     assert main(_command(run_dir, model, data)) == 2  # a used run.dir needs --resume auto
+    # CoLA's record and its second seed are gone (a job stopped there): only that seed trains again.
+    (run_dir / "cola" / "task.json").unlink()
+    shutil.rmtree(run_dir / "cola" / "seed_2")
+    kept = {f: f.stat().st_mtime_ns for f in (run_dir / "cola" / "seed_1").rglob("*") if f.is_file()}
     assert main([*_command(run_dir, model, data), "--resume", "auto"]) == 0
-    assert {t: (run_dir / t / "task.json").read_text() for t in TASK_LIST} == before
+    assert {t: (run_dir / t / "task.json").read_text() for t in TASK_LIST} == before  # bit-exact on CPU
+    assert {f: f.stat().st_mtime_ns for f in (run_dir / "cola" / "seed_1").rglob("*") if f.is_file()} == kept
+
+
+@pytest.mark.slow
+def test_a_list_of_rates_is_chosen_on_a_slice_of_train(glue_run, tmp_path):
+    _, data, model = glue_run
+    args = [a for a in _command(tmp_path / "run", model, data) if not a.startswith(("glue.tasks", "glue.from_mnli",
+                                                                                     "finetune.seeds"))]
+    assert main([*args, "glue.tasks=[rte]", "finetune.seeds=[1]", "glue.lr=[3e-4,1e-3]",
+                 "finetune.lr_select_frac=0.25", "glue.submission=false"]) == 0
+    record = json.loads((tmp_path / "run" / "rte" / "task.json").read_text())
+    assert record["lr"]["candidates"] == [3e-4, 1e-3] and record["lr"]["lr"] in (3e-4, 1e-3)
+    assert record["lr"]["selection"]["slice_examples"] == 4  # a quarter of the 16 train examples; dev unread
+    assert not (tmp_path / "run" / "submission.zip").exists()
+
+
+def test_electra_lr_by_model_size():
+    assert [electra_lr(h) for h in (128, 256, 768, 1024)] == [3e-4, 3e-4, 1e-4, 5e-5]

@@ -242,7 +242,7 @@ def test_http_server_down_for_good_is_one_line_naming_the_object(served, tokeniz
     assert "\n" not in message and "still failing after 3 tries" in message, message
     url = message.split(": ", 1)[0]
     assert url.startswith(served.url + "/") and url.endswith((".tar", ".idx")), message
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < 60  # a hang's bound (a client's 300 s), not a loaded machine's slowness
 
 
 def test_s3_server_down_for_good_is_one_line_naming_the_object(local, source, s3, tokenizer):
@@ -307,24 +307,22 @@ def test_read_ahead_against_a_stopped_server_ends_when_the_loader_is_given_up(lo
 def test_read_ahead_passed_over_is_cancelled(local, served, tokenizer):
     """A reader whose positions skip the group it read ahead (a DataLoader worker whose batches miss
     it, a reposition) gives that read up, and the group it does read is the local one."""
-    got = loader(ShardStore(served.url, backoff_s=30.0), tokenizer, shuffle_shards=1)
+    got = loader(ShardStore(served.url, backoff_s=3600.0, max_backoff_s=3600.0), tokenizer, shuffle_shards=1)
     want = loader(local, tokenizer, shuffle_shards=1)
     reader, expected = SampleReader(got.plan, []), SampleReader(want.plan, [], prefetch=False)
     before = set(read_aheads())
     assert reader.sample(0)[1] == expected.sample(0)[1]  # group 0; group 1 read ahead
     wait_for(lambda: not read_aheads(before))
     served.fail(10**6)  # 503 from now on
-    assert reader.sample(40)[1] == expected.sample(40)[1]  # group 1; group 2 read ahead, into a 30 s backoff
+    assert reader.sample(40)[1] == expected.sample(40)[1]  # group 1; group 2 read ahead, into an hour's backoff
     [ahead] = read_aheads(before)
     wait_for(lambda: served.failed > 0)
     served.fail(0)
-    started = time.monotonic()
     far = 6 * SPS + 3  # group 6: the read-ahead of group 2 is dropped
     a, b = reader.sample(far), expected.sample(far)
     assert a[:2] == b[:2] and np.array_equal(a[2], b[2])
-    ahead.join(2.0)
+    ahead.join(60)  # only the cancel ends the backoff before its hour
     assert not ahead.is_alive() and isinstance(ahead.error, ReadCancelled)
-    assert time.monotonic() - started < 5
     assert reader.close() and not read_aheads(before)
 
 
@@ -361,7 +359,7 @@ def test_a_worker_exits_without_waiting_for_a_request_its_cancelled_read_ahead_h
 def test_cancel_during_backoff_returns_promptly():
     """A read retrying a dead endpoint (connections refused) inside `cancel_on` gives up out of its backoff
     wait as soon as the event is set: ReadCancelled, not StorageError, and no further try."""
-    store = ShardStore(f"http://127.0.0.1:{free_local_port()}", retries=8, backoff_s=20.0)
+    store = ShardStore(f"http://127.0.0.1:{free_local_port()}", retries=8, backoff_s=3600.0, max_backoff_s=3600.0)
     cancel, outcome = threading.Event(), {}
 
     def read() -> None:
@@ -373,12 +371,10 @@ def test_cancel_during_backoff_returns_promptly():
 
     thread = threading.Thread(target=read, daemon=True)
     thread.start()
-    wait_for(lambda: store.retried == 1)  # the first try failed: in a 20 s backoff now
-    started = time.monotonic()
+    wait_for(lambda: store.retried == 1)  # the first try failed: in an hour's backoff now
     cancel.set()
-    thread.join(2.0)
+    thread.join(60)
     assert not thread.is_alive(), "the backoff did not end on cancel"
-    assert time.monotonic() - started < 1.0
     assert isinstance(outcome["error"], ReadCancelled) and store.retried == 1
     with cancel_on(cancel), pytest.raises(ReadCancelled):  # a cancelled scope does not even try
         store.read("shard-000000.tar")

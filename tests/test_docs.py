@@ -44,6 +44,7 @@ from megakd.cli import build_parser
 from megakd.config import Config
 from megakd.configio import config_key
 from megakd.finetune.config import FinetuneConfig
+from megakd.glue.config import GlueConfig
 
 ROOT = Path(__file__).parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -66,8 +67,9 @@ COMMAND_WORDS = ("megakd", "python", "python3", "torchrun", "sbatch", "launch/",
 PLACEHOLDER = re.compile(r"[<>…{}$|]|\.\.\.|^[A-Z][A-Z0-9_]*$")
 OVERRIDE = re.compile(r"^([A-Za-z_][\w.*]*)=(.*)$")
 KEY = re.compile(r"^([a-z_][a-z0-9_]*(?:\.[a-z0-9_*]+)+)(.*)$")
-CONFIG_CLASSES = (Config, FinetuneConfig)
-CONFIG_FILES = {Config: "megakd/config.py", FinetuneConfig: "megakd/finetune/config.py"}
+CONFIG_CLASSES = (Config, FinetuneConfig, GlueConfig)
+CONFIG_FILES = {Config: "megakd/config.py", FinetuneConfig: "megakd/finetune/config.py",
+                GlueConfig: "megakd/glue/config.py"}
 SECTIONS = {config_key(f.name) for cls in CONFIG_CLASSES for f in dataclasses.fields(cls)}
 FILE_EXTENSIONS = {"safetensors", "yaml", "yml", "json", "jsonl", "py", "pt", "bin", "md", "txt", "npy", "png", "gz"}
 
@@ -319,7 +321,7 @@ def check_megakd(words: list[str]) -> list[str]:
                 return [*problems, f"`{chain} {word}`: {chain} has no command {', '.join(unknown)}"]
             if names:
                 parsers, chain = [subs[w] for w in names], f"{chain} {names[0]}"
-                classes = (FinetuneConfig,) if names[0] == "finetune" else (Config,)
+                classes = {"finetune": (FinetuneConfig,), "glue": (GlueConfig,)}.get(names[0], (Config,))
             continue
         choices = [a.choices for a in parsers[0]._actions if not a.option_strings and a.choices and subs is None]
         for alternative in word.split("|"):

@@ -510,3 +510,17 @@ def test_a_command_substitution_is_checked_as_its_own_command():
     line = ("launch/torchrun.sh 8 -c configs/electra-tiny.yaml train.max_steps=2 "
             "$(megakd plan configs/electra-base.yaml --gpus 8 --gpu-mem 80 --emit-overides)")
     assert check_command(line) == ["`megakd plan --emit-overides`: megakd plan has no option --emit-overides"]
+
+
+def test_a_fingerprinted_figure_is_stale_when_its_code_changes(tmp_path):
+    """The read simulation takes minutes: its blocks are checked by the fingerprint of the code that computed
+    them, which --write stamps; an older stamp is named."""
+    figures = _doc_figures()
+    (tmp_path / "a.md").write_text("<!-- figures:reads code=0123456789ab -->1.27<!-- /figures:reads -->\n")
+    table, code = {"reads": ("a.md", lambda: "1.24")}, {"reads": ("tools/sim_reads.py",)}
+    assert figures.stale_blocks(tmp_path, table, code) == [
+        "a.md: figures:reads was written by other code than tools/sim_reads.py is now (--write re-runs it: minutes)"]
+    assert figures.write_blocks(tmp_path, table, code) == ["reads"]
+    stamp = figures.code_fingerprint(code["reads"])
+    assert (tmp_path / "a.md").read_text() == f"<!-- figures:reads code={stamp} -->1.24<!-- /figures:reads -->\n"
+    assert figures.stale_blocks(tmp_path, table, code) == []

@@ -2,13 +2,16 @@
 
     python tools/doc_figures.py           # print each figure block as the code gives it now
     python tools/doc_figures.py --check   # exit 1 naming each block of the docs that differs (the docs test)
-    python tools/doc_figures.py --write   # rewrite the blocks in place
+    python tools/doc_figures.py --write   # rewrite the blocks in place (minutes: it re-runs the read simulation)
+    python tools/doc_figures.py --write --only plan-table plan-readme
 
 A block is the text between `<!-- figures:NAME -->` and `<!-- /figures:NAME -->` in its document
 (inline or on lines of their own; GitHub shows neither marker). The blocks: the planner's rows
 (`megakd plan`, the A100 preset, datasheet peaks), the storage reads of a 64-GPU electra-base job,
 the scale gap of the findings (megakd/repro/scale.py), which findings were measured by older code
-(`megakd repro all --plan` lists the commits since) and what one pass of each cluster recipe reads.
+(`megakd repro all --plan` lists the commits since), what one pass of each cluster recipe reads, and
+the simulated reads per rank (tools/sim_reads.py; minutes, so these blocks carry a fingerprint of the
+code that computed them and the check compares the fingerprint).
 tests/test_docs.py fails while a block is stale, so a code change that moves a figure fails until
 the docs are regenerated.
 """
@@ -23,7 +26,8 @@ from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).parents[1]
-BLOCK = re.compile(r"<!-- figures:(?P<name>[\w-]+) -->(?P<body>.*?)<!-- /figures:(?P=name) -->", re.DOTALL)
+BLOCK = re.compile(r"<!-- figures:(?P<name>[\w-]+)(?: code=(?P<code>\w+))? -->(?P<body>.*?)<!-- /figures:(?P=name) -->",
+                   re.DOTALL)
 PRESET = "a100"  # `megakd plan`'s default --gpu: the preset every plan figure below assumes
 
 
@@ -119,6 +123,70 @@ def recipe_data() -> str:
     return "\n".join([*lines, ""])
 
 
+# The read simulation takes minutes: its blocks carry a fingerprint of the code it runs (`code=`), and the
+# check compares that instead of re-running it; --write re-runs it.
+SIMULATED_READS_CODE = ("tools/sim_reads.py", "megakd/data/stream.py", "megakd/data/shards.py")
+
+
+def code_fingerprint(paths: tuple[str, ...]) -> str:
+    """What the files do (megakd/repro/report.py's reading: no docstrings, comments or layout), hashed."""
+    import hashlib
+
+    from megakd.repro.report import code_meaning
+
+    meaning = [repr(code_meaning(p, (ROOT / p).read_text(encoding="utf-8"))) for p in paths]
+    return hashlib.sha256("\0".join(meaning).encode()).hexdigest()[:12]
+
+
+@cache
+def _simulated_reads() -> tuple[dict, ...]:
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import sim_reads
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    return tuple(sim_reads.simulate(sim_reads.parser().parse_args([])))
+
+
+def _row(world: int, workers: int) -> dict:
+    return next(r for r in _simulated_reads() if r["world"] == world and r["workers"] == workers)
+
+
+def reads_bound() -> str:
+    """The README's bound on a rank's reads, over every simulated worker count (tools/sim_reads.py defaults)."""
+    rows = _simulated_reads()
+    largest = max(r["world"] for r in rows)
+    upto = max(r["ratio"] for r in rows if r["world"] <= 256)
+    return (f"≤ {upto:.2f} × its share of the corpus up to 256 ranks, "
+            f"{max(r['ratio'] for r in rows if r['world'] == largest):.2f} × at {largest:,}")
+
+
+def reads_at_64() -> str:
+    """The README's storage sentence: 64 ranks x 4 workers."""
+    r = _row(64, 4)
+    share = r["share"] * r["world"]
+    return (f"at 64 ranks × 4 workers a rank reads {r['ratio']:.2f}× its share of the corpus per epoch, where "
+            f"the whole-shard reader read {r['old_rank'] / share:.0f} corpora ({r['old_rank'] / r['rank_max']:.0f}×")
+
+
+def reads_table() -> str:
+    """docs/data.md's table: rows at 4 workers per rank."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        from sim_reads import human
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    lines = ["", "| world | share per rank | fetched, largest rank | ÷ share | no cache | whole-shard reader |",
+             "|---:|---:|---:|---:|---:|---:|"]
+    for world in (1, 8, 64, 256, 1024):
+        r = _row(world, 4)
+        saved = r["old_rank"] / r["rank_max"]
+        lines.append(f"| {world:,} | {human(r['share'])} | {human(r['rank_max'])} | {r['ratio']:.2f} | "
+                     f"{r['uncached_ratio']:.3g} | {human(r['old_rank'])} "
+                     f"({f'{saved:.2g}' if saved < 10 else f'{saved:,.0f}'}×) |")
+    return "\n".join([*lines, ""])
+
+
 def _ratio(text: str) -> float:
     return float(text.replace(",", "").rstrip("×"))
 
@@ -162,39 +230,55 @@ FIGURES: dict[str, tuple[str, Callable[[], str]]] = {
     "plan-table": ("docs/distributed.md", plan_table),
     "storage": ("docs/distributed.md", storage_sentence),
     "recipe-data": ("docs/cluster.md", recipe_data),
+    "reads-bound": ("README.md", reads_bound),
+    "reads-at-64": ("README.md", reads_at_64),
+    "reads-table": ("docs/data.md", reads_table),
 }
+# Blocks checked by the fingerprint of the code that computes them, not by re-running it.
+FINGERPRINTED = {"reads-bound": SIMULATED_READS_CODE, "reads-at-64": SIMULATED_READS_CODE,
+                 "reads-table": SIMULATED_READS_CODE}
 
 
-def blocks(text: str) -> dict[str, str]:
-    return {m.group("name"): m.group("body") for m in BLOCK.finditer(text)}
+def blocks(text: str) -> dict[str, re.Match]:
+    return {m.group("name"): m for m in BLOCK.finditer(text)}
 
 
-def stale_blocks(root: Path = ROOT, figures: dict[str, tuple[str, Callable[[], str]]] = FIGURES) -> list[str]:
-    """One line per block that is missing from its document or differs from what the code gives now."""
+def stale_blocks(root: Path = ROOT, figures: dict[str, tuple[str, Callable[[], str]]] = FIGURES,
+                 fingerprinted: dict[str, tuple[str, ...]] = FINGERPRINTED) -> list[str]:
+    """One line per block that is missing from its document or differs from what the code gives now (for a
+    fingerprinted block: whose code's fingerprint differs from the one it was written with)."""
     problems = []
     for name, (doc, make) in figures.items():
         found = blocks((root / doc).read_text(encoding="utf-8"))
         if name not in found:
             problems.append(f"{doc}: no <!-- figures:{name} --> block")
-        elif found[name] != make():
+        elif name in fingerprinted:
+            if found[name].group("code") != code_fingerprint(fingerprinted[name]):
+                problems.append(f"{doc}: figures:{name} was written by other code than "
+                                f"{', '.join(fingerprinted[name])} is now (--write re-runs it: minutes)")
+        elif found[name].group("body") != make():
             problems.append(f"{doc}: figures:{name} is stale: the code now gives {make()!r}")
     return problems
 
 
-def write_blocks(root: Path = ROOT, figures: dict[str, tuple[str, Callable[[], str]]] = FIGURES) -> list[str]:
-    """Rewrite every block in place; the names of those that changed."""
+def write_blocks(root: Path = ROOT, figures: dict[str, tuple[str, Callable[[], str]]] = FIGURES,
+                 fingerprinted: dict[str, tuple[str, ...]] = FINGERPRINTED, only: set[str] | None = None) -> list[str]:
+    """Rewrite the blocks (`only`: those named) in place; the names of those that changed."""
     changed = []
     for doc in sorted({doc for doc, _ in figures.values()}):
         path = root / doc
         text = path.read_text(encoding="utf-8")
 
         def replace(m: re.Match) -> str:
-            if m.group("name") not in figures:
+            name = m.group("name")
+            if name not in figures or only is not None and name not in only:
                 return m.group(0)
-            body = figures[m.group("name")][1]()
-            if body != m.group("body"):
-                changed.append(m.group("name"))
-            return f"<!-- figures:{m.group('name')} -->{body}<!-- /figures:{m.group('name')} -->"
+            body = figures[name][1]()
+            code = f" code={code_fingerprint(fingerprinted[name])}" if name in fingerprinted else ""
+            opening = f"<!-- figures:{name}{code} -->"
+            if opening + body != m.group(0)[: -len(f"<!-- /figures:{name} -->")]:
+                changed.append(name)
+            return f"{opening}{body}<!-- /figures:{name} -->"
 
         new = BLOCK.sub(replace, text)
         if new != text:
@@ -207,17 +291,19 @@ def main(argv: list[str] | None = None) -> int:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--check", action="store_true", help="exit 1 naming each stale or missing block")
     mode.add_argument("--write", action="store_true", help="rewrite the blocks in README.md and docs/")
+    parser.add_argument("--only", nargs="+", choices=FIGURES, help="with --write: only these blocks")
     args = parser.parse_args(argv)
     if args.check:
         problems = stale_blocks()
         print("\n".join(problems) or "every figure block is current")
         return 1 if problems else 0
     if args.write:
-        changed = write_blocks()
+        changed = write_blocks(only=set(args.only) if args.only else None)
         print(f"rewrote {', '.join(changed)}" if changed else "every figure block was current")
         return 0
     for name, (doc, make) in FIGURES.items():
-        print(f"{doc} figures:{name}\n{make()}\n")
+        if name not in FINGERPRINTED:  # the simulation takes minutes: --write runs it
+            print(f"{doc} figures:{name}\n{make()}\n")
     return 0
 
 

@@ -100,7 +100,8 @@ def human(n: float) -> str:
     return ""
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The simulation's settings (tools/doc_figures.py runs it with the defaults)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--samples", type=int, default=2_000_000, help="samples in the synthetic corpus")
     p.add_argument("--member-bytes", type=int, default=2048, help="bytes per tar member (2048 = seq 512, uint16)")
@@ -113,7 +114,11 @@ def main() -> None:
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2, 4, 8])
     p.add_argument("--plot", type=Path, help="write a plot of fetched / share per rank here")
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = parser().parse_args()
     rows = simulate(args)
     group = args.samples_per_shard * args.shuffle_shards * args.member_bytes
     print(f"corpus {human(args.samples * args.member_bytes)} ({args.samples} samples x {args.member_bytes} B), "

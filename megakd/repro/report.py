@@ -155,12 +155,14 @@ def _runs_differently(commit: str, path: str) -> bool:
     if before is None or after is None:  # added or removed
         return True
     try:
-        return _meaning(path, before) != _meaning(path, after)
+        return code_meaning(path, before) != code_meaning(path, after)
     except (SyntaxError, ValueError, yaml.YAMLError):  # not parseable: compare the text
         return before != after
 
 
-def _meaning(path: str, text: str) -> object:
+def code_meaning(path: str, text: str) -> object:
+    """What a file does, without what only documents it: Python's syntax tree without docstrings, YAML's
+    loaded value, anything else its text."""
     if path.endswith(".py"):
         tree = ast.parse(text)
         for node in ast.walk(tree):
@@ -221,7 +223,6 @@ def staleness(report: str | Path) -> list[str]:
     it is trusted, and what changed can be read before deciding to re-run it."""
     lines = []
     for name, (stamp, changes) in section_changes(report).items():
-        commit = re.fullmatch(r"([0-9a-f]{7,40})(\+changes)?", stamp or "")
         if stamp is None:
             lines.append(f"{name}: measuring code not recorded (re-run it to stamp it)")
         elif changes is None:

@@ -105,3 +105,17 @@ def test_missing_task_and_missing_hf_split_name_what_was_looked_for(tmp_path):
     (data / "sst2" / "validation-00000-of-00001.parquet").unlink()
     with pytest.raises(ConfigError, match=r"sst2: no validation-\*.parquet \(the dev split of sst2"):
         read_split(data, TASKS["sst2"], "dev")
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("glue.tasks=[cola,colaa]", "glue.tasks: unknown GLUE task 'colaa'; expected some of cola, sst2"),
+    ("glue.from_mnli=[rte]", "glue.from_mnli=['rte']: needs mnli in glue.tasks"),
+    ("glue.lr=best", "glue.lr: expected electra, a rate or a list of rates, got 'best'"),
+    ("finetune.layer_lr_decay=0", "finetune.layer_lr_decay: expected a factor in (0, 1], got 0"),
+    ("glue.data_dir=", "glue.data_dir: required"),
+])
+def test_bad_glue_settings_are_one_line_naming_the_key(tmp_path, capsys, override, expected):
+    code = main(["glue", "-c", str(CONFIG), "glue.data_dir=somewhere", f"run.dir={tmp_path / 'run'}",
+                 "glue.tasks=[cola,rte]", override])
+    assert code == 2 and expected in capsys.readouterr().err.strip().splitlines()[-1]
+    assert not (tmp_path / "run").exists()

@@ -640,7 +640,8 @@ def build_parser() -> argparse.ArgumentParser:
                 "the test-set submission", _examples(
                     "megakd glue -c configs/glue.yaml model.path=runs/electra-tiny/hf/discriminator "
                     "glue.data_dir=glue_data glue.tasks=[cola,sst2,mrpc,stsb]",
-                    "launch/torchrun.sh 8 glue -c configs/glue.yaml model.path=hf-base glue.data_dir=glue_data",
+                    "launch/torchrun.sh 8 glue -c configs/glue.yaml model.path=hf-base/discriminator "
+                    "glue.data_dir=glue_data  # electra-base after megakd convert to-hf runs/electra-base hf-base",
                     note="docs/glue.md: GLUE on an offline cluster, the protocol, the submission; "
                          "tools/make_glue_data.py writes small stand-in GLUE files for a CPU run."))
     p.add_argument("-c", "--config", required=True, help="YAML recipe, e.g. configs/glue.yaml")

@@ -74,6 +74,9 @@ class GlueConfig:
         if g.long_epochs < 1 or g.max_train_examples < 0 or g.max_dev_examples < 0:
             raise ConfigError("glue.long_epochs: expected >= 1; glue.max_train_examples and glue.max_dev_examples: "
                               "expected >= 0 (0 = all)")
+        if self.finetune.lr != "auto":
+            raise ConfigError(f"finetune.lr={self.finetune.lr}: megakd glue takes its rate from glue.lr (electra, a "
+                              "rate or a list of rates); set that instead")
         if isinstance(g.lr, str) and g.lr != "electra":
             raise ConfigError(f"glue.lr: expected electra, a rate or a list of rates, got {shown(g.lr)}")
         # Every finetune.*, model.* and backend.* check of `megakd finetune`, on the first task.

@@ -111,6 +111,7 @@ def test_missing_task_and_missing_hf_split_name_what_was_looked_for(tmp_path):
     ("glue.tasks=[cola,colaa]", "glue.tasks: unknown GLUE task 'colaa'; expected some of cola, sst2"),
     ("glue.from_mnli=[rte]", "glue.from_mnli=['rte']: needs mnli in glue.tasks"),
     ("glue.lr=best", "glue.lr: expected electra, a rate or a list of rates, got 'best'"),
+    ("finetune.lr=1e-4", "finetune.lr=0.0001: megakd glue takes its rate from glue.lr"),
     ("finetune.layer_lr_decay=0", "finetune.layer_lr_decay: expected a factor in (0, 1], got 0"),
     ("glue.data_dir=", "glue.data_dir: required"),
 ])

@@ -86,10 +86,11 @@ class DataConfig:
     # Tries after a transient storage error (connection reset, timeout, 5xx, throttling), with
     # backoff from 0.25 s doubling to 30 s (8: about a minute of waits); then the run saves and stops.
     read_retries: int = 8
-    # Seconds an object-store request may take to connect, and may wait for its next byte, before the
-    # try fails (and is retried). Worst case to the error for a store that stops answering:
-    # (read_retries + 1) x (both timeouts) + the backoffs: 7 minutes for the defaults (docs/data.md).
+    # Seconds an object-store request may take to connect before the try fails (and is retried).
     read_connect_timeout_s: float = 10.0
+    # Seconds an object-store request may wait for its next byte (headers or body) before the try fails.
+    # A store that stops answering: (read_retries + 1) x (both timeouts) + the backoffs to the error,
+    # 422 s (about 7 minutes) for the defaults (docs/data.md).
     read_timeout_s: float = 30.0
     # Held-out shards for train.eval_every; "auto" = <data.shards>/valid when it exists
     # (`megakd data shards --valid-fraction`), "" = none.

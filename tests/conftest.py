@@ -1,10 +1,16 @@
-"""Shared fixtures: a small real tokenizer and real shards cut from the bundled corpus."""
+"""Shared fixtures: a small real tokenizer and real shards cut from the bundled corpus.
+
+The session fixtures are built once per test run, not once per pytest-xdist worker (`built_once`):
+each is read-only for the tests that share it (copy it before changing it).
+"""
 
 from __future__ import annotations
 
 import gzip
 import itertools
 import os
+from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -15,7 +21,19 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 
-from tests.helpers import TINY_SEQ_LEN, TINY_VOCAB
+from tests.helpers import TINY_SEQ_LEN, TINY_VOCAB, built_once
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Two workers on two cores: torch's default of a thread per core would run four on two. Set before
+    # torch is imported, and inherited by the commands the tests start.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files with more slow tests first. Under pytest-xdist each worker takes a file at a time
+    (`--dist loadfile`), so a long file that started last would run alone at the end."""
+    slow = Counter(item.path for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow[item.path])  # stable: each file keeps its own order
 
 
 @pytest.fixture(scope="session")
@@ -25,12 +43,14 @@ def tiny_data(tmp_path_factory):
     from megakd.data.shards import write_shards
     from megakd.data.tokenizer import train_tokenizer
 
-    root = tmp_path_factory.mktemp("tiny_data")
-    text = root / "slice.jsonl"
-    with gzip.open(CORPUS_DIR / "austen.jsonl.gz", "rt", encoding="utf-8") as src:
-        text.write_text("".join(itertools.islice(src, 20)))
-    tok = train_tokenizer([text], TINY_VOCAB, root / "tokenizer")
-    write_shards([text], tok, TINY_SEQ_LEN, root / "shards", samples_per_shard=256)
+    def build(root: Path) -> None:
+        text = root / "slice.jsonl"
+        with gzip.open(CORPUS_DIR / "austen.jsonl.gz", "rt", encoding="utf-8") as src:
+            text.write_text("".join(itertools.islice(src, 20)))
+        tok = train_tokenizer([text], TINY_VOCAB, root / "tokenizer")
+        write_shards([text], tok, TINY_SEQ_LEN, root / "shards", samples_per_shard=256)
+
+    root = built_once(tmp_path_factory, "tiny_data", build)
     return root / "tokenizer", root / "shards"
 
 
@@ -45,14 +65,14 @@ def tiny_electra_run(tiny_data, tmp_path_factory):
 
 def _two_step_electra_run(tmp_path_factory, name, overrides):
     """`megakd pretrain -c configs/electra-tiny.yaml` with `overrides(run_dir)`; the run dir."""
-    from pathlib import Path
-
     from megakd.cli import main
 
-    run = tmp_path_factory.mktemp(name) / "run"
     config = Path(__file__).parents[1] / "configs" / "electra-tiny.yaml"
-    assert main(["pretrain", "-c", str(config), *overrides(run)]) == 0
-    return run
+
+    def build(root: Path) -> None:
+        assert main(["pretrain", "-c", str(config), *overrides(root / "run")]) == 0
+
+    return built_once(tmp_path_factory, name, build) / "run"
 
 
 @pytest.fixture(scope="session")
@@ -67,10 +87,13 @@ def wordpiece_data(tiny_data, tmp_path_factory):
 
     text = tiny_data[0].parent / "slice.jsonl"
     docs = [json.loads(line)["text"] for line in text.read_text(encoding="utf-8").splitlines()]
-    root = tmp_path_factory.mktemp("wordpiece_data")
-    (root / "tokenizer").mkdir()
-    (root / "tokenizer" / "vocab.txt").write_text("\n".join(wordpiece_vocab(docs, 400)) + "\n", encoding="utf-8")
-    write_shards([text], Tokenizer.load(root / "tokenizer"), TINY_SEQ_LEN, root / "shards", samples_per_shard=256)
+
+    def build(root: Path) -> None:
+        (root / "tokenizer").mkdir()
+        (root / "tokenizer" / "vocab.txt").write_text("\n".join(wordpiece_vocab(docs, 400)) + "\n", encoding="utf-8")
+        write_shards([text], Tokenizer.load(root / "tokenizer"), TINY_SEQ_LEN, root / "shards", samples_per_shard=256)
+
+    root = built_once(tmp_path_factory, "wordpiece_data", build)
     return root / "tokenizer", root / "shards"
 
 

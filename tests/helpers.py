@@ -2,8 +2,31 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+from pathlib import Path
+
+from filelock import FileLock
+
 TINY_VOCAB = 512
 TINY_SEQ_LEN = 64
+
+
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """`build(root)` into a fresh `root` once per test run, shared by every xdist worker: the first
+    worker to ask builds under a file lock while the others wait, then all read the same `root`."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the run's directory; each worker's basetemp is a child of it
+    root, done = base / "shared" / name, base / "shared" / f"{name}.built"
+    root.parent.mkdir(exist_ok=True)
+    with FileLock(str(root.parent / f"{name}.lock")):
+        if not done.exists():
+            shutil.rmtree(root, ignore_errors=True)
+            root.mkdir()
+            build(root)
+            done.touch()
+    return root
 
 
 def tiny_overrides(tiny_data, run_dir, **extra) -> list[str]:
@@ -52,9 +75,6 @@ def save_tiny_hf_model(architecture: str, out, tokenizer_dir, seed: int = 0, mod
                   dropout: float = 0.1):
     """An HF ELECTRA/BERT model with `tiny_overrides`' shapes for `model` (generator or discriminator),
     its LayerNorms and biases moved off their init, saved with the tokenizer files of `tokenizer_dir`."""
-    import shutil
-    from pathlib import Path
-
     import torch
     import transformers
 

@@ -20,7 +20,7 @@ import pytest
 from megakd.data.shards import MANIFEST, read_manifest
 from megakd.data.stream import epoch_shard_order
 from tests.data.conftest import forge_member, member_spans, unindexed
-from tests.faults.harness import megakd, snapshot, two_step_run
+from tests.faults.harness import megakd, snapshot
 from tests.helpers import TINY_VOCAB, tiny_overrides
 
 TAR_HEADER, NPY_HEADER = 512, 128  # bytes before a shard's first token: tar header, .npy header
@@ -129,18 +129,6 @@ def first_key(shards: Path, name: str) -> str:
     """The sample key of the first member of shard `name`."""
     m = read_manifest(shards)
     return f"{next(s for s in m['shards'] if s['file'] == name)['first_index']:012d}"
-
-
-@pytest.fixture(scope="module")
-def run_with_checkpoint(tiny_data, tmp_path_factory) -> Path:
-    """A 2-step run with its checkpoint: what every row resumes from (and must leave untouched)."""
-    return two_step_run(tiny_data, tmp_path_factory.mktemp("faults"))
-
-
-@pytest.fixture(scope="module")
-def run_with_checkpoint_v1(tiny_data, tmp_path_factory) -> Path:
-    """The same on a version-1 copy of the shards."""
-    return two_step_run(tiny_data, tmp_path_factory.mktemp("faults_v1"), version1=True)
 
 
 @pytest.mark.parametrize(("damage", "pattern"), [f[1:] for f in FAULTS], ids=[f[0] for f in FAULTS])

@@ -15,10 +15,14 @@ Rules (one place, so every kernel behaves the same):
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import importlib.util
 import logging
 import os
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -36,6 +40,51 @@ def triton_available() -> bool:
 def triton_interpret() -> bool:
     """True when ``TRITON_INTERPRET`` asks for the interpreter (how Triton runs on CPU)."""
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+@dataclass(frozen=True)
+class CudaTarget:
+    """The GPU a Triton launch compiles for: what its launch configuration depends on."""
+
+    arch: int  # compute capability as major * 10 + minor: 80 = A100, 90 = H100
+    multiprocessors: int  # streaming multiprocessors: 108 on an A100, 132 on an H100 SXM
+
+    @property
+    def generation(self) -> str:
+        """The configuration tables' key: "sm90" for Hopper and later, "sm80" for Ampere and Ada."""
+        return "sm90" if self.arch >= 90 else "sm80"
+
+
+_compile_target: contextvars.ContextVar[CudaTarget | None] = contextvars.ContextVar("compile_target", default=None)
+
+
+def cuda_target(device: torch.device) -> CudaTarget:
+    """The target of a launch on CUDA ``device``: the device itself, or the one :func:`compiling_for` names."""
+    named = _compile_target.get()
+    if named is not None:
+        return named
+    return _device_target(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _device_target(index: int) -> CudaTarget:
+    props = torch.cuda.get_device_properties(index)
+    return CudaTarget(props.major * 10 + props.minor, props.multi_processor_count)
+
+
+@contextlib.contextmanager
+def compiling_for(target: CudaTarget) -> Iterator[None]:
+    """Within: the Triton wrappers choose their launches for ``target`` whatever their tensors' device.
+
+    ``tools/compile_kernels.py`` runs the wrappers on CPU tensors under this, records the launches they
+    make (without running them) and compiles each for ``target``: the configurations it checks are the
+    wrappers' own choices, not a copy of them.
+    """
+    token = _compile_target.set(target)
+    try:
+        yield
+    finally:
+        _compile_target.reset(token)
 
 
 @functools.cache

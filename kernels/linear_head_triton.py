@@ -18,31 +18,44 @@ runs in ``ACC`` = fp32 (fp64 for fp64 inputs). The interpreter cannot compute 16
 verifiable on CPU on the same rounded inputs; what this leaves for a GPU to confirm is in
 docs/decisions.md ("Kernel dtypes").
 
-Fixed block sizes (no autotune: the interpreter rejects multi-config autotuning).
+Launch configurations are fixed per kernel, matmul dtype and GPU generation (:data:`HEAD_CONFIGS`; no
+autotune: the interpreter rejects multi-config autotuning); docs/decisions.md ("Launch configurations")
+gives the compile table they were chosen from.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from .dispatch import triton_interpret
-
-# (BLOCK_N, BLOCK_V, BLOCK_H). Small tiles under the interpreter so that small test shapes still span
-# several tiles; tests also run the GPU tiles under the interpreter.
-GPU_BLOCKS = (64, 128, 32)
-INTERPRETER_BLOCKS = (16, 32, 16)
+from .dispatch import cuda_target, triton_interpret
+from .launch import LaunchConfig
 
 # torch -> Triton element types, for the constexpr dtypes of this module and of lipschitz_triton.
 TL_DTYPES = {torch.float64: tl.float64, torch.float32: tl.float32, torch.bfloat16: tl.bfloat16,
        torch.float16: tl.float16}
 
-
-def _blocks() -> tuple[int, int, int]:
-    return INTERPRETER_BLOCKS if triton_interpret() else GPU_BLOCKS
+# (kernel, matmul class, generation) -> launch. The matmul class is "16bit" (bf16/fp16 tensor-core dots),
+# "tf32" (fp32 inputs on TF32 tensor cores) or "fp32" (IEEE fp32 products on the CUDA cores). Every entry
+# compiles without a register spill at production shapes for sm_80 and sm_90a (tools/compile_kernels.py);
+# docs/decisions.md ("Launch configurations") has the table each was chosen from.
+_TENSOR_CORE = LaunchConfig.of(num_warps=8, BLOCK_N=64, BLOCK_V=128, BLOCK_H=32)
+_FP32 = LaunchConfig.of(num_warps=8, BLOCK_N=64, BLOCK_V=128, BLOCK_H=16)  # half-depth k-steps: operand registers
+_FP32_NARROW = LaunchConfig.of(num_warps=8, BLOCK_N=64, BLOCK_V=64, BLOCK_H=32)  # two logit tiles, half as wide
+_SAMPLE = LaunchConfig.of(num_warps=8, BLOCK_N=32, BLOCK_V=128, BLOCK_H=32)  # float64 Gumbel tiles: 32 rows
+_KERNELS = ("forward", "forward_kl", "backward", "backward_kl", "sample")
+HEAD_CONFIGS: dict[tuple[str, str, str], LaunchConfig] = {
+    **{(kernel, matmul, generation): _SAMPLE if kernel == "sample" else _TENSOR_CORE
+       for kernel in _KERNELS for matmul in ("16bit", "tf32") for generation in ("sm80", "sm90")},
+    **{(kernel, "fp32", generation): _SAMPLE if kernel == "sample" else _FP32
+       for kernel in _KERNELS for generation in ("sm80", "sm90")},
+    # sm_80's ptxas holds this kernel to 128 registers at 64 x 128 x 16 and spills 32 B; sm_90a's uses 200.
+    ("backward_kl", "fp32", "sm80"): _FP32_NARROW,
+}
+# Under the interpreter: small tiles, so that small test shapes span several tiles (tests also run the
+# tiles HEAD_CONFIGS ships, by setting this).
+INTERPRETER_CONFIG = LaunchConfig.of(BLOCK_N=16, BLOCK_V=32, BLOCK_H=16)
 
 
 def _dtypes(hidden: torch.Tensor) -> tuple[torch.dtype, tl.dtype, tl.dtype, str]:
@@ -51,8 +64,17 @@ def _dtypes(hidden: torch.Tensor) -> tuple[torch.dtype, tl.dtype, tl.dtype, str]
     if hidden.dtype in (torch.bfloat16, torch.float16) and not triton_interpret():
         return acc_t, acc, TL_DTYPES[hidden.dtype], "ieee"  # 16-bit dots: the precision flag is for fp32 only
     # Match torch: fp32 matmuls use TF32 only when torch itself is allowed to.
-    tf32 = acc is tl.float32 and hidden.is_cuda and torch.backends.cuda.matmul.allow_tf32
+    tf32 = acc is tl.float32 and not triton_interpret() and torch.backends.cuda.matmul.allow_tf32
     return acc_t, acc, acc, "tf32" if tf32 else "ieee"
+
+
+def _config(kernel: str, hidden: torch.Tensor, dot: tl.dtype, prec: str) -> LaunchConfig:
+    """The launch of ``kernel`` ("forward", "backward", "forward_kl", "backward_kl", "sample") for these
+    activations and matmul dtype ``dot``: :data:`INTERPRETER_CONFIG` under the interpreter."""
+    if triton_interpret():
+        return INTERPRETER_CONFIG
+    matmul = "16bit" if dot in (tl.bfloat16, tl.float16) else "tf32" if prec == "tf32" else "fp32"
+    return HEAD_CONFIGS[kernel, matmul, cuda_target(hidden.device).generation]
 
 
 @triton.jit
@@ -250,7 +272,9 @@ def _uniform_kernel(out_ptr, seed, N, V, BLOCK_N: tl.constexpr, BLOCK_V: tl.cons
 def sampler_uniforms(seed: int, rows: int, vocab: int, device: torch.device) -> torch.Tensor:
     """The [rows, vocab] uniforms the sampling kernel draws for ``seed`` (tests compare them with Philox)."""
     out = torch.empty(rows, vocab, dtype=torch.float64, device=device)
-    _uniform_kernel[(triton.cdiv(rows, 16), triton.cdiv(vocab, 32))](out, seed, rows, vocab, BLOCK_N=16, BLOCK_V=32)
+    launch = LaunchConfig.of(BLOCK_N=16, BLOCK_V=32)
+    grid = (triton.cdiv(rows, launch["BLOCK_N"]), triton.cdiv(vocab, launch["BLOCK_V"]))
+    _uniform_kernel[grid](out, seed, rows, vocab, **launch.kwargs())
     return out
 
 
@@ -270,15 +294,10 @@ def _vocab_splits(row_blocks: int, v_tiles: int, device: torch.device) -> int:
     are 39 programs for 132 SMs), so the vocabulary is split until there are about four programs per
     SM. Under the interpreter: three splits, so that small test shapes cross split boundaries.
     """
-    if device.type != "cuda":
+    if triton_interpret():
         return max(1, min(3, v_tiles))
-    want = 4 * _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+    want = 4 * cuda_target(device).multiprocessors
     return max(1, min(v_tiles, triton.cdiv(want, max(row_blocks, 1))))
-
-
-@functools.cache
-def _multiprocessors(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _combine_splits(m: torch.Tensor, z: torch.Tensor, a: torch.Tensor | None = None):
@@ -297,7 +316,8 @@ class _LinearLossTriton(torch.autograd.Function):
         ht, wt, bt = _row_major(ht), _row_major(wt), _row_major(bt)
         n, v = hs.shape[0], ws.shape[0]
         acc_t, acc_tl, dot_tl, prec = _dtypes(hs)
-        bn, bv, bh = _blocks()
+        forward = _config("forward_kl" if kl else "forward", hs, dot_tl, prec)
+        bn, bv = forward["BLOCK_N"], forward["BLOCK_V"]
         dev = hs.device
         row_blocks, v_tiles = triton.cdiv(n, bn), triton.cdiv(v, bv)
         splits = _vocab_splits(row_blocks, v_tiles, dev)
@@ -314,11 +334,10 @@ class _LinearLossTriton(torch.autograd.Function):
             n, v, hs.shape[1], teacher[0].shape[1], hs.stride(0), ws.stride(0),
             teacher[0].stride(0), teacher[1].stride(0), _scalar(inv_tau, acc_t, dev),
         )
-        flags = dict(KL=kl, HAS_BS=bs is not None, HAS_BT=kl and bt is not None,
-                     BLOCK_N=bn, BLOCK_V=bv, BLOCK_H=bh, ACC=acc_tl, DOT=dot_tl, PREC=prec)
+        flags = dict(KL=kl, HAS_BS=bs is not None, HAS_BT=kl and bt is not None, ACC=acc_tl, DOT=dot_tl, PREC=prec)
         if n > 0:
             _forward_kernel[(row_blocks, splits)](*args, m_s, z_s, m_t, z_t, a_t, z_tgt, *dims,
-                                                  tiles_per_split * bv, **flags)
+                                                  tiles_per_split * bv, **flags, **forward.kwargs())
         lse_s, _ = _combine_splits(m_s, z_s)
         if kl:
             lse_t, expected_log_ratio = _combine_splits(m_t, z_t, a_t)
@@ -332,13 +351,15 @@ class _LinearLossTriton(torch.autograd.Function):
         else:
             denom = (target != ignore_index).sum().to(acc_t).clamp(min=1.0)
         ctx.save_for_backward(*args[:6], target, lse_s, lse_t, denom)
-        ctx.meta = (kl, bs is not None, inv_tau, dims, flags, hs.dtype, ws.dtype, None if bs is None else bs.dtype)
+        backward = _config("backward_kl" if kl else "backward", hs, dot_tl, prec)
+        ctx.meta = (kl, bs is not None, inv_tau, dims, flags, backward, hs.dtype, ws.dtype,
+                    None if bs is None else bs.dtype)
         return loss_rows.sum() / denom
 
     @staticmethod
     def backward(ctx, grad_out):
         hs, ws, bs, ht, wt, bt, target, lse_s, lse_t, denom = ctx.saved_tensors
-        kl, has_bs, inv_tau, dims, flags, dt_h, dt_w, dt_b = ctx.meta
+        kl, has_bs, inv_tau, dims, flags, launch, dt_h, dt_w, dt_b = ctx.meta
         want_h, want_w, want_b = ctx.needs_input_grad[1], ctx.needs_input_grad[2], has_bs and ctx.needs_input_grad[3]
         acc_t = lse_s.dtype
         n, v = hs.shape[0], ws.shape[0]
@@ -348,9 +369,9 @@ class _LinearLossTriton(torch.autograd.Function):
         scale = (grad_out.to(acc_t) / denom * (inv_tau if kl else 1.0)).reshape(1)
         tgt = target if target is not None else lse_s
         if n > 0 and (want_h or want_w or want_b):
-            grid = (triton.cdiv(n, flags["BLOCK_N"]), triton.cdiv(v, flags["BLOCK_V"]))
+            grid = (triton.cdiv(n, launch["BLOCK_N"]), triton.cdiv(v, launch["BLOCK_V"]))
             _backward_kernel[grid](hs, ws, bs, ht, wt, bt, tgt, lse_s, lse_t, scale, gh, gw, gb, *dims,
-                                   GRAD_H=want_h, GRAD_W=want_w, GRAD_B=want_b, **flags)
+                                   GRAD_H=want_h, GRAD_W=want_w, GRAD_B=want_b, **flags, **launch.kwargs())
         return (
             None,
             gh.to(dt_h) if want_h else None,
@@ -378,13 +399,13 @@ def linear_sample_triton(hidden, weight, bias, generator, temperature: float):
                              else generator.device))
     samples = torch.empty(n, dtype=torch.long, device=hidden.device)
     argmax = torch.empty(n, dtype=torch.long, device=hidden.device)
-    bn, bv, bh = _blocks()
     _, acc_tl, dot_tl, prec = _dtypes(hidden)
+    launch = _config("sample", hidden, dot_tl, prec)
     if n > 0:
-        _sample_kernel[(triton.cdiv(n, bn),)](
+        _sample_kernel[(triton.cdiv(n, launch["BLOCK_N"]),)](
             hidden, weight, bias if bias is not None else weight, samples, argmax, seed,
             n, v, hidden.shape[1], hidden.stride(0), weight.stride(0),
             _scalar(1.0 / temperature, torch.float64, hidden.device),
-            HAS_B=bias is not None, BLOCK_N=bn, BLOCK_V=bv, BLOCK_H=bh, ACC=acc_tl, DOT=dot_tl, PREC=prec,
+            HAS_B=bias is not None, ACC=acc_tl, DOT=dot_tl, PREC=prec, **launch.kwargs(),
         )
     return samples, argmax

@@ -14,10 +14,11 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import LaunchConfig
 from .linear_head_triton import TL_DTYPES
 
-_BLOCK_R = 32
-_BLOCK_C = 32
+_COLSUM = LaunchConfig.of(BLOCK_R=32, BLOCK_C=32)
+_SIGN_GRAD = LaunchConfig.of(BLOCK_R=32)
 
 
 @triton.jit
@@ -95,9 +96,9 @@ def column_abs_sums_triton(weights: Sequence[torch.Tensor]) -> tuple[torch.Tenso
         ptrs, shapes, strides = _tables(group)
         max_cols = max(w.shape[1] for w in group)
         out = torch.full((len(group), max_cols), -1.0, dtype=_acc(dtype), device=dev)
-        grid = (len(group), triton.cdiv(max_cols, _BLOCK_C))
+        grid = (len(group), triton.cdiv(max_cols, _COLSUM["BLOCK_C"]))
         _colsum_kernel[grid](ptrs, shapes, strides, out, out.stride(0),
-                             DTYPE=TL_DTYPES[dtype], ACC=TL_DTYPES[_acc(dtype)], BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C)
+                             DTYPE=TL_DTYPES[dtype], ACC=TL_DTYPES[_acc(dtype)], **_COLSUM.kwargs())
         group_values, group_argmax = out.max(dim=1)
         where = _table(idx, dev)
         values[where] = group_values.to(acc_t)
@@ -114,8 +115,8 @@ def column_sign_grads_triton(weights: Sequence[torch.Tensor], argmax: torch.Tens
         ptrs, shapes, strides = _tables(group)
         gptrs = _table([grads[i].data_ptr() for i in idx], ptrs.device)
         acc_t = _acc(dtype)
-        grid = (len(group), triton.cdiv(max(w.shape[0] for w in group), _BLOCK_R))
+        grid = (len(group), triton.cdiv(max(w.shape[0] for w in group), _SIGN_GRAD["BLOCK_R"]))
         _sign_grad_kernel[grid](ptrs, gptrs, shapes, strides, argmax[_table(idx, ptrs.device)].contiguous(),
                                 grad_out.reshape(1).to(acc_t), DTYPE=TL_DTYPES[dtype], ACC=TL_DTYPES[acc_t],
-                                BLOCK_R=_BLOCK_R)
+                                **_SIGN_GRAD.kwargs())
     return grads

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import LaunchConfig
+
 _MAX_BLOCK_ELEMS = 8192  # BLOCK_N * BLOCK_H held in registers per program
 
 
@@ -63,6 +65,7 @@ class _RTDTriton(torch.autograd.Function):
         if block_h > _MAX_BLOCK_ELEMS:
             raise ValueError(f"fused_rtd_loss: hidden size {h} exceeds the Triton kernel limit {_MAX_BLOCK_ELEMS}")
         block_n = max(1, min(64, _MAX_BLOCK_ELEMS // block_h, triton.next_power_of_2(max(n, 1))))
+        launch = LaunchConfig.of(BLOCK_N=block_n, BLOCK_H=block_h)
         grid_n = triton.cdiv(n, block_n)
         compute_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
         acc, acc_tl = (torch.float64, tl.float64) if hidden.dtype == torch.float64 else (torch.float32, tl.float32)
@@ -79,7 +82,7 @@ class _RTDTriton(torch.autograd.Function):
                 hidden, weight, bias, corrupted, original, mask_i8,
                 loss_rows, gh, gw_part, gb_part,
                 n, h, hidden.stride(0),
-                COMPUTE_GRAD=compute_grad, BLOCK_N=block_n, BLOCK_H=block_h, ACC=acc_tl,
+                COMPUTE_GRAD=compute_grad, ACC=acc_tl, **launch.kwargs(),
             )
         count = mask_i8.sum().to(acc).clamp(min=1.0)
         loss = loss_rows.sum() / count

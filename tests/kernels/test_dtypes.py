@@ -73,26 +73,49 @@ def _check(out, ref, inputs, backend, act, weight, terms=0):
         assert e < grad_tol, f"grad {i}: rel {e:.2e} > {grad_tol:.0e}"
 
 
-@pytest.fixture(params=["interpreter-blocks", "gpu-blocks"])
-def blocks(request, monkeypatch):
-    """The head kernels at the interpreter's small tiles and at the tiles a GPU compiles (64 x 128 x 32)."""
-    if request.param == "gpu-blocks":
-        from megakd.kernels import linear_head_triton
+def _shipped_tiles() -> list[tuple[tuple[str, int], ...]]:
+    """Every distinct tiling the head's launch tables ship to a GPU (num_warps and stages are not the interpreter's)."""
+    from megakd.kernels.linear_head_triton import HEAD_CONFIGS
 
-        monkeypatch.setattr(linear_head_triton, "_blocks", lambda: linear_head_triton.GPU_BLOCKS)
+    return sorted({config.blocks for config in HEAD_CONFIGS.values()})
+
+
+def _tiles_id(blocks: tuple[tuple[str, int], ...]) -> str:
+    return "gpu-" + "x".join(str(size) for _, size in blocks)
+
+
+@pytest.fixture(params=["interpreter-blocks", *_shipped_tiles()],
+                ids=lambda p: p if isinstance(p, str) else _tiles_id(p))
+def blocks(request, monkeypatch):
+    """The head kernels at the interpreter's small tiles and at each tiling a GPU compiles (HEAD_CONFIGS)."""
+    if request.param != "interpreter-blocks":
+        from megakd.kernels import linear_head_triton
+        from megakd.kernels.launch import LaunchConfig
+
+        monkeypatch.setattr(linear_head_triton, "INTERPRETER_CONFIG", LaunchConfig(request.param))
+        return _tiles_id(request.param)
     return request.param
 
 
-# (N, H, V): ragged against both tilings (16/32/16 and 64/128/32), and a single row.
+# (N, H, V): ragged against every tiling (16/32/16 and those HEAD_CONFIGS ships), and a single row.
 HEAD_SHAPES = [(1, 5, 7), (130, 70, 300)]
+
+
+def _skip_unless_tiled(backend: str, blocks: str, kernels: tuple[str, ...], n: int = 0) -> None:
+    """Beyond the interpreter's tiles: the Triton path at the tilings HEAD_CONFIGS ships for ``kernels``, at the
+    ragged shape (its single row fits any tile)."""
+    from megakd.kernels.linear_head_triton import HEAD_CONFIGS
+
+    shipped = {_tiles_id(config.blocks) for (kernel, _, _), config in HEAD_CONFIGS.items() if kernel in kernels}
+    if blocks != "interpreter-blocks" and (backend == "torch" or n == 1 or blocks not in shipped):
+        pytest.skip(f"{blocks} is not a tiling the Triton {'/'.join(kernels)} kernels ship at this shape")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("combo", DTYPES)
 @pytest.mark.parametrize("n,h,v", HEAD_SHAPES)
 def test_cross_entropy_every_dtype(backend, combo, n, h, v, blocks):
-    if backend == "torch" and blocks == "gpu-blocks":
-        pytest.skip("block sizes are the Triton kernel's")
+    _skip_unless_tiled(backend, blocks, ("forward", "backward"), n)
     act, wdt = DTYPES[combo]
     g = torch.Generator().manual_seed(n + h + v)
     hidden, weight, bias = _rounded(g, n, h, dtype=act), _rounded(g, v, h, dtype=wdt, scale=0.2), _rounded(
@@ -111,8 +134,7 @@ def test_cross_entropy_every_dtype(backend, combo, n, h, v, blocks):
 @pytest.mark.parametrize("n,h,v", HEAD_SHAPES)
 def test_kl_every_dtype(backend, combo, n, h, v, blocks):
     """The student in the run's dtypes; the frozen teacher in fp32 (its own autocast) or the same dtypes."""
-    if backend == "torch" and blocks == "gpu-blocks":
-        pytest.skip("block sizes are the Triton kernel's")
+    _skip_unless_tiled(backend, blocks, ("forward_kl", "backward_kl"), n)
     act, wdt = DTYPES[combo]
     g = torch.Generator().manual_seed(n * h + v)
     hs, ws, bs = _rounded(g, n, h, dtype=act), _rounded(g, v, h, dtype=wdt, scale=0.3), _rounded(g, v, dtype=wdt)
@@ -165,8 +187,12 @@ def test_lipschitz_every_dtype(backend, dtype):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("combo", ["bf16", "fp16", "bf16-w32"])
-def test_sampling_distribution_every_dtype(backend, combo):
-    """Chi-square of many draws from one row against softmax(z / tau) of the rounded inputs in float64."""
+def test_sampling_distribution_every_dtype(backend, combo, blocks):
+    """Chi-square of many draws from one row against softmax(z / tau) of the rounded inputs in float64, at the
+    interpreter's tiles and at those the sampler ships."""
+    _skip_unless_tiled(backend, blocks, ("sample",))
+    if blocks != "interpreter-blocks" and combo != "bf16":
+        pytest.skip("the sampler's own tiling: one dtype (the interpreter's tiles run them all)")
     act, wdt = DTYPES[combo]
     g = torch.Generator().manual_seed(9)
     v, h, tau, rows = 37, 6, 0.7, 4000
@@ -190,8 +216,9 @@ def test_sampling_distribution_every_dtype(backend, combo):
 def test_cross_entropy_at_128k_vocabulary(backend, combo, monkeypatch):
     """The production vocabulary (128,000 = 1,000 GPU tiles): no overflow of an index or a sum."""
     from megakd.kernels import linear_head_triton
+    from megakd.kernels.launch import LaunchConfig
 
-    monkeypatch.setattr(linear_head_triton, "_blocks", lambda: linear_head_triton.GPU_BLOCKS)
+    monkeypatch.setattr(linear_head_triton, "INTERPRETER_CONFIG", LaunchConfig(max(_shipped_tiles())))
     act, wdt = DTYPES[combo]
     g = torch.Generator().manual_seed(0)
     n, h, v = 5, 8, 128_000

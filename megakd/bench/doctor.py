@@ -93,12 +93,12 @@ def device_checks() -> list[Check]:
     for i in range(count):
         cap = torch.cuda.get_device_capability(i)
         props = torch.cuda.get_device_properties(i)
-        checked = cap in CHECKED_CAPABILITIES
-        checks.append(Check(f"GPU {i}", f"{props.name}, sm_{cap[0]}{cap[1]}, {props.total_memory / 2**30:.0f} GiB",
-                            "sm_80 or sm_90 (bf16; kernels compiled and checked there)", cap >= (8, 0) and checked,
-                            "bf16 (use train.precision=fp16)" if cap < (8, 0) else
-                            "nothing known; the Triton kernels were checked ahead of time only for sm_80 and sm_90a"))
-    nccl = ".".join(map(str, torch.cuda.nccl.version())) if count and dist.is_nccl_available() else ""
+        unchecked = "" if cap in CHECKED_CAPABILITIES else "; Triton kernels not checked for it"
+        checks.append(Check(f"GPU {i}", f"{props.name}, sm_{cap[0]}{cap[1]}, {props.total_memory / 2**30:.0f} GiB"
+                            + unchecked, "sm_80+ for bf16 (kernels checked for sm_80, sm_90a)", cap >= (8, 0),
+                            "bf16 (use train.precision=fp16)"))
+    version = torch.cuda.nccl.version() if count and dist.is_nccl_available() else ""
+    nccl = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
     checks.append(Check("NCCL", nccl or ("not in this torch" if not dist.is_nccl_available() else "no GPU"),
                         "on GPU nodes", bool(nccl), "multi-GPU training over nccl (gloo works, slowly)"))
     checks.append(Check("gloo", "available" if dist.is_gloo_available() else "missing", "available",

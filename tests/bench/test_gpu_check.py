@@ -25,6 +25,7 @@ def gpu_check(out: Path, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow  # two interpreter runs of every kernel: ~20 s
 @pytest.mark.skipif(not triton_available(), reason="needs triton")
 def test_every_kernel_passes_and_a_planted_failure_fails(tmp_path):
     proc = gpu_check(tmp_path / "ok", "--dtypes", "fp32,bf16")

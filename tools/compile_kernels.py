@@ -11,13 +11,14 @@ replaced by a recorder, so every tile, ``num_warps``, ``num_stages``, constexpr 
 specialization is what the wrapper would launch on that GPU; nothing is copied here. Each recorded
 launch is then compiled for its target, and ptxas's ``-v`` log gives registers and spill bytes.
 
-    python tools/compile_kernels.py                         # everything: 7 workloads x 5 dtypes x 2 targets
-    python tools/compile_kernels.py --quick                 # one dtype per matmul class (the slow test's set)
+    python tools/compile_kernels.py                         # everything: 100 launches, ~5 min on 2 cores
+    python tools/compile_kernels.py --quick                 # the slow test's 44: one dtype per matmul class
     python tools/compile_kernels.py --only head_ce --dtypes bf16 --targets sm_90a --json out.json
     python tools/compile_kernels.py --list                  # the launches (grid, tiles, warps), compiling none
 
 Exit status 1 when any launch fails to compile, spills a register, or needs more shared memory than a
-block may have on its target; the table marks each such row.
+block may have on its target; the table marks each such row. A Triton other than the installed one:
+``PYTHONPATH=<folder holding it> python tools/compile_kernels.py`` (how CI compiles pyproject's floor).
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ def _tool(tmp_path: Path, *args: str, pythonpath: str | None = None) -> tuple[su
     return proc, json.loads(out.read_text())
 
 
+@pytest.mark.slow  # a fresh process importing torch and triton: 5-12 s on 2 shared cores
 def test_recorded_launches_are_what_the_wrappers_choose_for_each_gpu(tmp_path):
     """No compiling: the forward's vocabulary splits follow the target's SM count (4 programs per SM),
     TF32 follows torch's flag, and tiles and warps are the head's table entries."""

@@ -64,8 +64,10 @@ trainer.backend.close()
 """
 
 
-@pytest.mark.parametrize("stage, wrapper", [(1, "BF16_Optimizer"), (2, "DeepSpeedZeroOptimizer"),
-                                            (3, "DeepSpeedZeroOptimizer_Stage3")])
+# A DeepSpeed engine per case (~5 s each): ZeRO-2 in the fast tier, the other two wrappers in the slow one.
+@pytest.mark.parametrize("stage, wrapper", [pytest.param(1, "BF16_Optimizer", marks=pytest.mark.slow),
+                                            (2, "DeepSpeedZeroOptimizer"),
+                                            pytest.param(3, "DeepSpeedZeroOptimizer_Stage3", marks=pytest.mark.slow)])
 def test_bf16_accumulates_micro_batch_gradients_in_fp32(tiny_data, tmp_path, stage, wrapper):
     """DeepSpeed's default (grad_accum_dtype None) sums the micro-batches' gradients in bf16.
 

@@ -45,7 +45,7 @@ import signal
 import tarfile
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,6 +73,16 @@ from megakd.signals import STOP_SIGNALS
 logger = logging.getLogger(__name__)
 
 STATE_VERSION = 2  # 1 = per-slot cursors of the old contiguous-range layout
+
+
+class StoppedWaitingForData(BaseException):
+    """A stop asked for while the training loop waited for its next batch.
+
+    Raised by the run's signal handler (in-process reads) or by the loader's poll of
+    ``PretrainingLoader.stop_waiting`` (DataLoader workers). A ``BaseException`` like
+    ``KeyboardInterrupt``: it ends the wait (a fetch, a retry's backoff) and nothing on the way up
+    may take it for a storage error.
+    """
 
 
 class ShardError(UserError):
@@ -813,6 +823,9 @@ def _kill_leftover_workers() -> None:
             child.kill()
 
 
+WAIT_POLL_S = 1.0  # how often a loader with workers asks `stop_waiting` while it waits for a batch
+
+
 class PretrainingLoader:
     """Endless micro-batches for one rank, with ``state_dict``/``load_state_dict`` for exact resume.
 
@@ -923,6 +936,9 @@ class PretrainingLoader:
         self.packed: bool = bool(manifest.get("packed", False))
         self.num_samples: int = total
         self._next_batch = 0  # this rank's next micro-batch number (see the module docstring)
+        # Asked every WAIT_POLL_S while DataLoader workers have no batch ready: true ends the wait
+        # with StoppedWaitingForData (the training loop's stop flag; None: wait as long as it takes).
+        self.stop_waiting: Callable[[], bool] | None = None
         self._datasets: weakref.WeakSet = weakref.WeakSet()  # those of the open iterators, for close()
 
     @property
@@ -952,12 +968,13 @@ class PretrainingLoader:
         # every iter(), which would shift dropout randomness and break bit-exact resume.
         loader = DataLoader(dataset, batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory,
                             generator=torch.Generator().manual_seed(0),
-                            worker_init_fn=_init_worker if self.num_workers else None)
+                            worker_init_fn=_init_worker if self.num_workers else None,
+                            timeout=WAIT_POLL_S if self.num_workers and self.stop_waiting else 0)
         self._clear_shared_reads()  # a crashed run's, or this loader's last pass's
         with _stop_signals_blocked():  # workers start here, with the stop signals held back
             batches = iter(loader)
         try:
-            for batch in batches:
+            while (batch := self._next(batches)) is not None:
                 if "_error" in batch:
                     raise batch["_error"]
                 self._next_batch = batch.pop("_batch") + 1
@@ -974,6 +991,20 @@ class PretrainingLoader:
             dataset.close()  # closed, dropped or raising: the group read ahead is no one's now
             del batches  # DataLoader's workers stop here (not whenever the collector gets to them)
             self._clear_shared_reads()
+
+    def _next(self, batches) -> dict | None:
+        """The next batch (None at the end); while workers have none ready, ``stop_waiting`` is asked
+        every WAIT_POLL_S (DataLoader's own timeout, which leaves its iterator as it was)."""
+        while True:
+            try:
+                return next(batches)
+            except StopIteration:
+                return None
+            except RuntimeError as error:
+                if not str(error).startswith("DataLoader timed out") or self.stop_waiting is None:
+                    raise
+                if self.stop_waiting():
+                    raise StoppedWaitingForData("a stop was asked for while the workers read") from None
 
     def _clear_shared_reads(self) -> None:
         """Empty this rank's shared-reads directory (its workers discard as they go; this takes what a

@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from megakd.data.stream import StoppedWaitingForData
 from megakd.engine.backends import TrainingBackend
 from megakd.errors import UserError
 from megakd.signals import STOP_SIGNALS
@@ -43,14 +44,6 @@ log = logging.getLogger(__name__)
 
 class TooManyBadSteps(UserError):
     """Too many non-finite steps in a row: the run stops, its last checkpoint intact."""
-
-
-class StoppedWaitingForData(BaseException):
-    """A stop signal that came while the loop waited for its next batch (`RunSession.waiting_for_data`).
-
-    A ``BaseException`` like ``KeyboardInterrupt``: it ends the wait (a fetch, a retry's backoff)
-    and nothing on the way up may take it for a storage error.
-    """
 
 
 class RunSession:
@@ -134,17 +127,20 @@ class RunSession:
             self._stop_signal = signum  # already stopping; the next SIGINT aborts
         if self._waiting:
             self._waiting = False
-            raise StoppedWaitingForData(signum)
+            raise StoppedWaitingForData(f"received {name} while waiting for data")
 
     @contextlib.contextmanager
-    def waiting_for_data(self) -> Iterator[None]:
+    def waiting_for_data(self, interrupt: bool = True) -> Iterator[None]:
         """Within (inside `stop_signals`): a stop signal, besides being recorded, raises
-        `StoppedWaitingForData` at once, so a loop waiting on storage that stalls or retries stops
-        within seconds instead of after the read's timeouts and retries. A signal before the block
-        raises at its start."""
+        `StoppedWaitingForData` at once (`interrupt`: the reads run in this process, in code that
+        cleans up as it unwinds), so a loop waiting on storage that stalls or retries stops within
+        seconds instead of after the read's timeouts and retries. A loader with DataLoader workers
+        is not interrupted (that could cut a tensor's hand-over from a worker); it polls
+        `stop_flags` instead (`PretrainingLoader.stop_waiting`). A signal before the block raises at
+        its start."""
         if self._stop_signal is not None:
-            raise StoppedWaitingForData(self._stop_signal)
-        self._waiting = True
+            raise StoppedWaitingForData("a stop was asked for before the wait for data")
+        self._waiting = interrupt
         try:
             yield
         finally:

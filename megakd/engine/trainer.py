@@ -9,6 +9,7 @@ metrics.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections import defaultdict
 from collections.abc import Callable
@@ -20,20 +21,14 @@ import torch
 from megakd.config import Config
 from megakd.configio import config_to_dict, read_yaml_file, save_config
 from megakd.data.storage import StorageError as DataStorageError
+from megakd.data.stream import StoppedWaitingForData
 from megakd.data.tokenizer import copy_tokenizer
 from megakd.engine.backends import STORAGE_FAILED, StepResult, TrainingBackend, stat_sums
 from megakd.engine.hooks import AtEnd, Checkpoints, Clock, Hook, Hooks, ProgressBar, StepEnd, StepHook
 from megakd.engine.layouts import Layout
 from megakd.engine.probe import Probe
 from megakd.engine.runlog import MetricsWriter, plot_metrics
-from megakd.engine.session import (
-    RunSession,
-    StoppedWaitingForData,
-    rng_state,
-    seed_rng,
-    set_rng_state,
-    skipped_update,
-)
+from megakd.engine.session import RunSession, rng_state, seed_rng, set_rng_state, skipped_update
 from megakd.engine.units import StepContext, Unit, never
 from megakd.engine.validation import Validator
 from megakd.errors import UserError
@@ -423,7 +418,10 @@ class Trainer:
         with self.session.stop_signals():
             try:
                 self.layout.train()
-                waiting = self.session.waiting_for_data if self.backend.holds_steps else contextlib.nullcontext
+                waiting = contextlib.nullcontext
+                if self.backend.holds_steps:  # only a loop that can skip a step stops in the middle of one
+                    waiting = functools.partial(self.session.waiting_for_data, interrupt=not self.loader.num_workers)
+                    self.loader.stop_waiting = lambda: self.session.stop_flags()[0]
                 batches = StepBatches(iter(self.loader), can_hold=self.backend.holds_steps, waiting=waiting)
                 self._clock = Clock(hooks)
                 while self.step < self.cfg.train.max_steps:

@@ -177,10 +177,10 @@ def cmd_glue(args: argparse.Namespace) -> int:
         print_config(cfg)
         return 0
     from megakd.finetune.runtime import Runtime, Stopped, describe
-    from megakd.glue.run import check_data, run_glue
+    from megakd.glue.run import RESUMABLE_CHANGES, check_data, run_glue
 
     check_data(cfg)  # a missing split stops here, before run.dir is touched
-    runtime = Runtime(cfg, resume=args.resume)
+    runtime = Runtime(cfg, resume=args.resume, steering=RESUMABLE_CHANGES)
     try:
         runtime.open()
         log.info("GLUE on %s", describe(runtime))

@@ -87,12 +87,14 @@ def _device(setting: str, local_rank: int) -> torch.device:
 class Runtime:
     """The backend, run directory and stop signals of one fine-tuning command (see the module docstring)."""
 
-    def __init__(self, cfg: FinetuneConfig, resume: str | None = None, backend: MicroBatchLoopBackend | None = None):
+    def __init__(self, cfg: FinetuneConfig, resume: str | None = None, backend: MicroBatchLoopBackend | None = None,
+                 steering: tuple[str, ...] = ()):
         if resume not in (None, "auto"):
             raise UserError(f"--resume {resume}: megakd finetune resumes with --resume auto (each seed continues "
                              "from its newest intact checkpoint in run.dir)")
         self.cfg = cfg
         self.resume = resume == "auto"
+        self.steering = STEERING + steering  # keys a resumed run may change (a caller's own, e.g. megakd glue's)
         self.backend = backend or build_backend(cfg)
         if cfg.finetune.batch_size % self.world_size:
             raise ConfigError(f"finetune.batch_size={cfg.finetune.batch_size} (the global batch) is not divisible by "
@@ -147,7 +149,7 @@ class Runtime:
     def _check_same_config(self, saved_file: Path) -> None:
         saved = read_yaml_file(saved_file)
         changes = rundir.state_changes(saved if isinstance(saved, dict) else {}, config_to_dict(self.cfg))
-        changed = {k: v for k, v in changes.items() if not k.startswith(STEERING)}
+        changed = {k: v for k, v in changes.items() if not k.startswith(self.steering)}
         if changed:
             listed = "; ".join(f"{k}: {o!r} -> {n!r}" for k, (o, n) in changed.items())
             raise StoreError(f"{saved_file}: cannot resume with a different {listed} (finished seeds and checkpoints "

@@ -37,6 +37,9 @@ log = logging.getLogger(__name__)
 TASK_FILE = "task.json"  # written last: a task directory with it is finished
 SUBMISSION_DIR = "submission"
 SUBMISSION_ZIP = "submission.zip"
+# What `--resume auto` may change: the task list (finished tasks are reused, new ones trained, dropped ones left
+# on disk but out of results.json) and whether the test set is predicted (a finished task keeps what it wrote).
+RESUMABLE_CHANGES = ("glue.tasks", "glue.submission")
 SERVER_FILES = [stem for t in (*TASKS.values(), AX) for stem in t.submission]  # what the GLUE server expects
 
 

@@ -99,8 +99,9 @@ def test_resume_reuses_finished_tasks_and_seeds_and_a_used_run_dir_is_refused(gl
 
 
 @pytest.mark.slow
-def test_a_list_of_rates_is_chosen_on_a_slice_of_train(glue_run, tmp_path):
-    _, data, model = glue_run
+def test_a_list_of_rates_is_chosen_on_a_slice_of_train(tiny_electra_run, tmp_path):
+    data = write_glue_data(tmp_path / "glue_data", "glue", ["rte", "cola"], train=16, dev=8, test=6)
+    model = tiny_electra_run / "hf" / "discriminator"
     args = [a for a in _command(tmp_path / "run", model, data) if not a.startswith(("glue.tasks", "glue.from_mnli",
                                                                                      "finetune.seeds"))]
     assert main([*args, "glue.tasks=[rte]", "finetune.seeds=[1]", "glue.lr=[3e-4,1e-3]",
@@ -109,6 +110,13 @@ def test_a_list_of_rates_is_chosen_on_a_slice_of_train(glue_run, tmp_path):
     assert record["lr"]["candidates"] == [3e-4, 1e-3] and record["lr"]["lr"] in (3e-4, 1e-3)
     assert record["lr"]["selection"]["slice_examples"] == 4  # a quarter of the 16 train examples; dev unread
     assert not (tmp_path / "run" / "submission.zip").exists()
+    # A task added on --resume auto trains; the finished one is reused; other changes are refused.
+    assert main([*args, "glue.tasks=[rte,cola]", "finetune.seeds=[1]", "glue.lr=[3e-4,1e-3]",
+                 "finetune.lr_select_frac=0.25", "glue.submission=false", "--resume", "auto"]) == 0
+    assert (tmp_path / "run" / "rte" / "task.json").read_text() == json.dumps(record, indent=2) + "\n"
+    assert list(json.loads((tmp_path / "run" / "results.json").read_text())["tasks"]) == ["rte", "cola"]
+    assert main([*args, "glue.tasks=[rte,cola]", "finetune.seeds=[1]", "glue.lr=[3e-4,1e-3]",
+                 "finetune.lr_select_frac=0.5", "glue.submission=false", "--resume", "auto"]) == 2
 
 
 def test_electra_lr_by_model_size():

@@ -408,14 +408,15 @@ def test_finetune_disk_full_during_save_is_the_same_one_line_and_cleans_up(tiny_
 
 def test_disk_full_at_the_locks_first_write_is_one_line_and_starts_nothing(tiny_data, tiny_disk):
     """The lock file is created empty (an inode, no page); recording the holder is the first byte
-    the run writes. On a full disk that is one line, and the dir holds nothing but the empty lock."""
+    the run writes. On a full disk that is one line, and the dir is left as it was (the lock the
+    refused start created is removed)."""
     run = tiny_disk / "run"
     run.mkdir()
     _fill(tiny_disk, 0)
     out = pretrain(tiny_data, run, **{"train.max_steps": 2})
     assert_one_line_error(out, f"{run / '.lock'}: no space left on device while recording this job",
                           "nothing else was written")
-    assert sorted(p.name for p in run.iterdir()) == [".lock"] and (run / ".lock").stat().st_size == 0
+    assert list(run.iterdir()) == []
     (tiny_disk / "filler").unlink()  # room again (and for a checkpoint): the same command runs
     assert os.system(f"mount -o remount,size=4m {tiny_disk}") == 0
     out = pretrain(tiny_data, run, **{"train.max_steps": 2})

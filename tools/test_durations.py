@@ -1,7 +1,7 @@
 """Where the test suite's time goes: a JUnit XML report summed by file and by tier.
 
     python -m pytest --junitxml=/tmp/junit.xml            # any run (pytest-xdist included)
-    python tools/test_durations.py /tmp/junit.xml [--top 25] [--tests 15]
+    python tools/test_durations.py /tmp/junit.xml [more.xml ...] [--top 25] [--tests 15]
 
 The tier of each test (`slow` or not) is read from a `pytest --collect-only -m slow` of the same
 tree, so the table says what `-m "not slow"` would cost. Durations are the test's own (set-up,
@@ -46,11 +46,11 @@ def read_cases(junit: Path) -> list[tuple[str, float, str]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("junit", type=Path)
+    parser.add_argument("junit", type=Path, nargs="+", help="JUnit reports of one run (parts of it, summed)")
     parser.add_argument("--top", type=int, default=25, help="files to list (default 25)")
     parser.add_argument("--tests", type=int, default=15, help="slowest single tests to list (default 15)")
     args = parser.parse_args()
-    cases = read_cases(args.junit)
+    cases = [case for report in args.junit for case in read_cases(report)]
     slow = slow_node_ids()
     by_file: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])
     tiers = {"slow": [0.0, 0], "not slow": [0.0, 0]}

@@ -298,9 +298,11 @@ def print_config(cfg: object) -> None:
 def _config_trees(args: argparse.Namespace) -> list[tuple[str, type]]:
     """(title, root dataclass) of the config trees `megakd config keys` describes, as its flags select."""
     from megakd.finetune.config import FinetuneConfig
+    from megakd.glue.config import GlueConfig
 
-    trees = [("megakd pretrain and megakd distill", Config), ("megakd finetune", FinetuneConfig)]
-    return trees[:1] if args.pretrain else trees[1:] if args.finetune else trees
+    trees = [("megakd pretrain and megakd distill", Config), ("megakd finetune", FinetuneConfig),
+             ("megakd glue", GlueConfig)]
+    return trees[:1] if args.pretrain else trees[1:2] if args.finetune else trees[2:] if args.glue else trees
 
 
 def _matches(pattern: str | None, key: str) -> bool:
@@ -837,6 +839,7 @@ def build_parser() -> argparse.ArgumentParser:
     tree = k.add_mutually_exclusive_group()
     tree.add_argument("--pretrain", action="store_true", help="only the keys of pretrain and distill")
     tree.add_argument("--finetune", action="store_true", help="only the keys of finetune")
+    tree.add_argument("--glue", action="store_true", help="only the keys of glue")
     k.add_argument("--markdown", action="store_true", help="print the reference, docs/configuration.md")
     k.set_defaults(func=cmd_config_keys)
     r = command(cf_sub, "recipes", "the recipes in configs/: path, command and what each is for", _examples(

@@ -1004,6 +1004,10 @@ class PretrainingLoader:
                 if not str(error).startswith("DataLoader timed out") or self.stop_waiting is None:
                     raise
                 if self.stop_waiting():
+                    # The workers are mid-read (stalled, or retrying) and would be joined for 5 s each
+                    # before DataLoader gives up on them: they ignore stop signals, so end them now.
+                    for worker in getattr(batches, "_workers", ()):  # DataLoader's worker processes
+                        worker.kill()
                     raise StoppedWaitingForData("a stop was asked for while the workers read") from None
 
     def _clear_shared_reads(self) -> None:

@@ -128,7 +128,7 @@ def test_sigterm_during_a_stalled_fetch_saves_and_exits_within_seconds(tiny_data
     proc = subprocess.Popen([sys.executable, "-m", "megakd.cli", "pretrain", *args],
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline, logged, since = time.monotonic() + 180, -1, time.monotonic()
-    while server.misbehaved == 0 or time.monotonic() - since < 2.0:  # stalled, and no step for 2 s
+    while server.misbehaved == 0 or time.monotonic() - since < 4.0:  # stalled, and no step for 4 s (steps: < 1 s)
         assert proc.poll() is None, proc.stderr.read()[-2000:]
         assert time.monotonic() < deadline, "the run never stalled"
         if (now := _steps_logged(run)) != logged:

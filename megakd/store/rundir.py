@@ -288,10 +288,18 @@ def used_entries(run_dir: Path) -> list[str]:
     return sorted(p.name for p in run_dir.iterdir() if p.name != LOCK_FILE)
 
 
+def _is_empty_dir(path: Path) -> bool:
+    try:
+        return path.is_dir() and next(path.iterdir(), None) is None
+    except OSError:
+        return False
+
+
 def check_is_a_run(run_dir: Path, lock: RunDirLock) -> None:
     """`--resume auto` without a checkpoint starts from step 0 only in an unused directory or in a run
-    that never saved (its `.lock` names a megakd job): a directory of someone else's files is refused."""
-    used = used_entries(run_dir)
+    that never saved (its `.lock` names a megakd job): a directory of someone else's files is refused.
+    Empty directories hold no one's files: e.g. `checkpoints/` made ahead as a link to a larger disk."""
+    used = [name for name in used_entries(run_dir) if not _is_empty_dir(run_dir / name)]
     if used and not lock.held_a_run:
         shown = ", ".join(used[:4]) + (", ..." if len(used) > 4 else "")
         raise StoreError(f"{run_dir}: holds {shown} but no megakd run (no checkpoint, no run lock); --resume auto "

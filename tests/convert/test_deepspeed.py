@@ -13,7 +13,7 @@ from torch import nn
 from megakd.config import load_config
 from megakd.configio import save_config
 from megakd.convert import ConversionError, to_hf
-from megakd.engine.backends import free_local_port
+from megakd.engine.backends import free_local_port, leave_process_group
 from megakd.models.electra import MaskedLM
 from megakd.store.checkpoint import write_manifest
 from tests.helpers import TINY_VOCAB, tiny_overrides
@@ -32,13 +32,24 @@ class _Loss(nn.Module):
         return self.model.logits(input_ids).logsumexp(-1).mean()
 
 
+def _leave_process_groups() -> None:
+    """No process group, and none in DeepSpeed's caches: the tests before and after this file in the same
+    pytest process (a worker runs several files) must not meet this file's world, nor it theirs."""
+    from deepspeed.utils import groups
+
+    leave_process_group()
+    groups._release_process_group_references()  # what deepspeed.comm's own teardown calls
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _single_process_world():
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_local_port())}
     saved = {k: os.environ.get(k) for k in env}
+    _leave_process_groups()
     os.environ.update(env)
     yield
+    _leave_process_groups()
     for k, v in saved.items():
         if v is None:
             os.environ.pop(k, None)

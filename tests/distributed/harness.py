@@ -118,6 +118,10 @@ class _RankInterleaved:
     def read_retries(self) -> int:
         return sum(loader.read_retries for loader in self.loaders)
 
+    @property
+    def num_workers(self) -> int:
+        return self.loaders[0].num_workers
+
 
 class _RankRngLayout:
     """A trainer's layout whose micro-batch i of a step samples replacements with rank i's generator.

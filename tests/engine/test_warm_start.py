@@ -186,7 +186,7 @@ def test_bad_init_sources_are_one_line_and_write_nothing(wordpiece_data, tiny_da
           "shape [48, 32]", "expects [64, 32]"]),
         ([f"init.from={good}", "model.discriminator.num_heads=4"], ["model.discriminator.num_heads=4", "has 2"]),
         ([f"init.from={hostile}"], ["init.from", str(hostile), "cannot load the ElectraForPreTraining weights"]),
-        ([f"init.from={truncated}"], ["init.from", str(truncated), "cannot load"]),
+        ([f"init.from={truncated}"], ["init.from", str(truncated), "cannot read as safetensors"]),
         ([f"init.from={tmp_path / 'missing'}"], ["init.from=", "no such directory"]),
         ([f"init.from={good}", "model.objective=mlm"], ["init.from=", "holds discriminator", "objective=mlm"]),
         ([f"init.generator={good}"], ["init.generator=", "holds an ELECTRA discriminator; expected a masked LM"]),

@@ -212,6 +212,14 @@ class DeepSpeedBackend(DDPBackend):
         self.zero_stage = engine_configs.backend.zero_stage
         self.engine_configs = engine_configs
 
+    @property
+    def holds_steps(self) -> bool:
+        """Only the plain fp32 engine (ZeRO-0) can skip an update whose gradients are finite (`skip_step`
+        drops them and closes the window). The ZeRO, bf16 and fp16 optimizers skip only a non-finite
+        step, so a held step would be applied (a resume after it would not be exact): under them a stop
+        signal lets the step finish, and storage lost mid-run raises, as under the pipeline backend."""
+        return self.precision == "fp32" and self.zero_stage == 0
+
     @staticmethod
     def join(dist_backend: str) -> tuple[int, int, int]:
         return init_deepspeed(dist_backend)

@@ -52,7 +52,7 @@ RT_TRAIN_SENTENCES = 9071  # the bundled RT task's training split
 SILENT_RUN = ("run.export_hf=false", "run.plots=false", "run.tensorboard=false", "run.progress_bar=false",
               "train.save_every=0", "run.keep_last=1")
 
-# --quick: 1-layer, 32-wide models for a few steps, fine-tuned on 1,000 RT sentences for two epochs.
+# --quick: 1-layer, 32-wide models for a few steps, fine-tuned on 400 RT sentences for one epoch.
 QUICK_PRETRAIN = (
     "train.max_steps=12", "train.global_batch_size=8", "train.micro_batch_size=8", "optim.schedule.warmup_steps=2",
     "train.log_every=1", "train.probe_every=0",
@@ -79,10 +79,10 @@ def student_overrides(quick: bool = False) -> tuple[str, ...]:
     return tuple(f"model.{m}.{k}={v}" for m in ("generator", "discriminator") for k, v in sizes)
 
 
-QUICK_FINETUNE = ("task.max_train_examples=1000", "task.max_dev_examples=500", "finetune.epochs=2")
+QUICK_FINETUNE = ("task.max_train_examples=400", "task.max_dev_examples=200", "finetune.epochs=1")
 FULL_NOTE = " Fine-tuning used 3,000 of RT's training sentences (an even spread) and the whole dev split."
-QUICK_NOTE = (" Quick mode: a 1-layer, 32-wide encoder pretrained for 12 steps, fine-tuned on 1,000 RT sentences "
-              "(500 dev sentences): a structure check rather than a measurement.")
+QUICK_NOTE = (" Quick mode: a 1-layer, 32-wide encoder pretrained for 12 steps, fine-tuned on 400 RT sentences "
+              "(200 dev sentences) for one epoch: a structure check rather than a measurement.")
 
 
 CALIBRATION_STEPS = 5  # timed steps of `Costs.calibrated`

@@ -100,6 +100,7 @@ def test_schedule_takes_the_critical_path_first_and_respects_dependencies():
     assert ran == sorted(one.start, key=one.start.get) and results == {k: k.upper() for k in jobs}
 
 
+@pytest.mark.slow  # plans every finding through the CLI: ~15 s
 def test_plan_command_prints_the_table_and_runs_nothing(tmp_path, capsys):
     work = tmp_path / "work"
     report = Path(__file__).parents[2] / "docs" / "REPRODUCTION.md"
@@ -120,6 +121,7 @@ def test_plan_command_prints_the_table_and_runs_nothing(tmp_path, capsys):
     assert main(["repro", "all", "--plan", "--jobs", "0"]) == 2
 
 
+@pytest.mark.slow  # runs quick jobs of two findings: ~30 s
 def test_several_findings_share_the_cores_in_one_plan(tmp_path, capsys):
     def done_at(*names: str) -> dict[str, float]:
         assert main(["repro", *names, "--plan", "--work", str(tmp_path)]) == 0

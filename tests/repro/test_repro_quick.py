@@ -64,7 +64,9 @@ def test_quick_dwt_writes_both_budgets_and_the_remapping_curves(tmp_path):
     """dwt's short-budget arms (teachers and schedules, one row each) and its whole-budget runs (a row per
     draw and init, each fine-tuned on RT) in one table."""
     out = tmp_path / "docs" / "REPRODUCTION.md"
-    assert main(["repro", "dwt", "--quick", "--jobs", "2", "--out", str(out), "--work", str(tmp_path / "work")]) == 0
+    # --jobs 1: one job after another in this process (worker processes are disc_lr's test above; on two
+    # cores shared with another test file they only add their imports)
+    assert main(["repro", "dwt", "--quick", "--jobs", "1", "--out", str(out), "--work", str(tmp_path / "work")]) == 0
     header, rows = _table(_section(out, "dwt"))
     assert header[:2] == ["steps", "teacher"] and header[-2] == "RT dev accuracy"
     assert [row[1] for row in rows] == ["none", "weak", "very weak", "extremely weak", "weak, Strong 1:4",

@@ -36,6 +36,24 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: -slow[item.path])  # stable: each file keeps its own order
 
 
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR",
+                      "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def _launcher_variables_stay_put():
+    """A test that builds a DeepSpeed backend in this process leaves `LOCAL_RANK` set (DeepSpeed wants it);
+    under xdist the next test in the worker may be another file's, which would then think a launcher
+    started it (HF's Trainer, `backend: auto`). Each test gets back the variables it started with."""
+    saved = {k: os.environ.get(k) for k in LAUNCHER_VARIABLES}
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory):
     """(tokenizer_dir, shards_dir): 512-piece SentencePiece BPE and seq-64 shards from ~300 KB of Austen."""

@@ -147,25 +147,39 @@ def cmd_finetune(args: argparse.Namespace) -> int:
         print_config(cfg)
         return 0
     from megakd.finetune.jobs import job_for
-    from megakd.finetune.runtime import Runtime, Stopped, describe
+    from megakd.finetune.runtime import Runtime, describe
 
     run = job_for(cfg)
-    runtime = Runtime(cfg, resume=args.resume)
-    try:
-        runtime.open()
+
+    def fine_tune(runtime) -> None:
         log.info("fine-tuning on %s", describe(runtime))
         summary = run(cfg, runtime)
         if runtime.is_main and summary.get("headline") in summary.get("metrics", {}):
             from megakd.finetune.baselines import baseline_report
 
             log.info("%s", baseline_report(cfg, summary))
+
+    stopped = _in_runtime(Runtime(cfg, resume=args.resume), fine_tune)
+    if stopped is not None:
+        return stopped
+    log.info("fine-tuning finished; summary in %s/summary.json", cfg.run.dir)
+    return 0
+
+
+def _in_runtime(runtime, body) -> int | None:
+    """Open `runtime` and run `body(runtime)`, closing it however that ends: None when it finished, or
+    the exit code of a stop signal after a checkpoint (0, or 130 for SIGINT)."""
+    from megakd.finetune.runtime import Stopped
+
+    try:
+        runtime.open()
+        body(runtime)
     except Stopped as stop:
         log.warning("stopped on a signal after a checkpoint; run the same command with --resume auto to continue")
         return EXIT_INTERRUPTED if stop.interrupted else 0
     finally:
         runtime.close()
-    log.info("fine-tuning finished; summary in %s/summary.json", cfg.run.dir)
-    return 0
+    return None
 
 
 def cmd_glue(args: argparse.Namespace) -> int:
@@ -176,20 +190,17 @@ def cmd_glue(args: argparse.Namespace) -> int:
     if args.print_config:
         print_config(cfg)
         return 0
-    from megakd.finetune.runtime import Runtime, Stopped, describe
+    from megakd.finetune.runtime import Runtime, describe
     from megakd.glue.run import RESUMABLE_CHANGES, check_data, run_glue
 
     check_data(cfg)  # a missing split stops here, before run.dir is touched
-    runtime = Runtime(cfg, resume=args.resume, steering=RESUMABLE_CHANGES)
-    try:
-        runtime.open()
+    def glue(runtime) -> None:
         log.info("GLUE on %s", describe(runtime))
         run_glue(cfg, runtime)
-    except Stopped as stop:
-        log.warning("stopped on a signal after a checkpoint; run the same command with --resume auto to continue")
-        return EXIT_INTERRUPTED if stop.interrupted else 0
-    finally:
-        runtime.close()
+
+    stopped = _in_runtime(Runtime(cfg, resume=args.resume, steering=RESUMABLE_CHANGES), glue)
+    if stopped is not None:
+        return stopped
     log.info("GLUE finished; results in %s/results.json and results.md", cfg.run.dir)
     return 0
 

@@ -28,8 +28,8 @@ def slow_node_ids() -> set[str]:
     return {line.strip() for line in out.splitlines() if "::" in line}
 
 
-def read_cases(junit: Path) -> list[tuple[str, float, str]]:
-    """(node id, seconds, outcome) for every test case of the report."""
+def read_cases(junit: Path) -> list[tuple[str, float]]:
+    """(node id, seconds) for every test case of the report."""
     cases = []
     for case in ET.parse(junit).getroot().iter("testcase"):
         parts = case.get("classname", "").split(".")
@@ -38,9 +38,7 @@ def read_cases(junit: Path) -> list[tuple[str, float, str]]:
                    len(parts))
         path = "/".join(parts[:cut]) + ".py"
         name = "::".join([*parts[cut:], case.get("name", "")])
-        outcome = "skipped" if case.find("skipped") is not None else (
-            "failed" if case.find("failure") is not None or case.find("error") is not None else "passed")
-        cases.append((f"{path}::{name}", float(case.get("time", 0.0)), outcome))
+        cases.append((f"{path}::{name}", float(case.get("time", 0.0))))
     return cases
 
 
@@ -54,7 +52,7 @@ def main() -> None:
     slow = slow_node_ids()
     by_file: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])
     tiers = {"slow": [0.0, 0], "not slow": [0.0, 0]}
-    for node, seconds, _ in cases:
+    for node, seconds in cases:
         tier = "slow" if node in slow else "not slow"
         tiers[tier][0] += seconds
         tiers[tier][1] += 1
@@ -70,7 +68,7 @@ def main() -> None:
     for path, (s, f, n) in sorted(by_file.items(), key=lambda kv: -(kv[1][0] + kv[1][1]))[: args.top]:
         print(f"| {path} | {n} | {s:.0f} | {f:.0f} | {(s + f) / total:.1%} |")
     print("\n| slowest tests | seconds | tier |\n|---|---|---|")
-    for node, seconds, _ in sorted(cases, key=lambda c: -c[1])[: args.tests]:
+    for node, seconds in sorted(cases, key=lambda c: -c[1])[: args.tests]:
         print(f"| {node} | {seconds:.1f} | {'slow' if node in slow else 'not slow'} |")
 
 

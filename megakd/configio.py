@@ -60,13 +60,20 @@ def check_choice(key: str, value: Any, choices: tuple) -> None:
         raise ConfigError(f"{key}: expected one of {', '.join(map(str, choices))}, got {shown(value)}")
 
 
+@functools.cache
+def field_types(cls: type) -> dict[str, Any]:
+    """`typing.get_type_hints(cls)`, evaluated once per class (read-only): a config is resolved field by
+    field, and `megakd repro --plan` resolves hundreds."""
+    return typing.get_type_hints(cls)
+
+
 def check_literals(obj: Any, prefix: str = "") -> None:
     """Every `Literal[...]`-typed field in a config dataclass tree holds one of its choices.
 
     The one place choices are checked: `_coerce` applies the same rule while parsing, and this
     covers values set in code before `validate()`.
     """
-    hints = typing.get_type_hints(type(obj))
+    hints = field_types(type(obj))
     for f in dataclasses.fields(obj):
         value, tp = getattr(obj, f.name), hints[f.name]
         if typing.get_origin(tp) is Literal:
@@ -168,7 +175,7 @@ def _build(cls: type, data: dict, prefix: str = "", base: Any = None) -> Any:
     Starting from the parent's default object keeps section-specific defaults (e.g. the
     generator's own peak LR) when an override touches only one key of that section.
     """
-    hints = typing.get_type_hints(cls)
+    hints = field_types(cls)
     fields = {config_key(f.name): f.name for f in dataclasses.fields(cls)}
     obj = copy.deepcopy(base) if base is not None else cls()
     for name, value in data.items():
@@ -257,7 +264,14 @@ def _count_values(node: yaml.Node, sizes: dict[int, int], open_nodes: set[int]) 
 
 
 def load_yaml(text: str) -> Any:
-    """Parse YAML as `yaml.safe_load` does, within `_ConfigLoader`'s bounds (raises `_Refused`)."""
+    """Parse YAML as `yaml.safe_load` does, within `_ConfigLoader`'s bounds (raises `_Refused`). Each
+    caller gets its own copy: `megakd repro --plan` loads the same recipes and overrides hundreds of
+    times, and the pure-Python parser took most of its seconds."""
+    return copy.deepcopy(_parsed(text))
+
+
+@functools.lru_cache(maxsize=4096)
+def _parsed(text: str) -> Any:
     return yaml.load(text, Loader=_ConfigLoader)
 
 
@@ -355,7 +369,7 @@ def config_sections(cls: type) -> dict[str, str]:
 
 def _walk(cls: type, obj: Any, prefix: str):
     """(section key, text) for each section and a KeyDoc for each leaf below `obj`, in source order."""
-    hints, meanings = typing.get_type_hints(cls), field_meanings(cls)
+    hints, meanings = field_types(cls), field_meanings(cls)
     for f in dataclasses.fields(cls):
         key, tp, value = prefix + config_key(f.name), hints[f.name], getattr(obj, f.name)
         if dataclasses.is_dataclass(tp):

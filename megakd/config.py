@@ -38,8 +38,18 @@ def check_count(key: str, value: int) -> None:
     """`value` in [1, 2**31); the message for a value below 1 is the one these keys always had."""
     if value < 1:
         raise ConfigError(f"{key}: expected a positive integer, got {value}")
+    check_below_limit(key, value)
+
+
+def check_below_limit(key: str, value: int) -> None:
+    """`value` below 2**31, for counts where 0 (or a negative) means something or is checked apart."""
     if value >= COUNT_LIMIT:
         raise ConfigError(f"{key}: expected an integer below 2**31, got {value}")
+
+
+def check_at_least(key: str, value: int, least: int, meaning: str = "") -> None:
+    if value < least:
+        raise ConfigError(f"{key}: expected an integer >= {least}{meaning}, got {value}")
 
 
 @dataclass
@@ -54,6 +64,10 @@ class RunConfig:
     export_hf: bool = True  # write run.dir/hf (HuggingFace format) at the end of training
     progress_bar: bool = True  # a tqdm bar on rank 0
     overwrite: bool = False  # a new run into a used run.dir moves its contents to <run.dir>.old-<time>/
+
+    def validate(self) -> None:
+        check_below_limit("run.keep_last", self.keep_last)
+        check_at_least("run.keep_last", self.keep_last, 0, " (0 = keep every checkpoint)")
 
 
 @dataclass
@@ -96,6 +110,24 @@ class DataConfig:
     # (`megakd data shards --valid-fraction`), "" = none.
     valid_shards: str = "auto"
 
+    def validate(self) -> None:
+        if self.vocab_size != "auto" and (isinstance(self.vocab_size, str) or self.vocab_size < 1):
+            raise ConfigError(f"data.vocab_size: expected a positive integer or auto, got {shown(self.vocab_size)}")
+        check_count("data.shuffle_shards", self.shuffle_shards)
+        check_count("data.read_block", self.read_block)
+        if not 0.0 <= self.read_overfetch <= 1e6:
+            raise ConfigError(f"data.read_overfetch: expected a fraction >= 0 (extra bytes per byte needed), "
+                              f"got {shown(self.read_overfetch)}")
+        check_below_limit("data.num_workers", self.num_workers)
+        check_below_limit("data.read_retries", self.read_retries)
+        check_at_least("data.read_retries", self.read_retries, 0)
+        for key, value in (("data.read_connect_timeout_s", self.read_connect_timeout_s),
+                           ("data.read_timeout_s", self.read_timeout_s)):
+            if not 0 < value <= 3600:
+                raise ConfigError(f"{key}: expected seconds in (0, 3600], got {shown(value)}")
+        if not 0.0 < self.mask_prob < 1.0:
+            raise ConfigError(f"data.mask_prob: expected a value in (0, 1), got {self.mask_prob}")
+
 
 BUNDLED_VOCAB_SIZE = 8000
 
@@ -116,6 +148,14 @@ class ModelConfig:
     def built_models(self) -> tuple[str, ...]:
         return ("generator",) if self.objective == "mlm" else ("generator", "discriminator")
 
+    def validate(self) -> None:
+        for name in ("generator", "discriminator"):
+            try:
+                getattr(self, name).validate(allow_auto_vocab=True)
+            except ValueError as err:
+                # EncoderConfig names its fields "model.<field>"; qualify them with the model.
+                raise ConfigError(str(err).replace("model.", f"model.{name}.", 1)) from None
+
 
 @dataclass
 class ElectraConfig:
@@ -130,6 +170,18 @@ class ElectraConfig:
     def temperature_schedule(self, max_steps: int) -> SamplingTemperature:
         return SamplingTemperature(self.sampling_temperature, self.sampling_temperature_end,
                                    self.sampling_anneal_steps or max_steps)
+
+    def validate(self) -> None:
+        check_below_limit("electra.sampling_anneal_steps", self.sampling_anneal_steps)
+        if self.loss_weight <= 0:
+            raise ConfigError(f"electra.loss_weight: expected > 0, got {self.loss_weight}")
+        for key in ("sampling_temperature", "sampling_temperature_end"):
+            value = getattr(self, key)
+            if value is not None and not value > 0:
+                raise ConfigError(f"electra.{key}: expected > 0, got {value}")
+        if self.sampling_anneal_steps < 0:
+            raise ConfigError(f"electra.sampling_anneal_steps: expected >= 0 (0 = train.max_steps), "
+                              f"got {self.sampling_anneal_steps}")
 
 
 @dataclass
@@ -159,6 +211,13 @@ class OptimConfig:
     # weighted = ∇(L_MLM + λ·L_RTD), as original ELECTRA clips; unweighted = ∇(L_MLM/λ + L_RTD), the
     # scale DecoupledOptim clips the discriminator at (README: "λ, clipping and DecoupledOptim").
     joint_clip: Literal[JOINT_CLIPS] = "weighted"
+
+    def validate(self) -> None:
+        check_below_limit("optim.schedule.warmup_steps", self.schedule.warmup_steps)
+        for name in ("generator", "discriminator"):
+            opt: OptimizerConfig = getattr(self, name)
+            if opt.lr < 0 or opt.clip_norm < 0 or opt.eps <= 0:
+                raise ConfigError(f"optim.{name}: lr and clip_norm must be >= 0 and eps > 0")
 
 
 BUILTIN_TASKS = ("rt", "rt_score", "corpus_pairs")
@@ -223,6 +282,27 @@ class TrainConfig:
     eval_samples: int = 512  # how many validation samples (whole micro-batches) each evaluation scores
     compile: bool = False  # torch.compile each encoder (generator, discriminator) in place
 
+    def validate(self) -> None:
+        for key in ("max_steps", "global_batch_size", "micro_batch_size", "log_every", "max_bad_steps"):
+            check_count(f"train.{key}", getattr(self, key))
+        for key in ("save_every", "eval_every", "eval_samples", "probe_every"):
+            check_below_limit(f"train.{key}", getattr(self, key))
+        check_at_least("train.save_every", self.save_every, 0, " (0 = only the final checkpoint)")
+        check_seed("train.seed", self.seed)
+        if self.probe_every < 0:
+            raise ConfigError(f"train.probe_every: expected >= 0 (0 = off), got {self.probe_every}")
+        if self.probe_every:
+            self.probe_task.validate("train.probe_task")
+            if self.probe_task.num_labels < 2:
+                raise ConfigError("train.probe_task.num_labels: the probe needs a classification task (>= 2)")
+            for key in ("probe_fit_examples", "probe_eval_examples", "probe_max_seq_len"):
+                if getattr(self, key) < (3 if key == "probe_max_seq_len" else 1):
+                    raise ConfigError(f"train.{key}: expected a positive integer, got {getattr(self, key)}")
+                check_count(f"train.{key}", getattr(self, key))
+        if self.eval_every < 0 or self.eval_samples < 1:
+            raise ConfigError(f"train.eval_every={self.eval_every}, train.eval_samples={self.eval_samples}: "
+                              f"expected >= 0 and >= 1")
+
 
 @dataclass
 class BackendConfig:
@@ -234,6 +314,14 @@ class BackendConfig:
     pipeline_stages: int = 1  # DeepSpeed pipeline stages (> 1 needs backend.name=deepspeed)
     dist_backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on CUDA, gloo otherwise
     deepspeed_config: str = ""  # JSON merged into megakd's DeepSpeed config ("auto" = megakd's value)
+
+    def validate(self) -> None:
+        """The pretraining checks; `megakd finetune` runs on fewer backends and checks them itself."""
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"backend.zero_stage: expected 0, 1, 2 or 3, got {self.zero_stage}")
+        check_count("backend.pipeline_stages", self.pipeline_stages)
+        if self.deepspeed_config and self.name != "deepspeed":
+            raise ConfigError(f"backend.deepspeed_config needs backend.name=deepspeed, got {self.name!r}")
 
 
 @dataclass
@@ -255,6 +343,17 @@ class DistillConfig:
     alpha_step_at: float = 0.5  # step schedule: fraction of the run after which α_s = end
     init: Literal["random", "remap"] = "random"  # remap: student initialised from the teacher (docs/methods.md § DWT)
     remap_width: Literal["net2wider", "zero"] = "net2wider"  # how remap widens a narrower teacher
+
+    def validate(self) -> None:
+        if not self.temperature > 0:
+            raise ConfigError(f"distill.temperature: expected > 0, got {self.temperature}")
+        for key in ("alpha_hard", "alpha_soft_start", "alpha_soft_end"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"distill.{key}: expected >= 0, got {getattr(self, key)}")
+        if not 0.0 < self.alpha_step_at < 1.0:
+            raise ConfigError(f"distill.alpha_step_at: expected a fraction in (0, 1), got {self.alpha_step_at}")
+        if self.init == "remap" and not self.teacher:
+            raise ConfigError("distill.init=remap: needs distill.teacher (the model to remap from)")
 
 
 @dataclass
@@ -290,83 +389,14 @@ class Config:
     init: InitConfig = field(default_factory=InitConfig)
 
     def validate(self) -> Config:
+        """Each section's own checks, then those across sections.
+
+        A config with errors in several sections reports the first section's (in this order)."""
         check_literals(self)
-        self._validate_distill()
+        self.distill.validate()
         self._validate_init()
-        if self.data.vocab_size != "auto" and (isinstance(self.data.vocab_size, str) or self.data.vocab_size < 1):
-            raise ConfigError(f"data.vocab_size: expected a positive integer or auto, "
-                              f"got {shown(self.data.vocab_size)}")
-        if self.backend.zero_stage not in (0, 1, 2, 3):
-            raise ConfigError(f"backend.zero_stage: expected 0, 1, 2 or 3, got {self.backend.zero_stage}")
-        for key, value in (
-            ("train.max_steps", self.train.max_steps),
-            ("train.global_batch_size", self.train.global_batch_size),
-            ("train.micro_batch_size", self.train.micro_batch_size),
-            ("train.log_every", self.train.log_every),
-            ("train.max_bad_steps", self.train.max_bad_steps),
-            ("backend.pipeline_stages", self.backend.pipeline_stages),
-            ("data.shuffle_shards", self.data.shuffle_shards),
-            ("data.read_block", self.data.read_block),
-        ):
-            check_count(key, value)
-        if not 0.0 <= self.data.read_overfetch <= 1e6:
-            raise ConfigError(f"data.read_overfetch: expected a fraction >= 0 (extra bytes per byte needed), "
-                              f"got {shown(self.data.read_overfetch)}")
-        for key, value in (
-            ("train.save_every", self.train.save_every),
-            ("train.eval_every", self.train.eval_every),
-            ("train.eval_samples", self.train.eval_samples),
-            ("train.probe_every", self.train.probe_every),
-            ("data.num_workers", self.data.num_workers),
-            ("data.read_retries", self.data.read_retries),
-            ("optim.schedule.warmup_steps", self.optim.schedule.warmup_steps),
-            ("electra.sampling_anneal_steps", self.electra.sampling_anneal_steps),
-            ("run.keep_last", self.run.keep_last),
-        ):
-            if value >= COUNT_LIMIT:
-                raise ConfigError(f"{key}: expected an integer below 2**31, got {value}")
-        for key, value, least, meaning in (
-            ("data.read_retries", self.data.read_retries, 0, ""),
-            ("train.save_every", self.train.save_every, 0, " (0 = only the final checkpoint)"),
-            ("run.keep_last", self.run.keep_last, 0, " (0 = keep every checkpoint)"),
-        ):
-            if value < least:
-                raise ConfigError(f"{key}: expected an integer >= {least}{meaning}, got {value}")
-        for key, value in (("data.read_connect_timeout_s", self.data.read_connect_timeout_s),
-                           ("data.read_timeout_s", self.data.read_timeout_s)):
-            if not 0 < value <= 3600:
-                raise ConfigError(f"{key}: expected seconds in (0, 3600], got {shown(value)}")
-        check_seed("train.seed", self.train.seed)
-        if self.train.probe_every < 0:
-            raise ConfigError(f"train.probe_every: expected >= 0 (0 = off), got {self.train.probe_every}")
-        if self.train.probe_every:
-            self.train.probe_task.validate("train.probe_task")
-            if self.train.probe_task.num_labels < 2:
-                raise ConfigError("train.probe_task.num_labels: the probe needs a classification task (>= 2)")
-            for key in ("probe_fit_examples", "probe_eval_examples", "probe_max_seq_len"):
-                if getattr(self.train, key) < (3 if key == "probe_max_seq_len" else 1):
-                    raise ConfigError(f"train.{key}: expected a positive integer, got {getattr(self.train, key)}")
-                check_count(f"train.{key}", getattr(self.train, key))
-        if not 0.0 < self.data.mask_prob < 1.0:
-            raise ConfigError(f"data.mask_prob: expected a value in (0, 1), got {self.data.mask_prob}")
-        if self.electra.loss_weight <= 0:
-            raise ConfigError(f"electra.loss_weight: expected > 0, got {self.electra.loss_weight}")
-        for key in ("sampling_temperature", "sampling_temperature_end"):
-            value = getattr(self.electra, key)
-            if value is not None and not value > 0:
-                raise ConfigError(f"electra.{key}: expected > 0, got {value}")
-        if self.electra.sampling_anneal_steps < 0:
-            raise ConfigError(f"electra.sampling_anneal_steps: expected >= 0 (0 = train.max_steps), "
-                              f"got {self.electra.sampling_anneal_steps}")
-        for name in ("generator", "discriminator"):
-            opt: OptimizerConfig = getattr(self.optim, name)
-            if opt.lr < 0 or opt.clip_norm < 0 or opt.eps <= 0:
-                raise ConfigError(f"optim.{name}: lr and clip_norm must be >= 0 and eps > 0")
-            try:
-                getattr(self.model, name).validate(allow_auto_vocab=True)
-            except ValueError as err:
-                # EncoderConfig names its fields "model.<field>"; qualify them with the model.
-                raise ConfigError(str(err).replace("model.", f"model.{name}.", 1)) from None
+        for section in (self.data, self.backend, self.train, self.optim, self.electra, self.run, self.model):
+            section.validate()
         if self.model.objective == "electra" and not self.electra.decoupled:
             gen, disc = self.model.generator, self.model.discriminator
             if gen.embed_dim != disc.embed_dim:
@@ -374,14 +404,8 @@ class Config:
                     "model.generator.embedding_size: shared embeddings (electra.decoupled=false) need the "
                     "generator and discriminator to have the same embedding size"
                 )
-        if self.train.eval_every < 0 or self.train.eval_samples < 1:
-            raise ConfigError(f"train.eval_every={self.train.eval_every}, "
-                              f"train.eval_samples={self.train.eval_samples}: "
-                              f"expected >= 0 and >= 1")
         if self.train.eval_every and self.backend.pipeline_stages > 1:
             raise ConfigError("train.eval_every: validation is not supported with backend.pipeline_stages > 1 yet")
-        if self.backend.deepspeed_config and self.backend.name != "deepspeed":
-            raise ConfigError(f"backend.deepspeed_config needs backend.name=deepspeed, got {self.backend.name!r}")
         if self.backend.pipeline_stages > 1:
             self._validate_pipeline()
         return self
@@ -408,18 +432,6 @@ class Config:
             where += f" + model.discriminator.num_layers={self.model.discriminator.num_layers}"
         if self.backend.pipeline_stages > layers:
             raise ConfigError(f"{p} exceeds the {layers} encoder layers to split ({where})")
-
-    def _validate_distill(self) -> None:
-        d = self.distill
-        if not d.temperature > 0:
-            raise ConfigError(f"distill.temperature: expected > 0, got {d.temperature}")
-        for key in ("alpha_hard", "alpha_soft_start", "alpha_soft_end"):
-            if getattr(d, key) < 0:
-                raise ConfigError(f"distill.{key}: expected >= 0, got {getattr(d, key)}")
-        if not 0.0 < d.alpha_step_at < 1.0:
-            raise ConfigError(f"distill.alpha_step_at: expected a fraction in (0, 1), got {d.alpha_step_at}")
-        if d.init == "remap" and not d.teacher:
-            raise ConfigError("distill.init=remap: needs distill.teacher (the model to remap from)")
 
     def _validate_init(self) -> None:
         if self.init.discriminator and self.model.objective == "mlm":

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from megakd.config import COUNT_LIMIT, BackendConfig, KernelsConfig, TaskConfig, check_count, check_seed
+from megakd.config import BackendConfig, KernelsConfig, TaskConfig, check_below_limit, check_count, check_seed
 from megakd.configio import ConfigError, check_literals, shown
 from megakd.models.encoder import EncoderConfig
 from megakd.objectives.labelreg import TARGETS
@@ -29,6 +29,13 @@ class FinetuneRunConfig:
     wandb_mode: Literal["offline", "online"] = "offline"  # offline keeps the run on disk; WANDB_MODE wins
     save_every: int = 0  # also checkpoint every N optimizer steps (0 = at the end of every epoch only)
     keep_last: int = 2  # checkpoints kept per seed while it trains (removed once the seed is finished)
+
+    def validate(self) -> None:
+        check_below_limit("run.save_every", self.save_every)
+        check_below_limit("run.keep_last", self.keep_last)
+        if self.save_every < 0 or self.keep_last < 1:
+            raise ConfigError(f"run.save_every={self.save_every}, run.keep_last={self.keep_last}: expected "
+                              ">= 0 and >= 1")
 
 
 @dataclass
@@ -49,6 +56,17 @@ class ModelInitConfig:
     # The architecture with init=random and no path
     encoder: EncoderConfig = field(default_factory=lambda: EncoderConfig(num_layers=2, hidden_size=64, num_heads=2,
                                                                           intermediate_size=256))
+
+    def validate(self) -> None:
+        """What a random init without a path builds from; whether a path is required depends on where
+        this section sits (`model`, `soteacher.student`), so the tree checks that."""
+        if self.init == "random" and not self.path:
+            if not self.tokenizer:
+                raise ConfigError("model.tokenizer: required with init=random and no model path")
+            try:
+                self.encoder.validate()
+            except ValueError as err:
+                raise ConfigError(str(err).replace("model.", "model.encoder.", 1)) from None
 
 
 AUTO_LR_ANCHORS = ((128, 1e-3), (768, 1e-4))  # (hidden size, AdaMax peak rate); README: the sweep
@@ -99,6 +117,33 @@ class OptimConfig:
     precision: Literal["fp32", "bf16"] = "fp32"  # bf16 = torch.autocast on the device (CPU or CUDA)
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: the rank's GPU if there is one
 
+    def validate(self) -> None:
+        for key in ("epochs", "batch_size", "eval_batch_size", "max_seq_len", "log_every"):
+            check_count(f"finetune.{key}", getattr(self, key))
+        for i, seed in enumerate(self.seeds):
+            check_seed(f"finetune.seeds[{i}]", seed)
+        if self.max_seq_len < 3:
+            raise ConfigError(f"finetune.max_seq_len: expected >= 3 ([CLS] x [SEP]), got {self.max_seq_len}")
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
+            raise ConfigError(f"finetune.seeds: expected distinct seeds (a non-empty list), got {self.seeds}")
+        if not 0.0 <= self.warmup_frac < 1.0:
+            raise ConfigError(f"finetune.warmup_frac: expected a value in [0, 1), got {self.warmup_frac}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"finetune.dropout: expected a probability in [0, 1), got {self.dropout}")
+        if isinstance(self.lr, str) and self.lr != "auto":
+            raise ConfigError(f"finetune.lr: expected a number, a list of numbers or auto, got {shown(self.lr)}")
+        rates = self.lr if isinstance(self.lr, list) else [] if isinstance(self.lr, str) else [self.lr]
+        if isinstance(self.lr, list) and (not rates or len(set(rates)) != len(rates)):
+            raise ConfigError(f"finetune.lr: expected a non-empty list of distinct rates, got {self.lr}")
+        if any(r <= 0 for r in rates):
+            raise ConfigError(f"finetune.lr: expected rates > 0, got {self.lr}")
+        if not 0.0 < self.lr_select_frac < 1.0:
+            raise ConfigError(f"finetune.lr_select_frac: expected a fraction in (0, 1), got {self.lr_select_frac}")
+        if not 0.0 < self.layer_lr_decay <= 1.0:
+            raise ConfigError(f"finetune.layer_lr_decay: expected a factor in (0, 1], got {self.layer_lr_decay}")
+        if self.clip_norm < 0 or self.eps <= 0:
+            raise ConfigError("finetune.clip_norm must be >= 0 and finetune.eps > 0")
+
 
 @dataclass
 class LabelregConfig:
@@ -111,6 +156,23 @@ class LabelregConfig:
     akd_phase1_epochs: int = 0  # akd: epochs of phase I (logit regression, T from τ_max to 1); the rest is CE
     tau_squared: bool = False  # scale the KD term by τ²
     teacher: str = ""  # kd / selfkd: a fine-tuned classifier directory (selfkd: a same-architecture copy)
+
+    def validate(self, epochs: int) -> None:
+        """`epochs` (finetune.epochs) bounds akd's phase I."""
+        check_below_limit("labelreg.akd_phase1_epochs", self.akd_phase1_epochs)
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ConfigError(f"labelreg.alpha: expected a value in [0, 1], got {self.alpha}")
+        if not 0.0 < self.a <= 1.0:
+            raise ConfigError(f"labelreg.a: expected a value in (0, 1], got {self.a}")
+        if self.temperature <= 0:
+            raise ConfigError(f"labelreg.temperature: expected > 0, got {self.temperature}")
+        if self.target == "akd" and not (1 <= self.akd_phase1_epochs <= epochs and self.temperature >= 1):
+            raise ConfigError(f"labelreg.akd_phase1_epochs and labelreg.temperature: akd needs 1 <= phase-I epochs "
+                              f"<= finetune.epochs={epochs} and τ_max >= 1, got {self.akd_phase1_epochs} and "
+                              f"{self.temperature}")
+        if self.target in ("kd", "selfkd", "akd") and not self.teacher:
+            raise ConfigError(f"labelreg.teacher: required with labelreg.target={self.target} "
+                              "(a fine-tuned classifier directory)")
 
 
 @dataclass
@@ -126,6 +188,12 @@ class SoTeacherConfig:
     student_alpha: float = 0.5  # RepDistiller: α·CE + (1−α)·τ²·KL, α = 0.5, τ = 4
     student_temperature: float = 4.0  # τ of the student's KD term
     distill_student: bool = True  # false: train the teacher only
+
+    def validate(self) -> None:
+        if self.lambda_lr < 0 or self.lambda_cr < 0:
+            raise ConfigError("soteacher.lambda_lr and soteacher.lambda_cr: expected >= 0")
+        if self.enabled and self.distill_student and self.student.init == "pretrained" and not self.student.path:
+            raise ConfigError("soteacher.student.path: required with soteacher.student.init=pretrained")
 
 
 @dataclass
@@ -146,6 +214,15 @@ class TGTConfig:
     steps: int = 1  # gradient mode: ascent steps
     sampling_temperature: float = 1.0  # random mode
 
+    def validate(self) -> None:
+        check_below_limit("tgt.steps", self.steps)
+        if self.enabled and not (self.generator and self.labeler):
+            raise ConfigError("tgt.generator and tgt.labeler: both are required with tgt.enabled=true")
+        if not 0.0 < self.mask_prob < 1.0:
+            raise ConfigError(f"tgt.mask_prob: expected a value in (0, 1), got {self.mask_prob}")
+        if self.noise_std < 0 or self.steps < 1 or self.step_size < 0:
+            raise ConfigError("tgt.noise_std and tgt.step_size: expected >= 0; tgt.steps: expected >= 1")
+
 
 @dataclass
 class FinetuneConfig:
@@ -164,80 +241,26 @@ class FinetuneConfig:
         return self.task.metric or ("spearman" if self.task.num_labels == 1 else "accuracy")
 
     def validate(self) -> FinetuneConfig:
-        t, f, lr, g = self.task, self.finetune, self.labelreg, self.tgt
+        """Each section's own checks, then those across sections.
+
+        A config with errors in several sections reports the first section's (in this order)."""
         check_literals(self)
-        t.validate("task")
+        self.task.validate("task")
         if self.model.init == "pretrained" and not self.model.path:
             raise ConfigError("model.path: required with model.init=pretrained (or set model.init=random)")
-        for key in ("epochs", "batch_size", "eval_batch_size", "max_seq_len", "log_every"):
-            check_count(f"finetune.{key}", getattr(f, key))
-        for key, value in (("run.save_every", self.run.save_every), ("run.keep_last", self.run.keep_last),
-                           ("labelreg.akd_phase1_epochs", lr.akd_phase1_epochs), ("tgt.steps", g.steps)):
-            if value >= COUNT_LIMIT:
-                raise ConfigError(f"{key}: expected an integer below 2**31, got {value}")
-        for i, seed in enumerate(f.seeds):
-            check_seed(f"finetune.seeds[{i}]", seed)
-        if f.max_seq_len < 3:
-            raise ConfigError(f"finetune.max_seq_len: expected >= 3 ([CLS] x [SEP]), got {f.max_seq_len}")
-        if self.run.save_every < 0 or self.run.keep_last < 1:
-            raise ConfigError(f"run.save_every={self.run.save_every}, run.keep_last={self.run.keep_last}: expected "
-                              ">= 0 and >= 1")
+        self.finetune.validate()
+        self.run.validate()
         self._validate_backend()
-        if not f.seeds or len(set(f.seeds)) != len(f.seeds):
-            raise ConfigError(f"finetune.seeds: expected distinct seeds (a non-empty list), got {f.seeds}")
-        if not 0.0 <= f.warmup_frac < 1.0:
-            raise ConfigError(f"finetune.warmup_frac: expected a value in [0, 1), got {f.warmup_frac}")
-        if not 0.0 <= f.dropout < 1.0:
-            raise ConfigError(f"finetune.dropout: expected a probability in [0, 1), got {f.dropout}")
-        if isinstance(f.lr, str) and f.lr != "auto":
-            raise ConfigError(f"finetune.lr: expected a number, a list of numbers or auto, got {shown(f.lr)}")
-        rates = f.lr if isinstance(f.lr, list) else [] if isinstance(f.lr, str) else [f.lr]
-        if isinstance(f.lr, list) and (not rates or len(set(rates)) != len(rates)):
-            raise ConfigError(f"finetune.lr: expected a non-empty list of distinct rates, got {f.lr}")
-        if any(r <= 0 for r in rates):
-            raise ConfigError(f"finetune.lr: expected rates > 0, got {f.lr}")
-        if not 0.0 < f.lr_select_frac < 1.0:
-            raise ConfigError(f"finetune.lr_select_frac: expected a fraction in (0, 1), got {f.lr_select_frac}")
-        if not 0.0 < f.layer_lr_decay <= 1.0:
-            raise ConfigError(f"finetune.layer_lr_decay: expected a factor in (0, 1], got {f.layer_lr_decay}")
-        if f.clip_norm < 0 or f.eps <= 0:
-            raise ConfigError("finetune.clip_norm must be >= 0 and finetune.eps > 0")
-        if not 0.0 <= lr.alpha <= 1.0:
-            raise ConfigError(f"labelreg.alpha: expected a value in [0, 1], got {lr.alpha}")
-        if not 0.0 < lr.a <= 1.0:
-            raise ConfigError(f"labelreg.a: expected a value in (0, 1], got {lr.a}")
-        if lr.temperature <= 0:
-            raise ConfigError(f"labelreg.temperature: expected > 0, got {lr.temperature}")
-        if lr.target == "akd" and not (1 <= lr.akd_phase1_epochs <= f.epochs and lr.temperature >= 1):
-            raise ConfigError(f"labelreg.akd_phase1_epochs and labelreg.temperature: akd needs 1 <= phase-I epochs "
-                              f"<= finetune.epochs={f.epochs} and τ_max >= 1, got {lr.akd_phase1_epochs} and "
-                              f"{lr.temperature}")
-        if lr.target in ("kd", "selfkd", "akd") and not lr.teacher:
-            raise ConfigError(f"labelreg.teacher: required with labelreg.target={lr.target} "
-                              "(a fine-tuned classifier directory)")
-        if t.num_labels == 1 and (lr.target != "onehot" or self.soteacher.enabled or self.tgt.enabled):
+        self.labelreg.validate(self.finetune.epochs)
+        if self.task.num_labels == 1 and (self.labelreg.target != "onehot" or self.soteacher.enabled
+                                          or self.tgt.enabled):
             raise ConfigError("task.num_labels=1 (regression): labelreg, soteacher and tgt need a classification task")
-        s = self.soteacher
-        if s.lambda_lr < 0 or s.lambda_cr < 0:
-            raise ConfigError("soteacher.lambda_lr and soteacher.lambda_cr: expected >= 0")
-        if s.enabled and s.distill_student and s.student.init == "pretrained" and not s.student.path:
-            raise ConfigError("soteacher.student.path: required with soteacher.student.init=pretrained")
-        if g.enabled and not (g.generator and g.labeler):
-            raise ConfigError("tgt.generator and tgt.labeler: both are required with tgt.enabled=true")
-        if not 0.0 < g.mask_prob < 1.0:
-            raise ConfigError(f"tgt.mask_prob: expected a value in (0, 1), got {g.mask_prob}")
-        if g.noise_std < 0 or g.steps < 1 or g.step_size < 0:
-            raise ConfigError("tgt.noise_std and tgt.step_size: expected >= 0; tgt.steps: expected >= 1")
-        if g.enabled and s.enabled:
+        self.soteacher.validate()
+        self.tgt.validate()
+        if self.tgt.enabled and self.soteacher.enabled:
             raise ConfigError("tgt.enabled and soteacher.enabled: choose one method per run")
-        for init in (self.model, s.student):
-            if init.init == "random" and not init.path:
-                if not init.tokenizer:
-                    raise ConfigError("model.tokenizer: required with init=random and no model path")
-                try:
-                    init.encoder.validate()
-                except ValueError as err:
-                    raise ConfigError(str(err).replace("model.", "model.encoder.", 1)) from None
+        self.model.validate()
+        self.soteacher.student.validate()
         return self
 
     def _validate_backend(self) -> None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import functools
 import gc
 import hashlib
@@ -720,12 +721,33 @@ class SampleReader:
         return epoch, int(self.first_index[shard] + j), samples[j]
 
 
-class _RankDataset(IterableDataset):
-    """Worker ``k`` builds micro-batches ``first + k``, ``first + k + K``, ...; one item per batch number.
+@dataclass(frozen=True)
+class ReadBatch:
+    """What a reader hands the loader for one micro-batch number, across the DataLoader worker boundary.
 
-    A micro-batch whose samples all sit in skipped bad shards comes out as an ``_empty`` marker
-    (never handed to training), so the round-robin order of batch numbers stays intact.
+    ``tensors`` is None for a batch whose samples all sit in skipped bad shards (it keeps the
+    round-robin order of batch numbers, and training never sees it); ``bad`` the shards found bad
+    since the reader's previous record; ``io`` its storage counters' growth since then (retries,
+    bytes fetched, requests); ``error`` a :class:`UserError` that ended the reader, which the
+    loader raises as a one-line error (one raised in a worker arrives wrapped in a worker traceback).
     """
+
+    batch: int
+    tensors: dict[str, torch.Tensor] | None = None
+    bad: tuple[tuple[str, str], ...] = ()
+    io: tuple[int, int, int] = (0, 0, 0)
+    error: UserError | None = None
+
+    def pin_memory(self) -> ReadBatch:
+        """The record with its tensors pinned: DataLoader's ``pin_memory`` calls this on an object that
+        has it, and passes a dataclass through untouched otherwise."""
+        if self.tensors is None:
+            return self
+        return dataclasses.replace(self, tensors={k: v.pin_memory() for k, v in self.tensors.items()})
+
+
+class _RankDataset(IterableDataset):
+    """Worker ``k`` builds micro-batches ``first + k``, ``first + k + K``, ...; one :class:`ReadBatch` per batch number."""
 
     def __init__(self, plan: ReadPlan, first_batch: int) -> None:
         self.plan = plan
@@ -740,7 +762,7 @@ class _RankDataset(IterableDataset):
         for reader in self._readers:  # kept: one that goes on reading reads ahead again, and is closed again
             reader.close(timeout)
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
+    def __iter__(self) -> Iterator[ReadBatch]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         p = self.plan
@@ -753,26 +775,22 @@ class _RankDataset(IterableDataset):
             while True:
                 reader.at_batch = batch_number
                 found = [x for x in map(reader.sample, p.batch_positions(batch_number)) if x is not None]
+                tensors = None
                 if found:
                     epochs, indices, samples = (list(column) for column in zip(*found))
-                    batch = collate(samples, epochs, indices, pad_id=p.pad_id, mask_id=p.mask_id,
-                                    special_ids=p.special_ids, seed=p.seed, mask_prob=p.mask_prob,
-                                    segment_start_id=p.segment_start_id)
-                else:
-                    if len(reader.known_bad) == len(p.files):
-                        raise ShardError(f"shards {p.store}: every shard is bad; nothing left to read")
-                    batch = {"_empty": True}
-                batch["_batch"], batch["_bad"] = batch_number, tuple(bad)
+                    tensors = collate(samples, epochs, indices, pad_id=p.pad_id, mask_id=p.mask_id,
+                                      special_ids=p.special_ids, seed=p.seed, mask_prob=p.mask_prob,
+                                      segment_start_id=p.segment_start_id)
+                elif len(reader.known_bad) == len(p.files):
+                    raise ShardError(f"shards {p.store}: every shard is bad; nothing left to read")
                 now = p.store.retried, p.store.fetched, p.store.requested
-                batch["_io"] = tuple(b - a for a, b in zip(counted, now))
+                record = ReadBatch(batch_number, tensors, tuple(bad), tuple(b - a for a, b in zip(counted, now)))
                 counted = now
                 bad.clear()
-                yield batch
+                yield record
                 batch_number += workers
         except UserError as e:
-            # Hand the error to the main process, which raises it as a one-line error (an
-            # exception raised in a DataLoader worker arrives wrapped in a worker traceback).
-            yield {"_error": e}
+            yield ReadBatch(batch_number, error=e)
         finally:
             # Ended (a worker told to stop, an in-process iterator dropped): give the read-ahead up now,
             # and with it the cache locks of its fetches, which the rank's other workers may be waiting for.
@@ -809,18 +827,25 @@ def _init_worker(_worker_id: int) -> None:
     gc.freeze()
 
 
-@atexit.register
 def _kill_leftover_workers() -> None:
     """At exit, SIGKILL daemonic children (DataLoader workers) that are still alive.
 
     multiprocessing's own exit handler stops them with SIGTERM, which our workers ignore, and then
     waits forever. That happens whenever a loader iterator is still open at exit (a caller keeps a
-    reference to it). atexit runs handlers last-registered-first, and this module registers after
-    multiprocessing, so this runs before that wait.
+    reference to it). atexit runs handlers last-registered-first, so this must be registered after
+    multiprocessing's handler: :func:`_kill_leftover_workers_at_exit` does that.
     """
     for child in multiprocessing.active_children():
         if child.daemon:
             child.kill()
+
+
+@functools.cache
+def _kill_leftover_workers_at_exit() -> None:
+    """Register :func:`_kill_leftover_workers` at exit, once, when a loader's first DataLoader workers
+    have started: multiprocessing registered its exit handler before it started them, so this one
+    runs first. Importing this module registers nothing."""
+    atexit.register(_kill_leftover_workers)
 
 
 WAIT_POLL_S = 1.0  # how often a loader with workers asks `stop_waiting` while it waits for a batch
@@ -973,26 +998,27 @@ class PretrainingLoader:
         self._clear_shared_reads()  # a crashed run's, or this loader's last pass's
         with _stop_signals_blocked():  # workers start here, with the stop signals held back
             batches = iter(loader)
+        if self.num_workers:
+            _kill_leftover_workers_at_exit()
         try:
-            while (batch := self._next(batches)) is not None:
-                if "_error" in batch:
-                    raise batch["_error"]
-                self._next_batch = batch.pop("_batch") + 1
-                retries, fetched, requests = batch.pop("_io")
+            while (record := self._next(batches)) is not None:
+                if record.error is not None:
+                    raise record.error
+                self._next_batch = record.batch + 1
+                retries, fetched, requests = record.io
                 self.read_retries += retries
                 self.read_bytes += fetched
                 self.read_requests += requests
-                for name, reason in batch.pop("_bad"):
+                for name, reason in record.bad:
                     self.bad_shards.setdefault(name, reason)
-                if batch.pop("_empty", False):
-                    continue
-                yield batch
+                if record.tensors is not None:
+                    yield record.tensors
         finally:
             dataset.close()  # closed, dropped or raising: the group read ahead is no one's now
             del batches  # DataLoader's workers stop here (not whenever the collector gets to them)
             self._clear_shared_reads()
 
-    def _next(self, batches) -> dict | None:
+    def _next(self, batches) -> ReadBatch | None:
         """The next batch (None at the end); while workers have none ready, ``stop_waiting`` is asked
         every WAIT_POLL_S (DataLoader's own timeout, which leaves its iterator as it was)."""
         while True:

@@ -1,8 +1,14 @@
+import contextlib
 import gc
 import itertools
 import json
 import multiprocessing
 import os
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
 import weakref
 from pathlib import Path
 
@@ -11,7 +17,8 @@ import pytest
 import torch
 
 from megakd.data.shards import read_manifest
-from megakd.data.stream import PretrainingLoader, _init_worker
+from megakd.data.stream import PretrainingLoader, ReadBatch, _init_worker
+from megakd.errors import UserError
 
 from .test_shards import all_samples
 
@@ -253,3 +260,52 @@ def test_a_worker_never_finalizes_what_it_inherited(tmp_path):
         gc.enable()
         gc.collect()
     assert finalized == {False: True, True: False}
+
+
+def test_a_read_batch_crosses_the_worker_boundary_and_pins_its_tensors(monkeypatch):
+    """What a worker sends is a plain picklable record; DataLoader's pin_memory passes a dataclass through
+    untouched unless it has a `pin_memory` method, which pins the record's tensors (here a stand-in for
+    Tensor.pin_memory, which needs an accelerator)."""
+    from torch.utils.data._utils.pin_memory import pin_memory
+
+    record = ReadBatch(3, {"input_ids": torch.arange(4)}, (("shard-000001.tar", "missing"),), (1, 2, 3))
+    back = pickle.loads(pickle.dumps(record))
+    assert (back.batch, back.bad, back.io, back.error) == (3, record.bad, (1, 2, 3), None)
+    assert torch.equal(back.tensors["input_ids"], record.tensors["input_ids"])
+    assert str(pickle.loads(pickle.dumps(ReadBatch(4, error=UserError("shard x: bad")))).error) == "shard x: bad"
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *args: self + 100)
+    pinned = pin_memory(record)
+    assert isinstance(pinned, ReadBatch) and pinned.batch == 3 and pinned.io == (1, 2, 3)
+    assert pinned.tensors["input_ids"].tolist() == [100, 101, 102, 103]
+    empty = ReadBatch(5)
+    assert pin_memory(empty) is empty
+
+
+EXIT_WITH_OPEN_ITERATORS = """
+import atexit, sys
+ours = []
+register = atexit.register
+atexit.register = lambda f, *a, **k: (ours.append(f) if (f.__module__ or "").startswith("megakd") else None,
+                                      register(f, *a, **k))[1]
+from megakd.data.stream import PretrainingLoader
+from megakd.data.tokenizer import Tokenizer
+assert not ours, ours
+loader = PretrainingLoader(sys.argv[1], Tokenizer.load(sys.argv[2]), micro_batch_size=4, num_workers=2)
+kept = [iter(loader) for _ in range(2)]  # open at exit: their workers ignore SIGTERM
+for batches in kept:
+    next(batches)
+assert len(ours) == 1, ours
+"""
+
+
+def test_import_registers_nothing_and_open_worker_iterators_do_not_block_exit(small_shards, tokenizer):
+    """The exit handler that kills leftover workers is registered by the first loader whose workers
+    start (once), not by importing the module; a process that exits with worker iterators open ends."""
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(EXIT_WITH_OPEN_ITERATORS), str(small_shards),
+                              str(tokenizer.path)], stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, err = child.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGKILL)  # a hung exit leaves its workers behind too
+    assert child.returncode == 0, err[-3000:]

@@ -24,12 +24,13 @@ from pathlib import Path
 
 import numpy as np
 
+from megakd.data.masking import Masking
 from megakd.data.shards import INDEX_DTYPE
 from megakd.data.storage import ShardStore
 from megakd.data.stream import ReadPlan, SampleReader, coalesce
 
 
-def synthetic_plan(args: argparse.Namespace, rank: int, world: int, workers: int) -> ReadPlan:
+def synthetic_plan(args: argparse.Namespace, rank: int, world: int) -> ReadPlan:
     counts = [args.samples_per_shard] * (args.samples // args.samples_per_shard)
     if rest := args.samples % args.samples_per_shard:
         counts.append(rest)
@@ -37,11 +38,10 @@ def synthetic_plan(args: argparse.Namespace, rank: int, world: int, workers: int
     entries = tuple({"file": f"shard-{i:06d}.tar", "samples": c, "first_index": f}
                     for i, (c, f) in enumerate(zip(counts, firsts)))
     return ReadPlan(
-        store=ShardStore("unused"), indexed=True, files=tuple(e["file"] for e in entries), counts=tuple(counts),
-        entries=entries, dtype="uint16", total=sum(counts), seed=0, rank=rank, num_workers=workers,
-        world_size=world, micro_batch_size=args.micro_batch, mask_prob=0.15, pad_id=0, mask_id=0, special_ids=(),
-        segment_start_id=None, shuffle_shards=args.shuffle_shards, skip_bad_shards=False, known_bad=frozenset(),
-        vocab_size=1, seq_len=1, verify=True, overfetch=args.overfetch, read_block=args.read_block, index_cache=None,
+        store=ShardStore("unused"), indexed=True, entries=entries, dtype="uint16", total=sum(counts), seed=0,
+        rank=rank, world_size=world, micro_batch_size=args.micro_batch, masking=Masking(0, 0, (), 0.15),
+        shuffle_shards=args.shuffle_shards, skip_bad_shards=False, known_bad=frozenset(), vocab_size=1, seq_len=1,
+        verify=True, overfetch=args.overfetch, read_block=args.read_block, index_cache=None,
     )
 
 
@@ -73,7 +73,7 @@ def simulate(args: argparse.Namespace) -> list[dict]:
             ranks = range(min(world, args.gpus_per_node))
             data, node_shards, uncached = [], set(), 0
             for r in ranks:
-                plan = synthetic_plan(args, r, world, workers)
+                plan = synthetic_plan(args, r, world)
                 rank_data = 0
                 for k in range(readers):
                     got, touched = reader_fetch(plan, k, readers, args.member_bytes)
@@ -81,7 +81,7 @@ def simulate(args: argparse.Namespace) -> list[dict]:
                     node_shards |= touched
                     uncached += sum(plan.counts[s] for s in touched) * INDEX_DTYPE.itemsize
                 data.append(rank_data)
-            index = sum(synthetic_plan(args, 0, world, workers).counts[s] for s in node_shards) * INDEX_DTYPE.itemsize
+            index = sum(synthetic_plan(args, 0, world).counts[s] for s in node_shards) * INDEX_DTYPE.itemsize
             per_rank = [d + index / len(ranks) for d in data]
             share = corpus / world
             rows.append({"world": world, "workers": workers, "share": share, "rank_max": max(per_rank),

@@ -11,6 +11,7 @@ are replaced by [MASK] only (no 80/10/10 split; docs/methods.md § ELECTRA objec
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -101,3 +102,21 @@ def collate(
         "epoch": torch.from_numpy(ep),
         **extra,
     }
+
+
+@dataclass(frozen=True)
+class Masking:
+    """The arguments of :func:`collate` that a data set and its tokenizer fix (all but the seed, which
+    also orders the samples): what a reader needs to turn samples into a batch."""
+
+    pad_id: int
+    mask_id: int
+    special_ids: tuple[int, ...]
+    mask_prob: float
+    segment_start_id: int | None = None  # [CLS] for packed shards (see megakd.data.shards), else None
+
+    def collate(self, samples: Sequence[np.ndarray], epochs: Sequence[int], indices: Sequence[int],
+                seed: int) -> dict[str, torch.Tensor]:
+        return collate(samples, epochs, indices, pad_id=self.pad_id, mask_id=self.mask_id,
+                       special_ids=self.special_ids, seed=seed, mask_prob=self.mask_prob,
+                       segment_start_id=self.segment_start_id)

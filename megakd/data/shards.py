@@ -291,6 +291,33 @@ class _ShardWriter:
         self.pending = []
 
 
+def _tokenize_into(writer: _ShardWriter, batches: Iterator[list[str]], tokenizer: Tokenizer, seq_len: int,
+                   min_tokens: int, dtype: str, num_workers: int) -> dict[str, int]:
+    """Tokenize and chunk each batch of documents (in ``num_workers`` processes when more than one), add
+    the pieces to ``writer`` in batch order, and return the documents' and dropped chunks' counts."""
+    stats = {"documents": 0, "empty_documents": 0, "dropped_chunks": 0, "dropped_tokens": 0}
+
+    def consume(result: dict) -> None:
+        for k, v in result["stats"].items():
+            stats[k] += v
+        writer.add(result["flat"], result["lengths"])
+
+    if num_workers == 1:
+        for docs in batches:
+            consume(_pack_batch(docs, seq_len, min_tokens, dtype, tokenizer))
+        return stats
+    with ProcessPoolExecutor(num_workers, initializer=_init_worker, initargs=(str(tokenizer.path),)) as pool:
+        # Bounded in-flight queue: Executor.map would read the whole corpus ahead.
+        inflight: deque[Future] = deque()
+        for docs in batches:
+            inflight.append(pool.submit(_pack_batch, docs, seq_len, min_tokens, dtype))
+            if len(inflight) >= 2 * num_workers:
+                consume(inflight.popleft().result())
+        while inflight:
+            consume(inflight.popleft().result())
+    return stats
+
+
 def write_shards(
     inputs: list[str | Path],
     tokenizer: Tokenizer,
@@ -334,28 +361,8 @@ def write_shards(
     with atomic_output_dir(out) as tmp:
         writer = _ShardWriter(tmp, samples_per_shard, seq_len if pack else None, shuffle)
         doc_counts: dict[str, int] = {}
-        stats = {"documents": 0, "empty_documents": 0, "dropped_chunks": 0, "dropped_tokens": 0}
-
-        def consume(result: dict) -> None:
-            for k, v in result["stats"].items():
-                stats[k] += v
-            writer.add(result["flat"], result["lengths"])
-
         batches = _doc_batches(sources, text_field, doc_counts, keep)
-        if num_workers == 1:
-            for docs in batches:
-                consume(_pack_batch(docs, seq_len, min_tokens, dtype, tokenizer))
-        else:
-            with ProcessPoolExecutor(num_workers, initializer=_init_worker,
-                                     initargs=(str(tokenizer.path),)) as pool:
-                # Bounded in-flight queue: Executor.map would read the whole corpus ahead.
-                inflight: deque[Future] = deque()
-                for docs in batches:
-                    inflight.append(pool.submit(_pack_batch, docs, seq_len, min_tokens, dtype))
-                    if len(inflight) >= 2 * num_workers:
-                        consume(inflight.popleft().result())
-                while inflight:
-                    consume(inflight.popleft().result())
+        stats = _tokenize_into(writer, batches, tokenizer, seq_len, min_tokens, dtype, num_workers)
         writer.finish()
         if writer.next_index == 0:
             raise UserError(f"inputs {[str(s) for s in sources]}: produced no samples "

@@ -56,7 +56,8 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from webdataset.tariterators import base_plus_ext
 
-from megakd.data.masking import collate
+from megakd.config import DataConfig
+from megakd.data.masking import Masking
 from megakd.data.shards import INDEX_DTYPE, MANIFEST, member_digest, read_manifest, sample_key
 from megakd.data.storage import (
     ContentCache,
@@ -407,21 +408,14 @@ class ReadPlan:
 
     store: ShardStore
     indexed: bool  # manifest version 2: ranged reads of this reader's members only
-    files: tuple[str, ...]
-    counts: tuple[int, ...]
-    entries: tuple[dict, ...]
+    entries: tuple[dict, ...]  # the manifest's shard entries
     dtype: str
     total: int
-    seed: int
+    seed: int  # of the order and of the masks
     rank: int
-    num_workers: int
     world_size: int
     micro_batch_size: int
-    mask_prob: float
-    pad_id: int
-    mask_id: int
-    special_ids: tuple[int, ...]
-    segment_start_id: int | None  # [CLS] for packed shards (see megakd.data.shards), else None
+    masking: Masking
     shuffle_shards: int  # shards whose samples are interleaved (one seeded permutation per group)
     skip_bad_shards: bool
     known_bad: frozenset[str]
@@ -432,6 +426,14 @@ class ReadPlan:
     read_block: int  # consecutive samples of a shard kept together in the order (in_group_order)
     index_cache: str | None  # directory of a ContentCache for member indexes (None: fetch them each time)
     shared_reads: str | None = None  # directory of a ContentCache for the rank's workers' shared reads (SharedRead)
+
+    @functools.cached_property
+    def files(self) -> tuple[str, ...]:
+        return tuple(e["file"] for e in self.entries)
+
+    @functools.cached_property
+    def counts(self) -> tuple[int, ...]:
+        return tuple(e["samples"] for e in self.entries)
 
     def batch_positions(self, batch: int) -> range:
         """Global positions of this rank's micro-batch number ``batch``."""
@@ -747,7 +749,8 @@ class ReadBatch:
 
 
 class _RankDataset(IterableDataset):
-    """Worker ``k`` builds micro-batches ``first + k``, ``first + k + K``, ...; one :class:`ReadBatch` per batch number."""
+    """Worker ``k`` builds micro-batches ``first + k``, ``first + k + K``, ...: one :class:`ReadBatch` per
+    batch number."""
 
     def __init__(self, plan: ReadPlan, first_batch: int) -> None:
         self.plan = plan
@@ -778,9 +781,7 @@ class _RankDataset(IterableDataset):
                 tensors = None
                 if found:
                     epochs, indices, samples = (list(column) for column in zip(*found))
-                    tensors = collate(samples, epochs, indices, pad_id=p.pad_id, mask_id=p.mask_id,
-                                      special_ids=p.special_ids, seed=p.seed, mask_prob=p.mask_prob,
-                                      segment_start_id=p.segment_start_id)
+                    tensors = p.masking.collate(samples, epochs, indices, p.seed)
                 elif len(reader.known_bad) == len(p.files):
                     raise ShardError(f"shards {p.store}: every shard is bad; nothing left to read")
                 now = p.store.retried, p.store.fetched, p.store.requested
@@ -848,6 +849,35 @@ def _kill_leftover_workers_at_exit() -> None:
     atexit.register(_kill_leftover_workers)
 
 
+def _check_arguments(rank: int, world_size: int, micro_batch_size: int, num_workers: int, mask_prob: float,
+                     shuffle_shards: int, read_block: int) -> None:
+    """The loader arguments that callers pass directly (a command's flags, a tool's, a test's) as well as
+    from data.*; read_overfetch comes only from data.read_overfetch, which ``Config.validate`` checked."""
+    if not 0 <= rank < world_size:
+        raise UserError(f"rank={rank}, world_size={world_size}: expected 0 <= rank < world_size")
+    if micro_batch_size < 1 or num_workers < 0 or not 0.0 <= mask_prob <= 1.0 or shuffle_shards < 1 \
+            or read_block < 1:
+        raise UserError(f"micro_batch_size={micro_batch_size}, num_workers={num_workers}, "
+                         f"mask_prob={mask_prob}, shuffle_shards={shuffle_shards}, "
+                         f"read_block={read_block}: expected ≥ 1, ≥ 0, in [0, 1], ≥ 1, ≥ 1")
+
+
+def _bad_local_shards(store: ShardStore, manifest: dict, skip_bad_shards: bool) -> dict[str, str]:
+    """Local shards that are missing or of the wrong size, by file (:func:`shard_problem`): skipped
+    (logged) with ``skip_bad_shards``, else the first is a :class:`ShardError`. An object store is
+    asked nothing before the first read (one request per shard and rank would be a storm at scale):
+    a missing or resized object is named when it is read."""
+    bad: dict[str, str] = {}
+    for entry in [] if store.remote else manifest["shards"]:
+        problem = shard_problem(store, entry)
+        if problem and not skip_bad_shards:
+            raise ShardError(problem)
+        if problem:
+            logger.warning("skipping bad shard (skip_bad_shards=True): %s", problem)
+            bad[entry["file"]] = problem
+    return bad
+
+
 WAIT_POLL_S = 1.0  # how often a loader with workers asks `stop_waiting` while it waits for a batch
 
 
@@ -865,6 +895,10 @@ class PretrainingLoader:
     token ids below ``tokenizer.vocab_size``; ``verify=False`` (unindexed shards only) exists only
     for ``tools/bench_data.py``. ``index_cache``: a directory where member indexes are kept once
     fetched (:class:`ContentCache`; node-local disk shared by the node's ranks and workers).
+
+    A run's training stream comes from its ``data`` section (:meth:`from_config`); the keyword
+    arguments are for callers that choose their own (validation, Admin's profiling, ``megakd rtd``,
+    tools and tests).
     """
 
     def __init__(
@@ -893,31 +927,13 @@ class PretrainingLoader:
             raise UserError(f"{self.store.url(MANIFEST)}: shards were written with tokenizer vocab_hash "
                              f"{manifest['tokenizer']['vocab_hash']}, but tokenizer {tokenizer.path} has "
                              f"{tokenizer.vocab_hash}")
-        if not 0 <= rank < world_size:
-            raise UserError(f"rank={rank}, world_size={world_size}: expected 0 <= rank < world_size")
-        if micro_batch_size < 1 or num_workers < 0 or not 0.0 <= mask_prob <= 1.0 or shuffle_shards < 1 \
-                or not 0.0 <= read_overfetch <= 1e6 or read_block < 1:
-            raise UserError(f"micro_batch_size={micro_batch_size}, num_workers={num_workers}, "
-                             f"mask_prob={mask_prob}, shuffle_shards={shuffle_shards}, "
-                             f"read_overfetch={read_overfetch}, "
-                             f"read_block={read_block}: expected ≥ 1, ≥ 0, in [0, 1], ≥ 1, ≥ 0, ≥ 1")
+        _check_arguments(rank, world_size, micro_batch_size, num_workers, mask_prob, shuffle_shards, read_block)
         self.num_workers = num_workers
         self.pin_memory = pin_memory
-        total = manifest["num_samples"]
-        self.bad_shards: dict[str, str] = {}
+        self.bad_shards: dict[str, str] = _bad_local_shards(self.store, manifest, skip_bad_shards)
         self.read_retries = 0  # transient storage errors retried so far by this rank's readers
         self.read_bytes = 0  # bytes this rank's readers fetched from storage so far (shards and indexes)
         self.read_requests = 0  # reads they asked of it (an object store charges and waits for each)
-        # Local shards are all checked here; an object store is asked nothing more before the first
-        # read (one request per shard and rank would be a storm at scale): a missing or resized
-        # object is named when it is read.
-        for entry in [] if self.store.remote else manifest["shards"]:
-            problem = shard_problem(self.store, entry)
-            if problem and not skip_bad_shards:
-                raise ShardError(problem)
-            if problem:
-                logger.warning("skipping bad shard (skip_bad_shards=True): %s", problem)
-                self.bad_shards[entry["file"]] = problem
         self._fingerprint = hashlib.sha256(
             json.dumps([manifest["shards"], manifest["tokenizer"]], sort_keys=True).encode()).hexdigest()[:16]
         # The rank's workers read from an object store together (SharedRead), through node-local disk.
@@ -926,21 +942,15 @@ class PretrainingLoader:
         self.plan = ReadPlan(
             store=self.store,
             indexed=manifest["version"] >= 2,
-            files=tuple(e["file"] for e in manifest["shards"]),
-            counts=tuple(e["samples"] for e in manifest["shards"]),
             entries=tuple(manifest["shards"]),
             dtype=manifest["dtype"],
-            total=total,
+            total=manifest["num_samples"],
             seed=seed,
             rank=rank,
-            num_workers=num_workers,
             world_size=world_size,
             micro_batch_size=micro_batch_size,
-            mask_prob=mask_prob,
-            pad_id=tokenizer.pad_id,
-            mask_id=tokenizer.mask_id,
-            special_ids=tuple(sorted(tokenizer.special_ids)),
-            segment_start_id=tokenizer.cls_id if manifest.get("packed") else None,
+            masking=Masking(tokenizer.pad_id, tokenizer.mask_id, tuple(sorted(tokenizer.special_ids)), mask_prob,
+                            tokenizer.cls_id if manifest.get("packed") else None),
             skip_bad_shards=skip_bad_shards,
             known_bad=frozenset(self.bad_shards),
             vocab_size=tokenizer.vocab_size,
@@ -959,12 +969,23 @@ class PretrainingLoader:
                            read_block)
         self.seq_len: int = manifest["seq_len"]
         self.packed: bool = bool(manifest.get("packed", False))
-        self.num_samples: int = total
+        self.num_samples: int = manifest["num_samples"]
         self._next_batch = 0  # this rank's next micro-batch number (see the module docstring)
         # Asked every WAIT_POLL_S while DataLoader workers have no batch ready: true ends the wait
         # with StoppedWaitingForData (the training loop's stop flag; None: wait as long as it takes).
         self.stop_waiting: Callable[[], bool] | None = None
         self._datasets: weakref.WeakSet = weakref.WeakSet()  # those of the open iterators, for close()
+
+    @classmethod
+    def from_config(cls, data: DataConfig, shards: ShardStore, tokenizer: Tokenizer, *, micro_batch_size: int,
+                    seed: int, rank: int = 0, world_size: int = 1, index_cache: str | Path | None = None,
+                    pin_memory: bool = False) -> PretrainingLoader:
+        """The training stream a run's data section describes; the rest is the run's: its micro-batch
+        size, data-parallel rank and world size, train.seed, the node-local index cache."""
+        return cls(shards, tokenizer, micro_batch_size=micro_batch_size, rank=rank, world_size=world_size,
+                   num_workers=data.num_workers, seed=seed, mask_prob=data.mask_prob,
+                   skip_bad_shards=data.skip_bad_shards, pin_memory=pin_memory, shuffle_shards=data.shuffle_shards,
+                   read_overfetch=data.read_overfetch, read_block=data.read_block, index_cache=index_cache)
 
     @property
     def skipped_shards(self) -> int:
@@ -1054,7 +1075,7 @@ class PretrainingLoader:
             "version": STATE_VERSION,
             "data_fingerprint": self._fingerprint,
             "seed": p.seed,
-            "mask_prob": p.mask_prob,
+            "mask_prob": p.masking.mask_prob,
             "read_block": p.read_block,
             "rank": p.rank,
             "world_size": p.world_size,

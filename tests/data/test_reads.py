@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 
+from megakd.data.masking import Masking
 from megakd.data.shards import read_manifest, write_shards
 from megakd.data.storage import ContentCache
 from megakd.data.stream import PretrainingLoader, ReadPlan, coalesce, in_group_order
@@ -20,11 +21,10 @@ pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:User
 
 
 def plan(rank: int, world: int, micro_batch: int) -> ReadPlan:
-    return ReadPlan(store=None, indexed=True, files=(), counts=(), entries=(), dtype="uint16", total=1, seed=0,
-                    rank=rank, num_workers=0, world_size=world, micro_batch_size=micro_batch, mask_prob=0.15,
-                    pad_id=0, mask_id=0, special_ids=(), segment_start_id=None, shuffle_shards=1,
-                    skip_bad_shards=False, known_bad=frozenset(), vocab_size=1, seq_len=1, verify=True,
-                    overfetch=0.0, read_block=1, index_cache=None)
+    return ReadPlan(store=None, indexed=True, entries=(), dtype="uint16", total=1, seed=0, rank=rank,
+                    world_size=world, micro_batch_size=micro_batch, masking=Masking(0, 0, (), 0.15),
+                    shuffle_shards=1, skip_bad_shards=False, known_bad=frozenset(), vocab_size=1, seq_len=1,
+                    verify=True, overfetch=0.0, read_block=1, index_cache=None)
 
 
 @pytest.mark.parametrize(("rank", "world", "micro_batch", "every", "start"),

@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 import torch
 
+from megakd.config import DataConfig
 from megakd.data.shards import read_manifest
+from megakd.data.storage import ShardStore
 from megakd.data.stream import PretrainingLoader, ReadBatch, _init_worker
 from megakd.errors import UserError
 
@@ -221,6 +223,20 @@ def test_layout_change_off_the_grid_and_seed_change_are_refused(small_shards, to
     c = PretrainingLoader(small_shards, tokenizer, micro_batch_size=4, seed=1)
     with pytest.raises(ValueError, match="seed=0 does not match this loader's 1"):
         c.load_state_dict(a.state_dict())
+
+
+def test_a_loader_from_its_config_section_is_the_one_its_keywords_make(small_shards, tokenizer):
+    """`from_config` passes every loader setting of the data section; the run supplies the rest."""
+    data = DataConfig(num_workers=2, mask_prob=0.3, shuffle_shards=2, skip_bad_shards=True, read_block=2,
+                      read_overfetch=0.5)
+    a = PretrainingLoader.from_config(data, ShardStore(small_shards), tokenizer, micro_batch_size=4, seed=7, rank=1,
+                                      world_size=2, index_cache="/unused")
+    b = PretrainingLoader(small_shards, tokenizer, micro_batch_size=4, seed=7, rank=1, world_size=2, num_workers=2,
+                          mask_prob=0.3, shuffle_shards=2, skip_bad_shards=True, read_block=2, read_overfetch=0.5,
+                          index_cache="/unused")
+    assert {**vars(a.plan), "store": None} == {**vars(b.plan), "store": None}
+    assert a.state_dict() == b.state_dict()
+    assert_same_batches(take(a, 3), take(b, 3))
 
 
 class _Cycle:

@@ -136,13 +136,10 @@ def compile_encoders(models: list[MaskedLM | Discriminator | None]) -> None:
 def build_loader(cfg: Config, tokenizer: Tokenizer, shards_dir: ShardStore, micro_batch_size: int, rank: int,
                  world_size: int) -> PretrainingLoader:
     """The pretraining data stream as `cfg.data` describes it (training and `megakd bench` alike)."""
-    return PretrainingLoader(
-        shards_dir, tokenizer, micro_batch_size=micro_batch_size, rank=rank, world_size=world_size,
-        num_workers=cfg.data.num_workers, seed=cfg.train.seed, mask_prob=cfg.data.mask_prob,
-        skip_bad_shards=cfg.data.skip_bad_shards, pin_memory=torch.cuda.is_available(),
-        shuffle_shards=cfg.data.shuffle_shards, read_block=cfg.data.read_block,
-        read_overfetch=cfg.data.read_overfetch, index_cache=cache_root(cfg) / "shard-index",
-    )
+    return PretrainingLoader.from_config(cfg.data, shards_dir, tokenizer, micro_batch_size=micro_batch_size,
+                                         seed=cfg.train.seed, rank=rank, world_size=world_size,
+                                         index_cache=cache_root(cfg) / "shard-index",
+                                         pin_memory=torch.cuda.is_available())
 
 
 def build_trainer(cfg: Config, backend: TrainingBackend | None = None, resume: str | None = None) -> Trainer:

@@ -141,9 +141,9 @@ def cmd_finetune(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides, cls=FinetuneConfig)
     if args.print_config:  # without importing the engine, as for pretraining
-        from megakd.finish import resolve_backend_name
+        from megakd.finish import finish_backend
 
-        cfg.backend.name = resolve_backend_name(cfg.backend.name)
+        finish_backend(cfg.backend)
         print_config(cfg)
         return 0
     from megakd.finetune.jobs import job_for

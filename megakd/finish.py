@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 
-from megakd.config import BUNDLED_VOCAB_SIZE, Config, ConfigError
+from megakd.config import BUNDLED_VOCAB_SIZE, BackendConfig, Config, ConfigError
 from megakd.data.tokenizer import Tokenizer
 from megakd.models.encoder import EncoderConfig
 
@@ -31,7 +31,7 @@ def finish_config(cfg: Config, tokenizer: Tokenizer | None = None) -> Config:
     with id 0, without building any data.
     """
     resolve_vocab_sizes(cfg, *tokenizer_vocab(cfg, tokenizer))
-    cfg.backend.name = resolve_backend_name(cfg.backend.name)
+    finish_backend(cfg.backend)
     return cfg
 
 
@@ -95,8 +95,9 @@ def launched_world_size() -> int:
     return 1
 
 
-def resolve_backend_name(name: str) -> str:
-    """`backend.name` with `auto` made concrete: ddp when a launcher started several ranks, else single."""
-    if name != "auto":
-        return name
-    return "ddp" if launched_world_size() > 1 else "single"
+def finish_backend(backend: BackendConfig) -> str:
+    """`backend.name: auto` made concrete in place (ddp when a launcher started several ranks, else single),
+    for pretraining's and fine-tuning's `backend` sections alike; returns the name."""
+    if backend.name == "auto":
+        backend.name = "ddp" if launched_world_size() > 1 else "single"
+    return backend.name

@@ -6,8 +6,11 @@ backend implements one contract, `train_step(layout, micro_batches, step)`: one 
 over `accumulation_steps` micro-batches, returning the gradient norms (or None when the step was
 skipped), the summed statistics and the stop decision all ranks agreed on. `single`, `ddp` and
 `deepspeed` share the micro-batch loop of `MicroBatchLoopBackend` (`SingleProcessBackend` is it
-on one process) and differ in how a unit's forward, backward and optimizer step run; the pipeline
-backend hands the whole step to DeepSpeed's pipeline engine. Models never import a backend.
+on one process; `ProcessGroupBackend` is it over the launcher's process group, which `DDPBackend`
+and `DeepSpeedBackend` wrap their units for) and differ in how a unit's forward, backward and
+optimizer step run; the pipeline backend hands the whole step to DeepSpeed's pipeline engine.
+Every backend's optimizer step ends in `step_all_or_none`. What a backend can do is declared on
+it (`TrainingBackend`), so no caller asks for its name or class. Models never import a backend.
 """
 
 from __future__ import annotations
@@ -151,10 +154,24 @@ def stat_sums(device: torch.device) -> defaultdict[str, torch.Tensor]:
 
 
 class TrainingBackend:
-    """The contract every backend implements, and what all of them share (ranks, collectives)."""
+    """The contract every backend implements, and what all of them share (ranks, collectives).
+
+    What a backend can do is declared here, for the trainer and the commands to ask instead of its
+    name or class:
+
+    - `holds_steps`: whether `train_step` honours `StepContext.held` (skips the update on every rank);
+    - `holds_whole_model`: whether every process holds every parameter of the units' models, so that
+      rank 0 can run a side job on them (the downstream probe); not under ZeRO-3 or the pipeline;
+    - `load_units_resharded(units, directory, run_dir, saved_world)`: load a checkpoint written by
+      another number of processes (the trainer's elastic resume), or refuse in one line naming the
+      checkpoint and what to do instead.
+
+    `name` says which backend this is, for logs and summaries only.
+    """
 
     name = "base"
-    holds_steps = False  # whether train_step honours StepContext.held (skips the update on every rank)
+    holds_steps = False
+    holds_whole_model = True
 
     def __init__(self, precision: str = "fp32", device: torch.device | None = None):
         self.rank, self.world_size, self.local_rank = 0, 1, 0
@@ -193,6 +210,14 @@ class TrainingBackend:
 
     def load_units(self, units: list[Unit], directory: Path) -> None:
         raise NotImplementedError
+
+    def load_units_resharded(self, units: list[Unit], directory: Path, run_dir: Path, saved_world: int) -> None:
+        """Load a checkpoint that `saved_world` processes wrote into this world of another size.
+
+        Here every rank saved or holds the whole (replicated) state, which loads as it is; a backend
+        that partitions state re-cuts it (`run_dir` holds any converted copy) or refuses.
+        """
+        self.load_units(units, directory)
 
     def agree(self, *local_flags: bool) -> list[bool]:
         """Each flag, true on every rank if it is true on any (one all-reduce for all of them)."""
@@ -247,12 +272,32 @@ def precision_autocast(precision: str, device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
 
 
+def step_all_or_none(units: list[Unit], norms: list[float], update: Callable[[Unit, float], None],
+                     skip: Callable[[Unit], None], scaler_owns_overflow: bool = False) -> dict[str, float] | None:
+    """The optimizer-step decision every backend makes, on each unit's gradient norm of its λ-weighted loss.
+
+    Every unit updates (`update(unit, norm)`) or none does: a non-finite norm `skip`s each unit,
+    which drops its gradients and leaves its LR schedule where it was, so the units' schedules and
+    the trainer's step counter stay together. Returns each unit's norm of the unweighted loss (norm / λ,
+    as its clip threshold `Unit.max_grad_norm` is λ times clip_norm), or None when skipped. With
+    `scaler_owns_overflow` (fp16's dynamic loss scale) a non-finite norm is the scaler's business:
+    every unit goes on to `update`, where the scaler skips the overflowed update.
+    """
+    if not scaler_owns_overflow and not all(math.isfinite(n) for n in norms):
+        for unit in units:
+            skip(unit)
+        return None
+    for unit, norm in zip(units, norms):
+        update(unit, norm)
+    return {unit.name: norm / unit.loss_scale for unit, norm in zip(units, norms)}
+
+
 class MicroBatchLoopBackend(TrainingBackend):
     """The micro-batch loop that the single, ddp and deepspeed backends share, complete on one process.
 
-    `SingleProcessBackend` is this loop as it stands; `DDPBackend` (and `DeepSpeedBackend` below it)
-    change how a unit is wrapped, how its gradients sync, and how it steps. The pipeline backend
-    hands the whole step to DeepSpeed and derives from `TrainingBackend` instead.
+    `SingleProcessBackend` is this loop as it stands; the `ProcessGroupBackend`s (`DDPBackend`,
+    `DeepSpeedBackend`) change how a unit is wrapped, how its gradients sync, and how it steps. The
+    pipeline backend hands the whole step to DeepSpeed and derives from `TrainingBackend` instead.
     """
 
     holds_steps = True
@@ -323,29 +368,14 @@ class MicroBatchLoopBackend(TrainingBackend):
 
     # -- the optimizer step --------------------------------------------------------------------
     def step(self, units: list[Unit]) -> dict[str, float] | None:
-        """Clip and step every unit, or none of them. Returns each unit's gradient norm of the
-        unweighted loss, or None when some norm is non-finite and the whole step was skipped.
+        """Unscale (fp16) and clip every unit's gradients, then `step_all_or_none`.
 
-        All or nothing, so the units' schedules and the trainer's step counter stay together.
         Under fp16 the loss scaler owns overflow: a non-finite norm there means the scale was too
         high; `GradScaler.step` skips that update and `update` lowers the scale, as it always has.
         """
         norms = torch.stack([self._clip(unit).to(self.device) for unit in units]).tolist()  # one host sync
-        norms = dict(zip([unit.name for unit in units], norms))
-        fp16_scaling = any(unit.scaler is not None for unit in units)
-        if not fp16_scaling and not all(math.isfinite(n) for n in norms.values()):
-            for unit in units:
-                self.skip_step(unit)
-            return None
-        for unit in units:
-            if unit.scaler is not None:
-                unit.scaler.step(unit.optimizer)
-                unit.scaler.update()
-            else:
-                unit.optimizer.step()
-            unit.scheduler.step()
-            unit.optimizer.zero_grad(set_to_none=True)
-        return {unit.name: norms[unit.name] / unit.loss_scale for unit in units}
+        return step_all_or_none(units, norms, self._update, self.skip_step,
+                                scaler_owns_overflow=any(unit.scaler is not None for unit in units))
 
     def _clip(self, unit: Unit) -> torch.Tensor:
         """Unscale (fp16) and clip this unit's gradients; returns the norm before clipping (on the
@@ -354,6 +384,16 @@ class MicroBatchLoopBackend(TrainingBackend):
             unit.scaler.unscale_(unit.optimizer)
         params = [p for g in unit.optimizer.param_groups for p in g["params"]]
         return torch.nn.utils.clip_grad_norm_(params, unit.max_grad_norm)
+
+    @staticmethod
+    def _update(unit: Unit, _norm: float) -> None:
+        if unit.scaler is not None:
+            unit.scaler.step(unit.optimizer)
+            unit.scaler.update()
+        else:
+            unit.optimizer.step()
+        unit.scheduler.step()
+        unit.optimizer.zero_grad(set_to_none=True)
 
     def skip_step(self, unit: Unit) -> None:
         """Drop this step's gradients (non-finite loss or norm) without touching optimizer or schedule."""
@@ -392,7 +432,14 @@ class SingleProcessBackend(MicroBatchLoopBackend):
 
 
 def leave_process_group() -> None:
-    if dist.is_initialized():
+    """Destroy the process group; through `deepspeed.comm` once DeepSpeed has joined it, whose teardown
+    also drops the groups DeepSpeed cached (a later engine in this process would use them dead)."""
+    if not dist.is_initialized():
+        return
+    ds_comm = sys.modules.get("deepspeed.comm.comm")
+    if ds_comm is not None and ds_comm.cdb is not None:
+        ds_comm.destroy_process_group()
+    else:
         dist.destroy_process_group()
 
 
@@ -410,10 +457,8 @@ def single_process_backend(precision: str) -> SingleProcessBackend:
     return SingleProcessBackend(precision, default_device(int(os.environ.get("LOCAL_RANK", "0"))))
 
 
-class DDPBackend(MicroBatchLoopBackend):
-    """torch DistributedDataParallel over gloo (CPU) or nccl (GPU); one DDP wrapper per unit."""
-
-    name = "ddp"
+class ProcessGroupBackend(MicroBatchLoopBackend):
+    """The micro-batch loop over the launcher's process group: joined when built, left on `close`."""
 
     def __init__(self, precision: str = "fp32", dist_backend: str = "auto"):
         super().__init__(precision)
@@ -424,6 +469,15 @@ class DDPBackend(MicroBatchLoopBackend):
     def join(dist_backend: str) -> tuple[int, int, int]:
         """Join the launcher's process group: (rank, world_size, local_rank)."""
         return init_distributed(dist_backend)
+
+    def close(self) -> None:
+        leave_process_group()
+
+
+class DDPBackend(ProcessGroupBackend):
+    """torch DistributedDataParallel over gloo (CPU) or nccl (GPU); one DDP wrapper per unit."""
+
+    name = "ddp"
 
     def wrap_units(self, units: list[Unit], accumulation_steps: int) -> None:
         super().wrap_units(units, accumulation_steps)
@@ -438,6 +492,3 @@ class DDPBackend(MicroBatchLoopBackend):
         if last_micro_batch or not isinstance(unit.wrapped, nn.parallel.DistributedDataParallel):
             return contextlib.nullcontext()
         return unit.wrapped.no_sync()
-
-    def close(self) -> None:
-        leave_process_group()

@@ -33,15 +33,20 @@ import contextlib
 import copy
 import json
 import logging
-import math
 import os
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from megakd.config import BackendConfig, Config, ConfigError
-from megakd.engine.backends import DDPBackend, create_process_group, free_local_port, init_distributed
+from megakd.config import BackendConfig, ConfigError
+from megakd.engine.backends import (
+    ProcessGroupBackend,
+    create_process_group,
+    free_local_port,
+    init_distributed,
+    step_all_or_none,
+)
 from megakd.engine.units import Unit
 from megakd.errors import UserError
 from megakd.store.checkpoint import DEEPSPEED_TAG
@@ -153,11 +158,6 @@ class EngineConfigs:
         self.user_config = read_user_config(backend.deepspeed_config) if backend.deepspeed_config else {}
         self.warned = False  # the low-precision accumulation warning, once per run, not per engine
 
-    @classmethod
-    def of(cls, cfg: Config) -> EngineConfigs:
-        """The engine configs of a pretraining config."""
-        return cls(cfg.backend, cfg.train.precision, cfg.train.micro_batch_size)
-
     def for_engine(self, gradient_clipping: float, accumulation_steps: int, data_world_size: int) -> dict:
         """The config of one engine: what megakd derives, merged with the user's file."""
         derived = self.derived(gradient_clipping, accumulation_steps, data_world_size)
@@ -202,8 +202,8 @@ class EngineConfigs:
         return config
 
 
-class DeepSpeedBackend(DDPBackend):
-    """One `deepspeed.DeepSpeedEngine` per unit; collectives and process group as in DDP."""
+class DeepSpeedBackend(ProcessGroupBackend):
+    """One `deepspeed.DeepSpeedEngine` per unit, in the process group DeepSpeed's comm layer joined."""
 
     name = "deepspeed"
 
@@ -211,6 +211,11 @@ class DeepSpeedBackend(DDPBackend):
         super().__init__(engine_configs.precision, engine_configs.backend.dist_backend)
         self.zero_stage = engine_configs.backend.zero_stage
         self.engine_configs = engine_configs
+
+    @property
+    def holds_whole_model(self) -> bool:
+        """ZeRO-3 partitions the parameters themselves over the ranks."""
+        return self.zero_stage < 3
 
     @property
     def holds_steps(self) -> bool:
@@ -245,10 +250,7 @@ class DeepSpeedBackend(DDPBackend):
             )
             unit.wrapped = engine
 
-    # -- one micro-batch -----------------------------------------------------------------------
-    def no_sync(self, unit: Unit, last_micro_batch: bool):
-        return contextlib.nullcontext()  # the engine reduces at its own accumulation boundary
-
+    # -- one micro-batch (`no_sync` stays the loop's: the engine reduces at its own boundary) ----------
     def forward(self, unit: Unit, *args, **kwargs) -> dict:
         return unit.wrapped(*args, **kwargs)  # the engine casts to bf16/fp16 itself
 
@@ -260,13 +262,13 @@ class DeepSpeedBackend(DDPBackend):
 
     # -- the optimizer step --------------------------------------------------------------------
     def step(self, units: list[Unit]) -> dict[str, float] | None:
-        """`MicroBatchLoopBackend.step` on DeepSpeed engines: every unit's update, or None if a norm is non-finite.
+        """`step_all_or_none` on DeepSpeed engines, which clip at `gradient_clipping` themselves.
 
         On the plain fp32 path (ZeRO-0) every rank holds the full, reduced gradients, so the norms
         are known before any engine steps and a non-finite one skips every unit. The ZeRO, bf16 and
         fp16 optimizers compute the norm inside `engine.step()` and skip their own non-finite
         update (no schedule step); a unit whose norm was finite has then stepped, which is the one
-        case where the two units' schedules can part by a step (logged).
+        case where the two units' schedules can part by a step (`_stepped_anyway` logs it).
         """
         for unit in units:
             if not unit.wrapped.is_gradient_accumulation_boundary():
@@ -274,26 +276,15 @@ class DeepSpeedBackend(DDPBackend):
         if self.precision == "fp32" and self.zero_stage == 0:
             # the engine steps the bare torch optimizer (a wrapper's `_global_grad_norm` cannot tell:
             # BF16_Optimizer sets it only in its first step)
-            norms = {u.name: _grad_norm(u.wrapped.module) for u in units}
-            if not all(math.isfinite(n) for n in norms.values()):
-                for unit in units:
-                    self.skip_step(unit)
-                return None
-            for unit in units:
-                unit.wrapped.step()
-        else:
-            norms = {}
-            for unit in units:
-                unit.wrapped.step()
-                norms[unit.name] = float(unit.wrapped.get_global_grad_norm())
-            if self.precision != "fp16" and not all(math.isfinite(n) for n in norms.values()):
-                # (fp16: an overflow is the dynamic loss scaler's business, as in `MicroBatchLoopBackend.step`)
-                applied = [u.name for u in units if u.wrapped.was_step_applied()]
-                if applied:
-                    log.warning("non-finite gradient norm: DeepSpeed skipped that unit's update, but %s "
-                                "stepped (finite norm)", ", ".join(applied))
-                return None
-        return {unit.name: norms[unit.name] / unit.loss_scale for unit in units}
+            norms = [_grad_norm(u.wrapped.module) for u in units]
+            return step_all_or_none(units, norms, lambda unit, _norm: unit.wrapped.step(), self.skip_step)
+        norms = []
+        for unit in units:
+            unit.wrapped.step()
+            norms.append(float(unit.wrapped.get_global_grad_norm()))
+        # (fp16: an overflow is the dynamic loss scaler's business, as in `MicroBatchLoopBackend.step`)
+        return step_all_or_none(units, norms, _stepped_already, _stepped_anyway,
+                                scaler_owns_overflow=self.precision == "fp16")
 
     def skip_step(self, unit: Unit) -> None:
         engine = unit.wrapped
@@ -327,8 +318,11 @@ class DeepSpeedBackend(DDPBackend):
             if loaded is None:
                 raise RuntimeError(f"DeepSpeed could not load {path}")
 
+    def load_units_resharded(self, units: list[Unit], directory: Path, run_dir: Path, saved_world: int) -> None:
+        self.load_units_elastic(units, directory, run_dir)
+
     def load_units_elastic(self, units: list[Unit], directory: Path, run_dir: Path) -> None:
-        """Load a checkpoint written by another number of processes (the trainer's elastic resume).
+        """Load a checkpoint written by another number of processes (`load_units_resharded`).
 
         ZeRO 1-3 partition the optimizer state (and fp32 master weights) per saving rank: rank 0
         converts the checkpoint to DeepSpeed's universal form in `run_dir`
@@ -401,6 +395,17 @@ def universal_loading(engine):
     finally:
         config.load_universal_checkpoint = previous
 
+
+
+def _stepped_already(_unit: Unit, _norm: float) -> None:
+    """A ZeRO/bf16/fp16 engine's update: it ran in `engine.step()`, which computed the norm."""
+
+
+def _stepped_anyway(unit: Unit) -> None:
+    """A ZeRO/bf16/fp16 engine skipped its own non-finite update; one whose norm was finite stepped."""
+    if unit.wrapped.was_step_applied():
+        log.warning("non-finite gradient norm: DeepSpeed skipped the update of the unit whose norm it was, "
+                    "but %s stepped (finite norm)", unit.name)
 
 
 def _grad_norm(module: torch.nn.Module) -> float:

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import math
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
@@ -49,16 +48,22 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
-from megakd.config import Config, ConfigError
-from megakd.engine.backends import StepResult, TrainingBackend, default_device, leave_process_group
+from megakd.config import ConfigError
+from megakd.engine.backends import (
+    StepResult,
+    TrainingBackend,
+    default_device,
+    leave_process_group,
+    step_all_or_none,
+)
 from megakd.engine.deepspeed_backend import EngineConfigs, init_deepspeed
 from megakd.engine.layouts import Layout
 from megakd.engine.losses import DiscriminatorLoss, GeneratorLoss
 from megakd.engine.units import StepContext, Unit
+from megakd.errors import UserError
 from megakd.models.electra import MaskedLM
-from megakd.models.encoder import Encoder
+from megakd.models.encoder import Encoder, run_layer
 from megakd.objectives.electra import corrupt
 from megakd.store.checkpoint import DEEPSPEED_TAG
 from megakd.store.checkpoint_models import WEIGHTS_SUFFIX
@@ -124,23 +129,20 @@ class _Embed(nn.Module):
 
 
 class _Layer(nn.Module):
-    """One encoder layer, recomputed in backward when the model config asks for it (as `Encoder`)."""
+    """One encoder layer through the encoder's own `run_layer` (activation checkpointing included)."""
 
-    def __init__(self, layer: nn.Module, recompute: bool):
+    def __init__(self, layer: nn.Module, activation_checkpointing: bool):
         super().__init__()
         self.layer = layer
-        self.recompute = recompute
+        self.activation_checkpointing = activation_checkpointing
 
     def keys_after(self, keys: set[str]) -> set[str]:
         return keys
 
     def forward(self, state: dict) -> dict:
         key_mask = state["attention_mask"][:, None, None, :]
-        args = (state["hidden"], key_mask, state.get("position_bias"))
-        if self.recompute and self.training and torch.is_grad_enabled():
-            hidden = checkpoint(self.layer, *args, use_reentrant=False)
-        else:
-            hidden = self.layer(*args)
+        hidden = run_layer(self.layer, state["hidden"], key_mask, state.get("position_bias"),
+                           self.activation_checkpointing)
         return {**state, "hidden": hidden}
 
 
@@ -249,10 +251,9 @@ def _model_pieces(model: nn.Module, head: nn.Module, source: str,
                   keep_masked_ids: bool = False) -> list[tuple[list[nn.Module], int]]:
     """(pieces, parameter count) per encoder layer: embeddings join the first layer, the head the last."""
     encoder = model.encoder
-    recompute = encoder.config.activation_checkpointing
     items = []
     for i, layer in enumerate(encoder.layers):
-        pieces: list[nn.Module] = [_Layer(layer, recompute)]
+        pieces: list[nn.Module] = [_Layer(layer, encoder.config.activation_checkpointing)]
         if i == 0:
             pieces.insert(0, _Embed(encoder, source, keep_masked_ids))
         if i == len(encoder.layers) - 1:
@@ -309,9 +310,9 @@ class PipelineOptimizer(torch.optim.Optimizer):
 
     `step` sums the gradients of weights held by two stages, computes every unit's gradient norm
     over the whole pipeline (squared norms all-reduced over the pipe group, a shared weight counted
-    on its first stage only), clips each unit at clip_norm·loss_scale as the single backend does,
-    and steps each unit's optimizer. A non-finite norm skips the update of every unit and sets
-    `overflow`, which makes DeepSpeed leave the schedules alone; `norms` is then None.
+    on its first stage only), and `step_all_or_none` clips each unit at clip_norm·loss_scale as the
+    single backend does and steps each unit's optimizer. A non-finite norm skips the update of every
+    unit and sets `overflow`, which makes DeepSpeed leave the schedules alone; `norms` is then None.
     """
 
     def __init__(self, units: list[Unit], pipe_group, ties: list[tuple[nn.Parameter, object, bool]],
@@ -343,19 +344,9 @@ class PipelineOptimizer(torch.optim.Optimizer):
         squares = torch.stack(squares)
         dist.all_reduce(squares, group=self.pipe_group)
         norms = squares.sqrt().tolist()  # the step's one host sync
-        self.overflow = not all(math.isfinite(n) for n in norms)
-        if self.overflow:
-            self.norms = None
-            self.zero_grad(set_to_none=True)
-            return None
-        for unit, norm in zip(self.units, norms):
-            coef = min(unit.max_grad_norm / (norm + 1e-6), 1.0)  # torch.nn.utils.clip_grad_norm_'s factor
-            for g in unit.optimizer.param_groups:
-                for p in g["params"]:
-                    if p.grad is not None:
-                        p.grad.mul_(coef)
-            unit.optimizer.step()
-        self.norms = {u.name: n / u.loss_scale for u, n in zip(self.units, norms)}
+        self.norms = step_all_or_none(self.units, norms, _clip_and_step,
+                                      lambda unit: unit.optimizer.zero_grad(set_to_none=True))
+        self.overflow = self.norms is None
         return None
 
     def state_dict(self) -> dict:
@@ -364,6 +355,16 @@ class PipelineOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         for u in self.units:
             u.optimizer.load_state_dict(state_dict[u.name])
+
+
+def _clip_and_step(unit: Unit, norm: float) -> None:
+    """Clip at the unit's threshold by torch.nn.utils.clip_grad_norm_'s factor, then step its optimizer."""
+    coef = min(unit.max_grad_norm / (norm + 1e-6), 1.0)
+    for g in unit.optimizer.param_groups:
+        for p in g["params"]:
+            if p.grad is not None:
+                p.grad.mul_(coef)
+    unit.optimizer.step()
 
 
 class _MicroBatches:
@@ -392,16 +393,19 @@ class PipelineBackend(TrainingBackend):
     Ranks form a (pipe × data) grid, rank = stage · D + d (DeepSpeed's layout): the stages of one
     pipeline read the same batches, so the data loader and the batch layout use `data_rank` and
     `data_world_size`. `train_step` is one `engine.train_batch`, which runs every micro-batch.
+    No rank holds a whole model (`holds_whole_model`), and a step is never held back (`holds_steps`):
+    a stop signal lets it finish, and storage lost mid-run raises.
     """
 
-    name = "deepspeed"
+    name = "pipeline"  # the config's backend.name stays deepspeed; backend.pipeline_stages > 1 selects this
+    holds_whole_model = False
 
-    def __init__(self, cfg: Config):
-        super().__init__(cfg.train.precision)
-        self.num_stages = cfg.backend.pipeline_stages
-        self.rank, self.world_size, self.local_rank = init_deepspeed(cfg.backend.dist_backend)
+    def __init__(self, engine_configs: EngineConfigs):
+        super().__init__(engine_configs.precision)
+        self.num_stages = engine_configs.backend.pipeline_stages
+        self.rank, self.world_size, self.local_rank = init_deepspeed(engine_configs.backend.dist_backend)
         self.device = default_device(self.local_rank)
-        self.engine_configs = EngineConfigs.of(cfg)
+        self.engine_configs = engine_configs
         if self.world_size % self.num_stages:
             raise ConfigError(f"backend.pipeline_stages={self.num_stages} does not divide the world size "
                               f"{self.world_size}")
@@ -521,6 +525,13 @@ class PipelineBackend(TrainingBackend):
                                                     load_optimizer_states=True, load_lr_scheduler_states=True)
         if loaded is None:
             raise RuntimeError(f"DeepSpeed could not load {path}")
+
+    def load_units_resharded(self, units: list[Unit], directory: Path, run_dir: Path, saved_world: int) -> None:
+        """Refused: the pipeline engine cannot re-cut its stages' state."""
+        raise UserError(f"checkpoint {directory} was written by {saved_world} processes, this run has "
+                        f"{self.world_size}: a pipeline-parallel checkpoint resumes only at its world size; "
+                        f"resume with {saved_world} processes, or start a new run from its weights "
+                        f"(init.generator / init.discriminator = the checkpoint)")
 
     def close(self) -> None:
         leave_process_group()

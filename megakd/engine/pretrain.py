@@ -14,19 +14,15 @@ from megakd.data.shards import MANIFEST, read_manifest
 from megakd.data.storage import ShardStore
 from megakd.data.stream import PretrainingLoader
 from megakd.data.tokenizer import Tokenizer
-from megakd.engine.backends import (
-    DDPBackend,
-    TrainingBackend,
-    require_launcher,
-    single_process_backend,
-)
+from megakd.engine import backend_factory
+from megakd.engine.backends import TrainingBackend
 from megakd.engine.layouts import Layout, build_layout
 from megakd.engine.losses import TeacherKD
 from megakd.engine.trainer import Trainer, TrainResult
 from megakd.engine.units import Unit
 from megakd.engine.validation import VALID_SEED, Validator
 from megakd.engine.warm_start import warm_start
-from megakd.finish import bundled_vocab_size, finish_config, resolve_backend_name
+from megakd.finish import bundled_vocab_size, finish_config
 from megakd.models.admin import admin_initialize
 from megakd.models.electra import Discriminator, MaskedLM
 from megakd.models.remap import remap_masked_lm
@@ -36,20 +32,8 @@ log = logging.getLogger(__name__)
 
 
 def build_backend(cfg: Config) -> TrainingBackend:
-    """The backend `backend.name` names; `auto` is replaced in `cfg` first, so the run records its choice."""
-    name = cfg.backend.name = resolve_backend_name(cfg.backend.name)
-    if name == "single":
-        return single_process_backend(cfg.train.precision)
-    require_launcher(name)
-    if name == "ddp":
-        return DDPBackend(cfg.train.precision, cfg.backend.dist_backend)
-    if cfg.backend.pipeline_stages > 1:
-        from megakd.engine.pipeline import PipelineBackend
-
-        return PipelineBackend(cfg)
-    from megakd.engine.deepspeed_backend import DeepSpeedBackend, EngineConfigs
-
-    return DeepSpeedBackend(EngineConfigs.of(cfg))
+    """The run's backend (`megakd.engine.backend_factory`); a DeepSpeed engine takes `train.micro_batch_size`."""
+    return backend_factory.build_backend(cfg.backend, cfg.train.precision, cfg.train.micro_batch_size)
 
 
 def cache_root(cfg: Config) -> Path:

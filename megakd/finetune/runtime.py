@@ -25,17 +25,12 @@ from torch import Tensor
 
 from megakd.config import ConfigError
 from megakd.configio import config_to_dict, read_yaml_file, save_config
-from megakd.engine.backends import (
-    DDPBackend,
-    MicroBatchLoopBackend,
-    SingleProcessBackend,
-    require_launcher,
-    single_process_backend,
-)
+from megakd.engine import backend_factory
+from megakd.engine.backends import MicroBatchLoopBackend, SingleProcessBackend
 from megakd.engine.session import RunSession
 from megakd.errors import UserError
 from megakd.finetune.config import FinetuneConfig
-from megakd.finish import launched_world_size, resolve_backend_name
+from megakd.finish import launched_world_size
 from megakd.store import rundir
 from megakd.store.files import StoreError
 
@@ -56,22 +51,10 @@ class Stopped(Exception):
 
 
 def build_backend(cfg: FinetuneConfig) -> MicroBatchLoopBackend:
-    """The pretraining backend named by `backend.name` (`auto` replaced in `cfg` first, so the run records
-    its choice), on the device `finetune.device` asks for."""
-    b, f = cfg.backend, cfg.finetune
-    b.name = resolve_backend_name(b.name)
-    if b.name == "single":
-        backend = single_process_backend(f.precision)
-    else:
-        require_launcher(b.name)
-        if b.name == "ddp":
-            backend = DDPBackend(f.precision, b.dist_backend)
-        else:
-            from megakd.engine.deepspeed_backend import DeepSpeedBackend, EngineConfigs
-
-            # One micro-batch per step: this rank's share of the global batch.
-            world = launched_world_size()
-            backend = DeepSpeedBackend(EngineConfigs(b, f.precision, f.batch_size // world))
+    """The run's backend (`megakd.engine.backend_factory`) on the device `finetune.device` asks for; a
+    DeepSpeed engine takes one micro-batch per step, this rank's share of the global batch."""
+    f = cfg.finetune
+    backend = backend_factory.build_backend(cfg.backend, f.precision, f.batch_size // launched_world_size())
     backend.device = _device(f.device, backend.local_rank)
     return backend
 

@@ -428,10 +428,15 @@ class Encoder(nn.Module):
             # Every layer would mask the same relative bias the same way: do it once, shared by all
             # (one [B, heads, L, L] tensor per forward instead of one per layer, and one backward).
             position_bias, key_mask = attention_bias(key_mask, position_bias, compute_dtype(x)), None
-        recompute = self.config.activation_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.layers:
-            if recompute:
-                x = checkpoint(layer, x, key_mask, position_bias, use_reentrant=False)
-            else:
-                x = layer(x, key_mask, position_bias)
+            x = run_layer(layer, x, key_mask, position_bias, self.config.activation_checkpointing)
         return x
+
+
+def run_layer(layer: EncoderLayer, x: Tensor, key_mask: Tensor | None, position_bias: Tensor | None,
+              activation_checkpointing: bool) -> Tensor:
+    """One encoder layer, recomputed in backward under `activation_checkpointing` while it trains with
+    gradients; `Encoder.forward` and the pipeline's layer stages (megakd/engine/pipeline.py) both run it."""
+    if activation_checkpointing and layer.training and torch.is_grad_enabled():
+        return checkpoint(layer, x, key_mask, position_bias, use_reentrant=False)
+    return layer(x, key_mask, position_bias)

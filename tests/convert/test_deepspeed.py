@@ -32,24 +32,18 @@ class _Loss(nn.Module):
         return self.model.logits(input_ids).logsumexp(-1).mean()
 
 
-def _leave_process_groups() -> None:
-    """No process group, and none in DeepSpeed's caches: the tests before and after this file in the same
-    pytest process (a worker runs several files) must not meet this file's world, nor it theirs."""
-    from deepspeed.utils import groups
-
-    leave_process_group()
-    groups._release_process_group_references()  # what deepspeed.comm's own teardown calls
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _single_process_world():
+    """No process group, and none in DeepSpeed's caches (`leave_process_group`) before and after: the tests
+    before and after this file in the same pytest process (a worker runs several files) must not meet
+    this file's world, nor it theirs."""
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_local_port())}
     saved = {k: os.environ.get(k) for k in env}
-    _leave_process_groups()
+    leave_process_group()
     os.environ.update(env)
     yield
-    _leave_process_groups()
+    leave_process_group()
     for k, v in saved.items():
         if v is None:
             os.environ.pop(k, None)

@@ -85,6 +85,11 @@ def test_cli_refuses_a_contradicting_file_in_one_line(tiny_data, tmp_path, capsy
     assert "backend.deepspeed_config needs backend.name=deepspeed" in capsys.readouterr().err
 
 
+def _engine_configs(cfg) -> EngineConfigs:
+    """A pretraining config's engine configs, as `megakd.engine.backend_factory` builds them."""
+    return EngineConfigs(cfg.backend, cfg.train.precision, cfg.train.micro_batch_size)
+
+
 @pytest.mark.parametrize("precision, stage, accum", [
     ("bf16", 1, "fp32"), ("bf16", 3, "fp32"), ("fp16", 2, "fp32"), ("fp32", 2, None),
     ("bf16", 0, None),  # DeepSpeed 0.19 refuses another accumulation dtype without ZeRO
@@ -93,12 +98,12 @@ def test_low_precision_accumulates_in_fp32_unless_the_user_says_otherwise(tiny_d
                                                                           accum):
     overrides = {"backend.name": "deepspeed", "backend.zero_stage": stage, "train.precision": precision}
     cfg = load_config(CONFIG, tiny_overrides(tiny_data, tmp_path / "run", **overrides))
-    assert EngineConfigs.of(cfg).for_engine(1.0, 8, 1).get("data_types", {}).get("grad_accum_dtype") == accum
+    assert _engine_configs(cfg).for_engine(1.0, 8, 1).get("data_types", {}).get("grad_accum_dtype") == accum
     user = tmp_path / "ds.json"
     user.write_text(json.dumps({"data_types": {"grad_accum_dtype": "bf16"}}))
     cfg = load_config(CONFIG, tiny_overrides(tiny_data, tmp_path / "run", **overrides,
                                              **{"backend.deepspeed_config": str(user)}))
-    assert EngineConfigs.of(cfg).for_engine(1.0, 8, 1)["data_types"] == {"grad_accum_dtype": "bf16"}
+    assert _engine_configs(cfg).for_engine(1.0, 8, 1)["data_types"] == {"grad_accum_dtype": "bf16"}
 
 
 def test_fp32_accumulation_without_zero_is_refused_in_one_line(tiny_data, tmp_path):
@@ -108,7 +113,7 @@ def test_fp32_accumulation_without_zero_is_refused_in_one_line(tiny_data, tmp_pa
         "backend.name": "deepspeed", "backend.zero_stage": 0, "train.precision": "bf16",
         "backend.deepspeed_config": str(user)}))
     with pytest.raises(ConfigError, match="grad_accum_dtype='fp32' needs backend.zero_stage >= 1"):
-        EngineConfigs.of(cfg).for_engine(1.0, 8, 1)
+        _engine_configs(cfg).for_engine(1.0, 8, 1)
 
 
 @pytest.mark.slow

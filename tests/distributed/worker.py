@@ -15,7 +15,7 @@ import sys
 import torch.distributed as dist
 
 from megakd.config import load_config
-from megakd.engine.backends import exit_process
+from megakd.engine.backends import exit_process, leave_process_group
 from megakd.engine.pretrain import build_trainer
 
 
@@ -29,7 +29,7 @@ def main(spec_path: str) -> None:
         trainer.train()
     if dist.is_initialized():
         dist.barrier()  # every rank has finished every run before any leaves
-        dist.destroy_process_group()
+        leave_process_group()
 
 
 if __name__ == "__main__":

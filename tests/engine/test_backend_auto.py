@@ -6,9 +6,9 @@ import pytest
 import yaml
 
 from megakd.cli import main
-from megakd.config import Config, load_config
+from megakd.config import BackendConfig, Config, load_config
 from megakd.finetune.config import FinetuneConfig
-from megakd.finish import resolve_backend_name
+from megakd.finish import finish_backend
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
 
@@ -33,7 +33,8 @@ def bare(monkeypatch):
 def test_auto_follows_the_launch_and_explicit_names_stay(bare, env, name, resolved):
     for var, value in env.items():
         bare.setenv(var, value)
-    assert resolve_backend_name(name) == resolved
+    backend = BackendConfig(name=name)
+    assert finish_backend(backend) == backend.name == resolved
 
 
 def test_auto_is_the_default_of_both_trees():

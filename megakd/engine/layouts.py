@@ -79,13 +79,18 @@ class Layout:
             out.update(module.ratios(sums))
         return out
 
-    def optimizer_metrics(self, mean_norms: dict[str, float]) -> dict[str, float]:
-        """lr_<unit> and grad_norm_<unit> (the mean over the interval's applied steps)."""
+    def optimizer_metrics(self, mean_norms: dict[str, float], step_lrs: dict[str, float]) -> dict[str, float]:
+        """lr_<unit> (the rate of the step after the line) and grad_norm_<unit> (the mean over the interval's
+        applied steps); `step_lrs` are the rates the last step used."""
         out = {}
         for name, unit in self.units.items():
             out[f"lr_{name}"] = unit.lr
             out[f"grad_norm_{name}"] = mean_norms.get(name, 0.0)
         return out
+
+    def throughput(self, sums: dict[str, float], seconds: float) -> dict[str, float]:
+        """The log line's rate over `seconds` of training (`sums`: the interval's statistics over all ranks)."""
+        return {"tokens_per_s": sums.get("tokens", 0.0) / max(seconds, 1e-9)}
 
     def probe_encoder(self) -> nn.Module:
         """The encoder a downstream task would fine-tune."""
@@ -227,7 +232,7 @@ class JointElectra(Layout):
     def loss_modules(self):
         return list(self.electra.loss_module.parts)
 
-    def optimizer_metrics(self, mean_norms):
+    def optimizer_metrics(self, mean_norms, step_lrs):
         """One optimizer drives both models: logged under both names, as the decoupled layout logs them."""
         unit = self.electra
         norm = mean_norms.get(JOINT_UNIT, 0.0)

@@ -58,30 +58,40 @@ class RunSession:
         self._waiting = False  # inside `waiting_for_data`: a stop signal ends the wait
 
     # -- ownership ---------------------------------------------------------------------------------
-    def own(self, decide: Callable[[], float] = lambda: 0.0) -> float:
+    def own(self, decide: Callable[[], int | None] = lambda: None) -> int | None:
         """Take the run directory: rank 0 locks it and runs `decide` under the lock (claim it for a new
-        run, check what a resume needs); every rank gets `decide`'s number, or the refusal raised.
+        run, find the checkpoint to resume); every rank gets `decide`'s step (or None), or the refusal raised.
 
         The caller calls `announce` once nothing can refuse the run any more, so a refused start leaves
         the run directory byte-identical.
         """
         main = self.backend.is_main
         error: BaseException | None = None
-        value = 0.0
+        value: int | None = None
         with contextlib.ExitStack() as holding:  # releases the lock if anything below fails
             if main:
                 try:
                     holding.enter_context(self.lock)
-                    value = float(decide())
+                    value = decide()
                 except (StoreError, OSError) as err:
                     error = err
-            flags = torch.tensor([float(error is not None), value if main else 0.0], dtype=torch.float64)
-            failed, value = self.backend.all_reduce_sum(flags).tolist()
+            failed, value = self._from_main(error is not None, value)
             if failed:
                 raise error if error is not None else StoreError(f"{self.run_dir}: refused on rank 0 (see its "
                                                                  "message)")
             self._holding = holding.pop_all()
         return value
+
+    def share(self, value: int | None) -> int | None:
+        """Rank 0's `value` (a step, or None) on every rank."""
+        return self._from_main(False, value)[1]
+
+    def _from_main(self, failed: bool, value: int | None) -> tuple[bool, int | None]:
+        """Any rank's `failed`, and rank 0's `value`, on every rank: one integer all-reduce."""
+        mine = value + 1 if self.backend.is_main and value is not None else 0
+        flags = torch.tensor([int(failed), int(mine)], dtype=torch.int64)
+        failed_count, shared = self.backend.all_reduce_sum(flags).tolist()
+        return failed_count > 0, shared - 1 if shared else None
 
     def announce(self) -> None:
         """Record this job as the run directory's holder (rank 0): the run starts."""

@@ -67,6 +67,8 @@ class StepContext:
     stop_flags: Callable[[], tuple[bool, bool]] = no_stop
     held: Callable[[], bool] = never
     timer: Callable[[str], contextlib.AbstractContextManager] = untimed
+    epoch: int = 0  # the epoch of an epoch-based job (fine-tuning's objectives schedule on it)
+    loss_weight: float = 1.0  # this rank's weight on its micro-batch loss (its share of an uneven global batch)
 
 
 class MicroBatchRun(Protocol):

@@ -118,7 +118,7 @@ class Runtime:
         self._signals.enter_context(self.session.stop_signals())
         return self.run_dir
 
-    def _claim(self) -> float:
+    def _claim(self) -> None:
         """On rank 0, under the lock: `--resume auto` needs the saved config's values, a new run an unused run.dir."""
         saved = self.run_dir / "config.yaml"
         if self.resume and saved.is_file():
@@ -127,7 +127,6 @@ class Runtime:
             aside = rundir.claim_for_new_run(self.run_dir, self.cfg.run.overwrite)
             if aside is not None:
                 log.warning("run.overwrite: moved the old contents of %s to %s", self.run_dir, aside)
-        return 0.0
 
     def _check_same_config(self, saved_file: Path) -> None:
         saved = read_yaml_file(saved_file)

@@ -37,7 +37,7 @@ import logging
 import math
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -50,12 +50,12 @@ from megakd.config import ConfigError, ScheduleConfig
 from megakd.configio import save_config
 from megakd.data.tasks import EncodedTask, Example, load_split
 from megakd.data.tokenizer import Tokenizer
-from megakd.engine.hooks import Checkpoints, Clock, Hooks, ProgressBar, StepEnd, StepHook
+from megakd.engine.hooks import Hook, StepEnd
 from megakd.engine.layouts import Layout, MicroStepOutput
+from megakd.engine.loop import Checkpointer, LoopPlan, RandomStreams, StepInput, TrainingLoop
 from megakd.engine.optim import build_scheduler, param_groups
 from megakd.engine.runlog import MetricsWriter
-from megakd.engine.session import rng_state, set_rng_state, skipped_update
-from megakd.engine.units import StepContext, Unit
+from megakd.engine.units import Unit
 from megakd.finetune.config import FinetuneConfig, LabelregConfig, ModelInitConfig, OptimConfig, auto_lr
 from megakd.finetune.models import Pretrained, build_classifier, load_pretrained
 from megakd.finetune.runtime import Runtime, Stopped, single_process
@@ -100,8 +100,9 @@ class ClassifierLayout(Layout):
 
     So a fine-tuning step goes through the same `backend.train_step` as pretraining (one agreement
     all-reduce on finiteness and stop signals, all-or-nothing update). The micro-batch is this
-    rank's rows of the global batch; its loss is weighted by its share (`Runtime.local_rows`). The
-    statistics are the logs' contributions to the global-batch means, in float64.
+    rank's rows of the global batch; its loss is weighted by its share (`StepContext.loss_weight`,
+    `Runtime.local_rows`), and the objectives' schedules read `StepContext.epoch`. The statistics are
+    the logs' contributions to the global-batch means, in float64, and the rows trained (`samples`).
     """
 
     name = "classifier"
@@ -110,21 +111,31 @@ class ClassifierLayout(Layout):
         super().__init__([unit], kd=None)
         self.unit = unit
         self.world_size = world_size
-        # Set by the loop before each step: the objectives' schedules (AKD, SoTeacher) depend on the
-        # epoch; `weight` is this rank's loss weight n_r·W/n for the step's global batch.
-        self.epoch = 0
-        self.weight = 1.0
 
     def micro_step(self, run, batch, step):
-        out = run.forward(self.unit, batch, self.epoch)
-        run.backward(self.unit, out["loss"] * self.weight)
-        share = self.weight / self.world_size  # this rank's part of a global-batch mean
+        out = run.forward(self.unit, batch, step.epoch)
+        run.backward(self.unit, out["loss"] * step.loss_weight)
+        share = step.loss_weight / self.world_size  # this rank's part of a global-batch mean
         logs = {"loss": out["loss"].detach(), **out["logs"]}
-        return MicroStepOutput([out["loss"].detach()], {k: torch.as_tensor(v, dtype=torch.float64).detach() * share
-                                                        for k, v in logs.items()})
+        stats = {k: torch.as_tensor(v, dtype=torch.float64).detach() * share for k, v in logs.items()}
+        return MicroStepOutput([out["loss"].detach()], {**stats, "samples": batch["real"].double()})
 
     def loss_modules(self):
         return []
+
+    def ratios(self, sums):
+        """Each logged value's mean over the interval's applied steps (`steps`)."""
+        return {k: v / sums["steps"] for k, v in sums.items() if k not in _COUNTS}
+
+    def optimizer_metrics(self, mean_norms, step_lrs):
+        """The rate the last step used, and the mean gradient norm."""
+        return {"lr": step_lrs[UNIT], "grad_norm": mean_norms.get(UNIT, 0.0)}
+
+    def throughput(self, sums, seconds):
+        return {"samples_per_s": sums["samples"] / max(seconds, 1e-9)}
+
+
+_COUNTS = ("tokens", "samples", "steps")  # statistics that count rather than average
 
 
 @torch.no_grad()
@@ -246,184 +257,148 @@ def finished_result(out_dir: Path, seed: int, eval_split: str, runtime: Runtime)
     return SeedResult(seed, metrics, dev_logits, losses, curve, out_dir / "model" if eval_split == "dev" else None)
 
 
-@dataclass
-class Progress:
-    """What one training has done so far: everything in a rank's checkpoint besides weights and RNG."""
+class EpochSampler:
+    """Fine-tuning's step source: each step is one global batch, this rank's rows of it. Epoch e's order
+    is `randperm` from a generator seeded with (seed, e), so the position is just the batches drawn."""
 
-    step: int = 0
-    bad_steps: int = 0
-    epoch_sum: float = 0.0  # summed global-batch losses of the current epoch
-    epoch_losses: list[float] = field(default_factory=list)
-    curve: list[dict[str, float]] = field(default_factory=list)
-    metrics: dict[str, float] = field(default_factory=dict)  # eval-split metrics of the last finished epoch
-    interval: dict[str, float] = field(default_factory=dict)  # sums since the last log line
-    interval_steps: int = 0
-    interval_samples: int = 0
+    failure = None  # the rows are in memory: nothing to fail mid-run
+
+    def __init__(self, train: EncodedTask, batch_size: int, seed: int, steps_per_epoch: int, runtime: Runtime):
+        self.train, self.batch_size, self.seed = train, batch_size, seed
+        self.steps_per_epoch, self.runtime = steps_per_epoch, runtime
+        self.drawn = 0
+        self._order: tuple[int, Tensor] | None = None  # (epoch, its order)
+
+    def next_step(self) -> StepInput:
+        epoch, b = divmod(self.drawn, self.steps_per_epoch)
+        if self._order is None or self._order[0] != epoch:
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._order = epoch, torch.randperm(len(self.train), generator=generator)
+        rows = self._order[1][b * self.batch_size: (b + 1) * self.batch_size]
+        local, offset, real, weight = self.runtime.local_rows(rows)
+        batch = {**self.train.batch(local), "row": local, "offset": torch.tensor(offset),
+                 "real": torch.tensor(real), "batch_rows": torch.tensor(len(rows))}
+        self.drawn += 1
+        return StepInput(iter([batch]), epoch=epoch, loss_weight=weight)
+
+    def counters(self) -> dict[str, float]:
+        return {}
+
+    def line_values(self) -> dict:
+        return {"epoch": (self.drawn - 1) // self.steps_per_epoch}
+
+    def start(self, session, backend) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def state_dict(self) -> dict:
+        return {"drawn": self.drawn}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.drawn = int(state["drawn"])
+
+
+class EpochEnd(Hook):
+    """After each epoch's last step: the epoch's mean train loss and the eval split's metrics (its logits
+    kept for the result), as a metrics line of their own. Its record of the epochs is run state."""
+
+    def __init__(self, training: SeedTraining, dev: EncodedTask, eval_split: str):
+        self.training, self.dev, self.eval_split = training, dev, eval_split
+        # this rank's summed contributions to the epoch's global-batch losses
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=training.runtime.device)
+        self.losses: list[float] = []  # mean train loss of each epoch
+        self.curve: list[dict[str, float]] = []
+        self.metrics: dict[str, float] = {}  # eval-split metrics of the last finished epoch
+        self.dev_logits: np.ndarray | None = None  # the eval split's logits after the latest epoch
+
+    def after_step(self, end: StepEnd) -> None:
+        if end.values is not None:
+            self.loss_sum += end.values["loss"]
+        if end.step % self.training.steps_per_epoch == 0:
+            end.lines.append({"step": end.step, **self.evaluate(end.step)})
+
+    def evaluate(self, step: int) -> dict:
+        t, split = self.training, self.eval_split
+        epoch = (step - 1) // t.steps_per_epoch
+        self.losses.append(t.runtime.sum(self.loss_sum).item() / t.steps_per_epoch)
+        self.loss_sum.zero_()
+        self.dev_logits = predict(t.model, self.dev, t.cfg.finetune.eval_batch_size, t.runtime)
+        self.metrics = task_metrics(self.dev_logits, self.dev.labels.numpy(), t.cfg.task.num_labels)
+        self.curve.append({"epoch": epoch, "train_loss": self.losses[-1], **self.metrics})
+        log.info("seed %d epoch %d: train loss %.4f, %s %s", t.seed, epoch, self.losses[-1], split,
+                 ", ".join(f"{k} {v:.4f}" for k, v in self.metrics.items()))
+        return {"epoch": epoch, "train_loss": self.losses[-1], **{f"{split}_{k}": v for k, v in self.metrics.items()}}
+
+    def state_dict(self) -> dict:
+        return {"loss_sum": self.loss_sum.cpu(), "losses": self.losses, "curve": self.curve, "metrics": self.metrics}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loss_sum = state["loss_sum"].to(self.loss_sum.device)
+        self.losses, self.curve, self.metrics = list(state["losses"]), list(state["curve"]), dict(state["metrics"])
 
 
 class SeedTraining:
-    """One training of `model` with `objective` (a seed, or an LR-selection trial) on `runtime`'s backend."""
+    """One training of `model` with `objective` (a seed, or an LR-selection trial) on `runtime`'s backend:
+    a classifier layout, an epoch sampler and an epoch-end evaluation on the one training loop."""
 
     def __init__(self, cfg: FinetuneConfig, seed: int, model: SequenceClassifier, objective: Objective,
-                 out_dir: Path, lr: float, runtime: Runtime, steps_per_epoch: int):
+                 out_dir: Path, lr: float, runtime: Runtime, train: EncodedTask, dev: EncodedTask, eval_split: str):
         f = cfg.finetune
-        self.cfg, self.seed, self.model, self.objective = cfg, seed, model, objective
-        self.out_dir, self.runtime, self.steps_per_epoch = out_dir, runtime, steps_per_epoch
-        self.total = steps_per_epoch * f.epochs
+        self.cfg, self.seed, self.model, self.runtime = cfg, seed, model, runtime
+        self.steps_per_epoch = math.ceil(len(train) / f.batch_size)
+        self.total = self.steps_per_epoch * f.epochs
         model.to(runtime.device)
         optimizer = build_optimizer(model, f, lr)
         schedule = ScheduleConfig(warmup_steps=round(f.warmup_frac * self.total), decay="linear")
-        self.unit = Unit(name=UNIT, loss_module=ClassifierLoss(model, objective), model=model, optimizer=optimizer,
-                         scheduler=build_scheduler(optimizer, schedule, self.total), clip_norm=f.clip_norm)
-        runtime.backend.wrap_units([self.unit], 1)
-        self.layout = ClassifierLayout(self.unit, runtime.world_size)
-        self.progress = Progress()
-        # What the hooks read about the step just run (`run` and `step` set them).
-        self._epoch, self._step_lr, self._skipped_last = 0, lr, False
-        self._clock: Clock | None = None
-        self._dev_logits: np.ndarray | None = None  # the eval split's logits after the latest epoch
+        unit = Unit(name=UNIT, loss_module=ClassifierLoss(model, objective), model=model, optimizer=optimizer,
+                    scheduler=build_scheduler(optimizer, schedule, self.total), clip_norm=f.clip_norm)
+        layout = ClassifierLayout(unit, runtime.world_size)
+        runtime.backend.prepare(layout, 1)
+        self.epochs = EpochEnd(self, dev, eval_split)
+        every, spe, main = cfg.run.save_every, self.steps_per_epoch, runtime.is_main
+        plan = LoopPlan(
+            max_steps=self.total, log_every=f.log_every,
+            save_due=lambda step: (step % spe == 0 and step < self.total) or (bool(every) and step % every == 0),
+            save_at_end=False, bad_step_limit=MAX_BAD_STEPS,
+            bad_step_limit_text=f"fine-tuning's limit of {MAX_BAD_STEPS}",
+            bad_step_label=f"seed {seed}: ", count_skipped=True, bar_values=_bar_values, bar_label=f"seed {seed}",
+            show_bar=cfg.run.progress_bar and main, evaluations=[self.epochs])
+        metrics = (lambda step: MetricsWriter.for_run(out_dir, cfg, step)) if main else None
+        sampler = EpochSampler(train, f.batch_size, seed, spe, runtime)
+        self.loop = TrainingLoop(runtime.backend, layout, runtime.session, sampler, RandomStreams(), plan, metrics)
+        parts = {**self.loop.parts, "epochs": self.epochs}
+        if hasattr(objective, "state_dict"):  # SoTeacher's store, TGT's sampling generator
+            parts["objective"] = objective
+        self.loop.checkpointer = Checkpointer(runtime.session, out_dir, [unit], parts, keep_last=cfg.run.keep_last,
+                                              files=lambda tmp: save_config(cfg, tmp / "config.yaml"))
         # Dropout: rank 0 draws the seed's one-process stream, other ranks their own.
         torch.manual_seed(seed + 1_000_003 * runtime.rank)
 
-    # -- checkpoints -------------------------------------------------------------------------------
-    def rank_state(self) -> dict:
-        return {"progress": vars(self.progress).copy(), "rng": rng_state(),
-                "objective": self.objective.state_dict() if hasattr(self.objective, "state_dict") else {}}
-
-    def save(self) -> None:
-        """Every rank writes its part of the checkpoint; the run session publishes it once all agree."""
-        rt = self.runtime
-
-        def write(tmp: Path) -> None:
-            if rt.is_main:
-                save_config(self.cfg, tmp / "config.yaml")
-            rt.backend.save_units([self.unit], tmp)
-            checkpoint.save_rank_state(tmp, rt.rank, self.rank_state())
-
-        rt.session.save(self.out_dir, self.progress.step, write, self.cfg.run.keep_last)
-
     def resume(self) -> None:
         """Continue from the newest intact checkpoint of this training, if `--resume auto` and there is one."""
-        rt = self.runtime
-        step = -1
+        rt, root = self.runtime, self.loop.checkpointer.root
+        step = None
         if rt.resume and rt.is_main:
-            checkpoint.remove_stale_temp_dirs(self.out_dir)
-            found = checkpoint.newest_intact(self.out_dir)
-            step = checkpoint.step_of(found) if found is not None else -1
-        step = int(rt.sum(torch.tensor([step + 1.0], dtype=torch.float64)).item()) - 1
-        if step < 0:
+            checkpoint.remove_stale_temp_dirs(root)
+            found = checkpoint.newest_intact(root)
+            step = checkpoint.step_of(found) if found is not None else None
+        step = rt.session.share(step)
+        if step is None:
             return
-        path = checkpoint.checkpoints_root(self.out_dir) / f"step_{step:08d}"
-        saved_world = len(list(path.glob("trainer_state_rank*.pt")))
-        if saved_world != rt.world_size:
-            raise StoreError(f"{path}: written by {saved_world} processes, this run has {rt.world_size}; resume a "
-                             "fine-tuning run with the world size it was started with")
-        rt.backend.load_units([self.unit], path)
-        state = checkpoint.load_rank_state(path, rt.rank)
-        self.progress = Progress(**state["progress"])
-        set_rng_state(state["rng"])
-        if state["objective"]:
-            self.objective.load_state_dict(state["objective"])
-        log.info("%s: resumed at step %d of %d", self.out_dir, step, self.total)
+        self.loop.checkpointer.load(checkpoint.step_dir(root, step), resharding=False)
+        log.info("%s: resumed at step %d of %d", root, step, self.total)
 
-    # -- one step ----------------------------------------------------------------------------------
-    def step(self, train: EncodedTask, rows: Tensor, epoch: int) -> tuple[dict[str, float] | None, bool, bool]:
-        """One optimizer step on the global batch `rows` through `backend.train_step`: (global-batch means
-        of the logs, or None if the update was skipped; stop requested; by SIGINT). An applied step's
-        logs are added to the epoch's and the log interval's sums."""
-        rt, p = self.runtime, self.progress
-        local, offset, real, weight = rt.local_rows(rows)
-        batch = {**train.batch(local), "row": local, "offset": torch.tensor(offset), "real": torch.tensor(real),
-                 "batch_rows": torch.tensor(len(rows))}
-        self.layout.epoch, self.layout.weight = epoch, weight
-        context = StepContext(index=p.step, stop_flags=rt.session.stop_flags)
-        result = rt.backend.train_step(self.layout, iter([batch]), context)
-        p.step += 1
-        self._skipped_last = result.norms is None
-        if result.norms is None:
-            p.bad_steps += 1
-            skipped_update(p.bad_steps, f"seed {self.seed}: {result.skipped}", p.step, MAX_BAD_STEPS,
-                           f"fine-tuning's limit of {MAX_BAD_STEPS}", self.out_dir)
-            return None, result.stop, result.interrupted
-        p.bad_steps = 0
-        keys = sorted(k for k in result.stats if k != "tokens")
-        totals = rt.sum(torch.stack([result.stats[k].cpu() for k in keys])).tolist()
-        logs = {**dict(zip(keys, totals)), "grad_norm": result.norms[UNIT]}
-        p.epoch_sum += logs["loss"]
-        for k, v in logs.items():
-            p.interval[k] = p.interval.get(k, 0.0) + v
-        p.interval_steps += 1
-        p.interval_samples += len(rows)
-        return logs, result.stop, result.interrupted
-
-    # -- the loop ----------------------------------------------------------------------------------
-    def run(self, train: EncodedTask, dev: EncodedTask, eval_split: str) -> np.ndarray | None:
+    def run(self) -> np.ndarray | None:
         """Train to the last step; returns the eval split's logits of the last epoch (None if it ended
-        before this process started, on a checkpoint at the very end)."""
-        f, p = self.cfg.finetune, self.progress
-        hooks = self._hooks(dev, eval_split)
-        self.model.train()
-        finished = False
-        try:
-            first_epoch, first_batch = divmod(p.step, self.steps_per_epoch)
-            self._clock = Clock(hooks)
-            for epoch in range(first_epoch, f.epochs):
-                order = torch.randperm(len(train),
-                                       generator=torch.Generator().manual_seed(self.seed * 1_000_003 + epoch))
-                for b in range(first_batch if epoch == first_epoch else 0, self.steps_per_epoch):
-                    rows = order[b * f.batch_size: (b + 1) * f.batch_size]
-                    self._epoch, self._step_lr = epoch, self.unit.lr  # the rate this step uses
-                    logs, stop, interrupted = self.step(train, rows, epoch)
-                    hooks.after_step(p.step, stopping=stop, values=logs)
-                    if stop:
-                        self.save()
-                        raise Stopped(interrupted)
-            finished = True
-        finally:
-            hooks.end(p.step, finished)
-        return self._dev_logits
+        before this process started, on a checkpoint at the very end). A stop signal raises `Stopped`
+        after the checkpoint."""
+        end = self.loop.run()
+        if end.stopped:
+            raise Stopped(end.interrupted)
+        return self.epochs.dev_logits
 
-    def _hooks(self, dev: EncodedTask, eval_split: str) -> Hooks:
-        """In order: the log line, the epoch's evaluation, then (rank 0) the metrics file, the progress bar,
-        checkpoint cadence (each epoch's end but the last, and every `run.save_every` steps)."""
-        cfg, rt, every = self.cfg, self.runtime, self.cfg.run.save_every
-        hooks = Hooks()
-        hooks.add(StepHook(cfg.finetune.log_every, self._log_line, also_at=self.total))
-        hooks.add(StepHook(self.steps_per_epoch, lambda step: self.end_epoch(dev, eval_split), own_line=True))
-        if rt.is_main:
-            hooks.add(MetricsWriter.for_run(self.out_dir, cfg, self.progress.step))
-        hooks.add(ProgressBar(self.total, self.progress.step, self._bar_values, desc=f"seed {self.seed}",
-                              enabled=cfg.run.progress_bar and rt.is_main))
-        hooks.add(Checkpoints(self.save, lambda step: (step % self.steps_per_epoch == 0 and step < self.total)
-                              or (bool(every) and step % every == 0), at_end=False, last_saved=self.progress.step))
-        return hooks
 
-    def _log_line(self, step: int) -> dict | None:
-        """Means over the steps applied since the last line (none at a skipped step: they wait for the next)."""
-        p = self.progress
-        if self._skipped_last:
-            return None
-        line = {"step": step, "epoch": self._epoch, "lr": self._step_lr,
-                **{k: v / p.interval_steps for k, v in p.interval.items()},
-                "samples_per_s": p.interval_samples / max(self._clock.lap(), 1e-9)}
-        p.interval, p.interval_steps, p.interval_samples = {}, 0, 0
-        return line
-
-    def _bar_values(self, end: StepEnd) -> dict | None:
-        return None if end.values is None else {"epoch": self._epoch, "loss": f"{end.values['loss']:.4f}"}
-
-    def end_epoch(self, dev: EncodedTask, eval_split: str) -> dict:
-        """The epoch's mean train loss and `dev`'s metrics (its logits kept for the result), as a metrics line."""
-        p = self.progress
-        p.epoch_losses.append(p.epoch_sum / self.steps_per_epoch)
-        p.epoch_sum = 0.0
-        self._dev_logits = predict(self.model, dev, self.cfg.finetune.eval_batch_size, self.runtime)
-        p.metrics = task_metrics(self._dev_logits, dev.labels.numpy(), self.cfg.task.num_labels)
-        p.curve.append({"epoch": self._epoch, "train_loss": p.epoch_losses[-1], **p.metrics})
-        log.info("seed %d epoch %d: train loss %.4f, %s %s", self.seed, self._epoch, p.epoch_losses[-1], eval_split,
-                 ", ".join(f"{k} {v:.4f}" for k, v in p.metrics.items()))
-        return {"epoch": self._epoch, "train_loss": p.epoch_losses[-1],
-                **{f"{eval_split}_{k}": v for k, v in p.metrics.items()}}
+def _bar_values(line: dict) -> dict | None:
+    return {"epoch": line["epoch"], "loss": f"{line['loss']:.4f}"} if "loss" in line else None
 
 
 def train_seed(cfg: FinetuneConfig, seed: int, model: SequenceClassifier, tokenizer: Tokenizer,
@@ -438,26 +413,25 @@ def train_seed(cfg: FinetuneConfig, seed: int, model: SequenceClassifier, tokeni
     """
     runtime = runtime or single_process(cfg)
     out_dir.mkdir(parents=True, exist_ok=True)
-    training = SeedTraining(cfg, seed, model, objective, out_dir, lr, runtime,
-                            steps_per_epoch=math.ceil(len(train) / cfg.finetune.batch_size))
+    training = SeedTraining(cfg, seed, model, objective, out_dir, lr, runtime, train, dev, eval_split)
     training.resume()
-    dev_logits = training.run(train, dev, eval_split)
+    dev_logits = training.run()
     if dev_logits is None:
         dev_logits = predict(model, dev, cfg.finetune.eval_batch_size, runtime)
-    p = training.progress
+    p = training.epochs
     model_dir = out_dir / "model" if eval_split == "dev" else None
     if runtime.is_main:
         if model_dir is not None:
             np.save(out_dir / "dev_logits.npy", dev_logits)
             save_classifier(standalone_copy(model), tokenizer, model_dir, {"task": cfg.task.name, "seed": seed,
                                                                              "lr": lr, "dev": p.metrics})
-        result = {"seed": seed, "lr": lr, eval_split: p.metrics, "train_loss": p.epoch_losses, "curve": p.curve}
+        result = {"seed": seed, "lr": lr, eval_split: p.metrics, "train_loss": p.losses, "curve": p.curve}
         tmp = out_dir / f".{RESULT_FILE}.tmp"
         tmp.write_text(json.dumps(result, indent=2) + "\n")
         tmp.replace(out_dir / RESULT_FILE)
         shutil.rmtree(checkpoint.checkpoints_root(out_dir), ignore_errors=True)
     runtime.barrier()  # the model directory is complete before any rank reads it (a KD student's teacher)
-    return SeedResult(seed, p.metrics, dev_logits, p.epoch_losses, p.curve, model_dir)
+    return SeedResult(seed, p.metrics, dev_logits, p.losses, p.curve, model_dir)
 
 
 def standalone_copy(model: SequenceClassifier) -> SequenceClassifier:

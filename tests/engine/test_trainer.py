@@ -283,3 +283,59 @@ def test_added_hooks_run_when_due_and_write_their_lines(tiny_data, tmp_path):
     _train(tiny_data, tmp_path / "plain", **{"train.max_steps": 4, "train.log_every": 2})
     plain = _metrics(tmp_path / "plain")
     assert [{k: v for k, v in r.items() if k != "joined"} for r in rows if "alone" not in r] == plain
+
+
+class _WeightEMA:
+    """An exponential moving average of the discriminator's weights: run state added by a job, as
+    docs/architecture.md § The training loop adds one (a hook with `state_dict`/`load_state_dict`)."""
+
+    def __init__(self, model, decay=0.9):
+        self.model, self.decay = model, decay
+        self.shadow = {k: v.detach().double().clone() for k, v in model.state_dict().items()}
+
+    def after_step(self, end):
+        for k, v in self.model.state_dict().items():
+            self.shadow[k].mul_(self.decay).add_(v.detach().double(), alpha=1 - self.decay)
+
+    def end(self, step, finished):
+        pass
+
+    def state_dict(self):
+        return {"shadow": {k: v.clone() for k, v in self.shadow.items()}}
+
+    def load_state_dict(self, state):
+        self.shadow = {k: v.clone() for k, v in state["shadow"].items()}
+
+
+def test_a_stateful_part_added_by_a_job_is_checkpointed_and_resumes_bit_exactly(tiny_data, tmp_path):
+    """One `add_hook(hook, state=...)` call: the EMA is saved with every checkpoint and, after a SIGTERM and
+    `--resume auto`, ends equal to the uninterrupted run's (the resumed process starts from a fresh EMA, so
+    only the restored state can make them equal). A checkpoint written without the part is refused in one line."""
+    steps = {"train.max_steps": 6, "train.log_every": 1, "train.save_every": 0}
+
+    def run(run_dir, resume=None, ema=True):
+        trainer = build_trainer(load_config("configs/electra-tiny.yaml", tiny_overrides_for(tiny_data, run_dir,
+                                                                                           **steps)))
+        part = _WeightEMA(trainer.units["discriminator"].model) if ema else None
+        if ema:
+            trainer.add_hook(part, state="weight_ema")
+        try:
+            trainer.open_run(resume)
+            trainer.train()
+        finally:
+            trainer.close()
+        return trainer, part
+
+    _, full = run(tmp_path / "full")
+    watcher = _kill_when_logged(tmp_path / "resumed" / "metrics.jsonl", 2)
+    first, _ = run(tmp_path / "resumed")
+    watcher.join()
+    assert 2 <= first.step < 6
+    resumed, ema = run(tmp_path / "resumed", resume="auto")
+    assert resumed.step == 6 and ema.shadow.keys() == full.shadow.keys()
+    assert all(torch.equal(ema.shadow[k], full.shadow[k]) for k in full.shadow)
+
+    run(tmp_path / "plain", ema=False)
+    with pytest.raises(StoreError) as err:
+        run(tmp_path / "plain", resume="auto")
+    assert "\n" not in str(err.value) and "no saved state for weight_ema" in str(err.value)

@@ -47,7 +47,6 @@ import torch
 from megakd.engine.backends import free_local_port
 from megakd.engine.deepspeed_backend import DeepSpeedBackend
 from megakd.engine.pipeline import PipelineBackend
-from megakd.engine.trainer import Trainer
 from megakd.errors import UserError
 from megakd.store.checkpoint import latest_checkpoint, step_dir, verify
 from megakd.store.checkpoint_models import read_unit_state
@@ -155,12 +154,10 @@ def test_converted_copy_is_beside_the_checkpoint_which_still_verifies(runs, stag
 def test_pipeline_checkpoint_at_another_world_size_is_refused_in_one_line(tmp_path):
     """The pipeline engine has no elastic load: the refusal names the saved world size and the way out."""
     assert not hasattr(PipelineBackend, "load_units_elastic")
-    trainer = Trainer.__new__(Trainer)  # only what `_elastic_resume` reads before it refuses
-    trainer.backend = PipelineBackend.__new__(PipelineBackend)
-    trainer.backend.world_size, trainer.backend.rank = 4, 0
-    trainer.layout = type("Layout", (), {"units": {}})()
+    backend = PipelineBackend.__new__(PipelineBackend)  # only what the refusal reads
+    backend.world_size, backend.rank = 4, 0
     with pytest.raises(UserError) as err:
-        trainer._elastic_resume(tmp_path, 2)
+        backend.load_units_resharded([], tmp_path, tmp_path, 2)
     message = str(err.value)
     assert "\n" not in message and "resume with 2 processes" in message and "init.discriminator" in message
 

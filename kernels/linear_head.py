@@ -23,6 +23,8 @@ in that dtype; each gradient comes back in its input's dtype.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -34,6 +36,7 @@ from .dispatch import check_float, check_tensor, resolve_backend
 _CHUNK_ELEMS = 1 << 24
 
 
+@functools.cache
 def _initialize_vml() -> None:
     """Run each oneMKL VML function the torch path calls once, from one thread, before any real call.
 
@@ -45,15 +48,13 @@ def _initialize_vml() -> None:
     the AVX2 "enhanced performance" kernel (bit for bit; ~1e-4 relative error) instead of the AVX-512
     high-accuracy one, in 1 of ~25-80 processes under CPU load: a resumed run's first loss then differed
     from the uninterrupted run's in the 7th digit (docs/reliability.md). One single-element call per
-    function and dtype, made here on import, settles the choice before any parallel call.
+    function and dtype, made once per process when the torch path first runs (not on import, which
+    should change nothing), settles the choice before any parallel call.
     """
     for dtype in (torch.float32, torch.float64):
         one = torch.ones(1, dtype=dtype)
         torch.exp(one)
         torch.log(one)
-
-
-_initialize_vml()
 
 
 def _rows_per_chunk(n: int, v: int) -> int:
@@ -142,6 +143,7 @@ def _chunked_loss_and_grads(ctx, hidden, weight, bias, denom, chunk_terms):
     gradient is needed, per-row scale of that gradient). Gradients are kept on ``ctx`` for backward,
     so no [rows x V] tensor outlives its chunk.
     """
+    _initialize_vml()
     acc = _acc_dtype(hidden)
     need = ctx.needs_input_grad
     want_h, want_w, want_b = need[0], need[1], bias is not None and need[2]
@@ -303,6 +305,7 @@ class _Draws:
 
 
 def _sample_torch(hidden, weight, bias, generator, temperature):
+    _initialize_vml()
     n, v = hidden.shape[0], weight.shape[0]
     draws = _Draws(n, hidden.device, generator, temperature)
     step = _rows_per_chunk(n, v)

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import ast
 import itertools
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).parents[1]
@@ -26,6 +29,7 @@ LAYERS: list[set[str]] = [
     {"engine"},
     {"finetune", "glue", "eval", "convert", "bench", "repro"},
     {"cli", "__init__"},
+    {"testing"},  # test support (tests/, tools/): on top, so no library module can import it
 ]
 LAYER_OF = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
 
@@ -152,3 +156,82 @@ def _module_cycles() -> list[list[str]]:
 
 def test_no_import_cycles_between_modules():
     assert not _module_cycles(), _module_cycles()
+
+
+# -- import side effects -------------------------------------------------------------------------
+# Importing megakd does no work beyond defining things: no atexit handler, no torch computation or
+# global setting, no signal handler, environment variable or warning filter (what a module needs
+# it sets up on first use, as kernels/linear_head.py does for oneMKL). Its third-party imports run
+# first, so what they register on import is not counted.
+
+_STATE = """
+import atexit, os, random, signal, sys, warnings
+import numpy as np
+import torch
+
+def state():
+    return {
+        "atexit handlers": atexit._ncallbacks(),
+        "torch threads": [torch.get_num_threads(), torch.get_num_interop_threads()],
+        "torch flags": [str(torch.get_default_dtype()), torch.are_deterministic_algorithms_enabled(),
+                        torch.get_float32_matmul_precision(), torch.is_grad_enabled(),
+                        torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic,
+                        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32],
+        "rng": [torch.initial_seed(), torch.get_rng_state().tolist(), random.getstate()[1][:8],
+                np.random.get_state()[1][:8].tolist()],
+        "signal handlers": {int(s): str(signal.getsignal(s)) for s in (signal.SIGINT, signal.SIGTERM,
+                                                                       signal.SIGUSR1, signal.SIGHUP)},
+        "environment": dict(os.environ),
+        "warning filters": len(warnings.filters),
+        "excepthook": str(sys.excepthook),
+    }
+"""
+
+_IMPORT_ALL = """
+class Calls(torch.overrides.TorchFunctionMode):
+    seen = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor):  # a computation; torch.device("cuda", 0) is a constant
+            self.seen.append(getattr(func, "__name__", str(func)))
+        return out
+
+import importlib
+before = state()
+with Calls():
+    for name in MODULES:
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as err:  # an optional dependency (triton, deepspeed) not installed
+            if err.name.split(".")[0] in ("megakd", "kernels"):
+                raise
+after = state()
+print(json.dumps({"torch calls": Calls.seen, "changed": {k: [before[k], after[k]] for k in before
+                                                         if before[k] != after[k]}}))
+"""
+
+
+def _third_party_imports(path: Path) -> list[str]:
+    """The module-level imports of `path` that are not megakd's, each as a guarded statement."""
+    out = []
+    nodes = list(ast.parse(path.read_text()).body)
+    while nodes:
+        node = nodes.pop(0)
+        if isinstance(node, ast.Try):
+            nodes[:0] = node.body
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            module = node.names[0].name if isinstance(node, ast.Import) else node.module
+            if not getattr(node, "level", 0) and module.split(".")[0] not in ("megakd", "__future__"):
+                out.append(f"try:\n    {ast.unparse(node)}\nexcept ImportError:\n    pass")
+    return out
+
+
+def test_importing_megakd_has_no_side_effects():
+    modules = _module_files()
+    preload = sorted({line for path in modules.values() for line in _third_party_imports(path)})
+    script = "\n".join(["import json", _STATE, *preload, f"MODULES = {sorted(modules)!r}", _IMPORT_ALL])
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    found = json.loads(out.stdout.splitlines()[-1])
+    assert found == {"torch calls": [], "changed": {}}, found

@@ -45,7 +45,7 @@ from megakd.bench.roofline import format_phases, matmul_seconds, op_shares, phas
 from megakd.config import Config, OptimizerConfig
 from megakd.data.masking import collate
 from megakd.engine.backends import precision_autocast
-from megakd.engine.device_audit import SIMULATED, SyncCounter, simulated_cuda
+from megakd.testing.device_audit import SIMULATED, SyncCounter, simulated_cuda
 from megakd.engine.losses import DiscriminatorLoss, GeneratorLoss
 from megakd.engine.optim import build_optimizer
 from megakd.engine.pretrain import compile_encoders
@@ -180,7 +180,7 @@ def model_flops(gen_cfg: EncoderConfig, disc_cfg: EncoderConfig, batch: dict[str
 def count_syncs(gen_cfg: EncoderConfig, disc_cfg: EncoderConfig, opt: OptimizerConfig,
                 batch: dict[str, torch.Tensor]) -> SyncCounter:
     """Host-device syncs of one megakd step (after a warm-up step) on the simulated cuda:0
-    (megakd/engine/device_audit.py): fp32, torch kernels, the sampling generator on the CPU as in training."""
+    (megakd/testing/device_audit.py): fp32, torch kernels, the sampling generator on the CPU as in training."""
     step = MegakdStep(gen_cfg, disc_cfg, opt, torch.device("cpu"), "fp32")
     with simulated_cuda() as syncs:
         for task in (step.gen, step.disc):

@@ -1,4 +1,4 @@
-"""Device placement on a simulated GPU (megakd/engine/device_audit.py): real training code, no mixed-device
+"""Device placement on a simulated GPU (megakd/testing/device_audit.py): real training code, no mixed-device
 op, a bounded number of host-device syncs per optimizer step, and an instrument that is proven to fail."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from megakd.convert.export import save_hf_model
 from megakd.data.stream import PretrainingLoader
 from megakd.data.tokenizer import Tokenizer
 from megakd.engine.backends import SingleProcessBackend
-from megakd.engine.device_audit import SIMULATED, MixedDeviceError, SimulatedTensor, simulated_cuda
+from megakd.testing.device_audit import SIMULATED, MixedDeviceError, SimulatedTensor, simulated_cuda
 from megakd.engine.pretrain import build_trainer
 from megakd.engine.probe import Probe
 from megakd.engine.validation import Validator

@@ -19,7 +19,6 @@ from megakd.engine.backends import TrainingBackend
 from megakd.engine.layouts import Layout, build_layout
 from megakd.engine.losses import TeacherKD
 from megakd.engine.trainer import Trainer, TrainResult
-from megakd.engine.units import Unit
 from megakd.engine.validation import VALID_SEED, Validator
 from megakd.engine.warm_start import warm_start
 from megakd.finish import bundled_vocab_size, finish_config
@@ -61,16 +60,6 @@ def shard_store(cfg: Config, spec: str | Path) -> ShardStore:
     d = cfg.data
     return ShardStore(spec, retries=d.read_retries, connect_timeout_s=d.read_connect_timeout_s,
                       read_timeout_s=d.read_timeout_s)
-
-
-def build_units(cfg: Config, generator: MaskedLM, discriminator: Discriminator | None,
-                kd: TeacherKD | None = None) -> list[Unit]:
-    """DecoupledOptim → generator + discriminator units; original ELECTRA → one joint unit; MLM → one.
-
-    `kd` (DWT) attaches a frozen teacher to the generator's MLM loss in every layout. The units
-    are those of `build_layout` (megakd/engine/layouts.py), which decides them.
-    """
-    return list(build_layout(cfg, generator, discriminator, kd).units.values())
 
 
 def build_models(cfg: Config) -> tuple[MaskedLM, Discriminator | None]:

@@ -104,14 +104,15 @@ def test_joint_unweighted_clip_is_the_weighted_clip_at_lambda_times_the_norm(par
 
 
 def test_joint_mode_says_that_optim_generator_is_ignored(tiny_data, tmp_path, caplog):
-    from megakd.engine.pretrain import build_models, build_units
+    from megakd.engine.layouts import build_layout
+    from megakd.engine.pretrain import build_models
 
     for decoupled in (True, False):
         caplog.clear()
         cfg = load_config("configs/electra-tiny.yaml", tiny_overrides(tiny_data, tmp_path, **{
             "electra.decoupled": decoupled, "optim.generator.clip_norm": 1.0}))
         with caplog.at_level("WARNING", logger="megakd.engine.pretrain"):
-            build_units(cfg, *build_models(cfg))
+            build_layout(cfg, *build_models(cfg))
         warnings = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
         if decoupled:
             assert warnings == []

@@ -114,3 +114,9 @@ def wordpiece_vocab(docs: list[str], vocab_size: int) -> list[str]:
                                 special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])
     tokens = [t for t, _ in sorted(trainer.get_vocab().items(), key=lambda kv: kv[1])]
     return ["[PAD]", "[unused0]", "[unused1]", "[unused2]", *tokens[1:]]
+
+
+def mlm_logits(model, input_ids, attention_mask=None, token_type_ids=None):
+    """Dense [B, L, V] logits of a megakd `MaskedLM`: what tests compare and inspect (training applies the
+    head only at masked positions, or through the fused kernels)."""
+    return model.head(model(input_ids, attention_mask, token_type_ids))

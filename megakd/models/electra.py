@@ -40,12 +40,6 @@ class MaskedLM(nn.Module):
         """`masked_hidden` at flat row-major `positions` of [B, L]: a gather, no host-device sync."""
         return self.head.transform(hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions))
 
-    def logits(
-        self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None
-    ) -> Tensor:
-        """Dense [B, L, V] logits: for tests and small-vocabulary inspection, not for training."""
-        return self.head(self(input_ids, attention_mask, token_type_ids))
-
 
 class Discriminator(nn.Module):
     """Encoder + replaced-token-detection head."""

@@ -16,7 +16,7 @@ from megakd.convert import ConversionError, to_hf
 from megakd.engine.backends import free_local_port, leave_process_group
 from megakd.models.electra import MaskedLM
 from megakd.store.checkpoint import write_manifest
-from tests.helpers import TINY_VOCAB, tiny_overrides
+from tests.helpers import TINY_VOCAB, mlm_logits, tiny_overrides
 
 CONFIG = Path(__file__).parents[2] / "configs" / "electra-tiny.yaml"
 
@@ -29,7 +29,7 @@ class _Loss(nn.Module):
         self.model = model
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.logits(input_ids).logsumexp(-1).mean()
+        return mlm_logits(self.model, input_ids).logsumexp(-1).mean()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -74,7 +74,7 @@ def _deepspeed_checkpoint(tiny_data, run: Path, stage: int) -> tuple[Path, torch
     write_manifest(step_dir, 1)  # sealed as the trainer's commit seals it
     model.eval()
     with deepspeed.zero.GatheredParameters(list(model.parameters())), torch.no_grad():
-        reference = model.logits(ids)
+        reference = mlm_logits(model, ids)
     return step_dir, ids, reference
 
 

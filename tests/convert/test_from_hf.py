@@ -11,6 +11,7 @@ from megakd.cli import main
 from megakd.convert import ConversionError, from_hf, load_model_dir, read_model_dir_info, to_hf
 from megakd.data.hf_tokenizer import write_hf_tokenizer
 from megakd.data.tokenizer import Tokenizer
+from tests.helpers import mlm_logits
 
 VOCAB = 512
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
@@ -53,7 +54,7 @@ def _hf_output(hf: torch.nn.Module, architecture: str, x: dict) -> torch.Tensor:
 
 def _megakd_output(model: torch.nn.Module, kind: str, x: dict) -> torch.Tensor:
     if kind == "masked_lm":
-        return model.logits(**x)
+        return mlm_logits(model, **x)
     if kind == "discriminator":
         return model.rtd_logits(model(**x))
     return model(**x)

@@ -14,7 +14,7 @@ from megakd.models.electra import Discriminator, MaskedLM
 from megakd.models.encoder import EncoderConfig
 from megakd.store import load_model
 from megakd.store.checkpoint_models import load_checkpoint, resolve_checkpoint
-from tests.helpers import TINY_VOCAB, padded_inputs, tiny_overrides
+from tests.helpers import TINY_VOCAB, mlm_logits, padded_inputs, tiny_overrides
 
 CONFIG = Path(__file__).parents[2] / "configs" / "electra-tiny.yaml"
 
@@ -39,7 +39,7 @@ def test_original_electra_t5_relative_run_exports_remote_code(tiny_data, tmp_pat
                                                local_files_only=True).eval()
     with torch.no_grad():
         d = (disc(**x).logits - ckpt.discriminator.rtd_logits(ckpt.discriminator(**x)))[x["attention_mask"].bool()]
-        g = (gen(**x).logits - ckpt.generator.logits(**x))[x["attention_mask"].bool()]
+        g = (gen(**x).logits - mlm_logits(ckpt.generator, **x))[x["attention_mask"].bool()]
     assert d.abs().max() <= 1e-5 and g.abs().max() <= 1e-5
     # the MLM output matrix stayed tied to the (trained, shared) word embeddings after loading
     assert gen.head.decoder_weight.data_ptr() == gen.encoder.embeddings.word_embeddings.weight.data_ptr()
@@ -82,7 +82,7 @@ def test_remote_mlm_round_trip_through_model_dir_is_self_contained(tmp_path):
     hf = AutoModelForMaskedLM.from_pretrained(tmp_path, trust_remote_code=True, local_files_only=True).eval()
     x = padded_inputs()
     with torch.no_grad():
-        assert (hf(**x).logits - mlm.logits(**x))[x["attention_mask"].bool()].abs().max() <= 1e-5
+        assert (hf(**x).logits - mlm_logits(mlm, **x))[x["attention_mask"].bool()].abs().max() <= 1e-5
 
 
 def test_megakd_export_reads_back_exactly_and_its_code_never_runs(tmp_path):

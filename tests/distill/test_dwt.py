@@ -23,7 +23,7 @@ from megakd.models.electra import MaskedLM
 from megakd.models.encoder import EncoderConfig
 from megakd.objectives.distill import alpha_schedule, kd_loss
 from megakd.store import StoreError, check_same_tokenizer, load_model
-from tests.helpers import tiny_overrides
+from tests.helpers import mlm_logits, tiny_overrides
 
 REPO = Path(__file__).parents[2]
 
@@ -104,9 +104,9 @@ def test_one_dwt_step_equals_autograd_of_reference_loss():
     got = {n: p.grad.clone() for n, p in student.named_parameters()}
 
     student.zero_grad()
-    s_logits = student.logits(batch["masked_input_ids"], attn)[mlm_mask]
+    s_logits = mlm_logits(student, batch["masked_input_ids"], attn)[mlm_mask]
     with torch.no_grad():
-        t_logits = teacher.logits(batch["masked_input_ids"], attn)[mlm_mask]
+        t_logits = mlm_logits(teacher, batch["masked_input_ids"], attn)[mlm_mask]
     alpha_s = 4 + (1 - 4) * 3 / 4
     ref = alpha_h * F.cross_entropy(s_logits, ids[mlm_mask]) + alpha_s * _kl_reference(s_logits, t_logits, tau)
     ref.backward()
@@ -223,7 +223,7 @@ def test_dwt_into_electra_generator_and_remap_via_cli(tiny_data, tmp_path, teach
     trainer = build_trainer(cfg)
     student, teacher = trainer.units["generator"].model.eval(), trainer.units["generator"].loss_module.kd.teacher
     ids = torch.randint(5, 512, (2, 20))
-    torch.testing.assert_close(student.logits(ids), teacher.logits(ids), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(mlm_logits(student, ids), mlm_logits(teacher, ids), rtol=1e-4, atol=1e-4)
 
     bad = tmp_path / "bad"
     assert cli_main(["distill", "-c", "configs/dwt-weak.yaml",
@@ -245,7 +245,7 @@ def test_teacher_from_run_hf_dir_and_model_dir_is_the_same_model(tiny_data, tmp_
         model = loaded.get("masked_lm")
         check_same_tokenizer(tok, loaded.tokenizer_dir, "distill.teacher", model.config.vocab_size)
         assert not model.training
-        torch.testing.assert_close(model.logits(ids), reference.logits(ids), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(mlm_logits(model, ids), mlm_logits(reference, ids), rtol=1e-5, atol=1e-5)
     with pytest.raises(StoreError, match="holds a masked LM .*; expected an ELECTRA discriminator"):
         load_model(teacher_run, "distill.teacher").get("discriminator")
 

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from megakd.models.electra import MaskedLM
 from megakd.models.encoder import EncoderConfig
 from megakd.models.remap import IN, OUT, cyclic_map, net2wider, remap_masked_lm
+from tests.helpers import mlm_logits
 
 V = 41
 
@@ -76,7 +77,7 @@ def test_net2wider_doubling_preserves_the_masked_lm(variant):
     ids = torch.randint(0, V, (3, 16), generator=torch.Generator().manual_seed(1))
     attn = torch.ones(3, 16, dtype=torch.long)
     attn[0, 9:] = 0
-    torch.testing.assert_close(student.logits(ids, attn), teacher.logits(ids, attn), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(mlm_logits(student, ids, attn), mlm_logits(teacher, ids, attn), rtol=1e-12, atol=1e-12)
 
 
 def test_embeddings_widened_by_copy_and_head_layer_norm_split():

@@ -22,7 +22,7 @@ from megakd.store import load_model
 from megakd.store.checkpoint import latest_checkpoint
 from megakd.store.checkpoint_models import load_checkpoint
 from tests.distributed.harness import assert_resume_exact
-from tests.helpers import tiny_overrides
+from tests.helpers import mlm_logits, tiny_overrides
 
 VAL_KEYS = ("val_gen_loss", "val_gen_acc", "val_disc_loss", "val_disc_acc", "val_rtd_f1", "val_rtd_auc")
 
@@ -174,8 +174,8 @@ def test_mlm_student_with_a_teacher_logs_teacher_agreement(tiny_data, tiny_elect
     with torch.no_grad():
         for _, batch in zip(range(2), loader):
             mask, ids = batch["mlm_mask"], batch["masked_input_ids"]
-            s_logits = student.logits(ids, batch["attention_mask"])[mask]
-            t_logits = teacher.logits(ids, batch["attention_mask"])[mask]
+            s_logits = mlm_logits(student, ids, batch["attention_mask"])[mask]
+            t_logits = mlm_logits(teacher, ids, batch["attention_mask"])[mask]
             targets = batch["input_ids"][mask]
             ce += float(F.cross_entropy(s_logits, targets, reduction="sum"))
             correct += float((s_logits.argmax(-1) == targets).sum())

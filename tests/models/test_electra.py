@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from megakd.models.electra import Discriminator, ElectraPair, MaskedLM, SequenceClassifier
 from megakd.models.encoder import EncoderConfig
+from tests.helpers import mlm_logits
 
 
 def config(hidden: int, embedding_size: int | None = 16, **overrides) -> EncoderConfig:
@@ -34,7 +35,7 @@ def test_sparse_mlm_path_equals_dense_logits_at_masked_positions() -> None:
         hidden = model(input_ids, mask)
         features = model.masked_hidden(hidden, mlm_mask)
         sparse = F.linear(features, model.head.decoder_weight, model.head.bias)
-        dense = model.logits(input_ids, mask)
+        dense = mlm_logits(model, input_ids, mask)
     assert features.shape == (3, 16)
     torch.testing.assert_close(sparse, dense[mlm_mask], atol=1e-6, rtol=1e-6)
     assert model.head.decoder_weight is model.encoder.embeddings.word_embeddings.weight
@@ -44,7 +45,7 @@ def test_sparse_mlm_path_equals_dense_logits_at_masked_positions() -> None:
 def test_mlm_output_matrix_is_trained_through_the_embedding() -> None:
     model = MaskedLM(config(32))
     input_ids, mask = batch()
-    model.logits(input_ids, mask).sum().backward()
+    mlm_logits(model, input_ids, mask).sum().backward()
     names = [n for n, _ in model.named_parameters()]
     assert "head.tied_embedding.weight" not in names  # listed once, under the encoder
     assert model.encoder.embeddings.word_embeddings.weight.grad is not None

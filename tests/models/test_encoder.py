@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from megakd.models.admin import admin_initialize
 from megakd.models.electra import Discriminator, MaskedLM
 from megakd.models.encoder import Encoder, EncoderConfig, relative_position_bucket
+from tests.helpers import mlm_logits
 
 
 def tiny(**overrides) -> EncoderConfig:
@@ -183,7 +184,7 @@ def test_admin_profiling_sets_omega_from_branch_variances(position_encoding: str
     assert all(b > a for a, b in zip(expected, expected[1:]))  # ω grows with depth
     assert expected[0] != pytest.approx(1.0, abs=0.05)  # the profiling really changed something
     assert torch.isfinite(hidden).all()
-    assert torch.isfinite(model.logits(input_ids, mask, token_types)).all()
+    assert torch.isfinite(mlm_logits(model, input_ids, mask, token_types)).all()
 
 
 @pytest.mark.parametrize("position_encoding", ["absolute", "t5_relative"])

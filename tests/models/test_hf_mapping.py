@@ -16,6 +16,7 @@ from megakd.models.hf_mapping import (
     hf_model_class,
     to_hf_state_dict,
 )
+from tests.helpers import mlm_logits
 
 CASES = [
     ("electra_discriminator", None),
@@ -49,7 +50,7 @@ def batch(vocab: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.
 def megakd_logits(model: torch.nn.Module, kind: str, *inputs: torch.Tensor) -> torch.Tensor:
     if kind == "electra_discriminator":
         return model.rtd_logits(model(*inputs))
-    return model.logits(*inputs)
+    return mlm_logits(model, *inputs)
 
 
 def perturb(model: torch.nn.Module) -> None:

@@ -16,6 +16,7 @@ import re
 import signal
 import sys
 import time
+from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -605,6 +606,11 @@ def _examples(*lines: str, note: str = "") -> str:
     return "\n".join(["examples:", *(f"  {line}" for line in lines), *(["", note] if note else [])])
 
 
+# build_parser's command(parent, name, help_text, epilog): a sub-command parser with the common options.
+_Command = Callable[..., argparse.ArgumentParser]
+_RECIPES_NOTE = "Recipes: `megakd config recipes`; config keys: `megakd config keys PATTERN`."
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megakd", description=__doc__.splitlines()[0], formatter_class=HelpFormatter,
@@ -626,22 +632,31 @@ def build_parser() -> argparse.ArgumentParser:
         return parent.add_parser(name, help=help_text, description=help_text, epilog=epilog, parents=[common],
                                  formatter_class=formatter)
 
-    recipes_note = "Recipes: `megakd config recipes`; config keys: `megakd config keys PATTERN`."
+    # One function per command, in the order `megakd --help` lists them.
+    for add in (_add_pretrain, _add_finetune, _add_glue, _add_distill, _add_eval_rtd, _add_repro, _add_data,
+                _add_convert, _add_bench, _add_plan, _add_doctor, _add_config):
+        add(sub, command)
+    return parser
+
+
+def _add_pretrain(sub, command: _Command) -> None:
     p = command(sub, "pretrain", "ELECTRA (DecoupledOptim or original) or BERT-MLM pretraining", _examples(
         "megakd pretrain -c configs/electra-tiny.yaml train.max_steps=100 run.dir=runs/quick",
         "megakd pretrain -c configs/electra-tiny.yaml --resume auto  # continue from the newest checkpoint",
         "launch/torchrun.sh 2 pretrain -c configs/electra-mini-long.yaml  # two data-parallel ranks",
-        note=recipes_note))
+        note=_RECIPES_NOTE))
     _training_arguments(p, "configs/electra-tiny.yaml", "train.max_steps=100")
     p.set_defaults(func=cmd_pretrain)
 
+
+def _add_finetune(sub, command: _Command) -> None:
     p = command(sub, "finetune", "sequence (pair) classification/regression: fine-tuning, label "
                 "regularisation, SoTeacher, TGT", _examples(
                     "megakd finetune -c configs/finetune-rt.yaml  # the discriminator of electra-tiny.yaml",
                     "megakd finetune -c configs/finetune-rt.yaml model.path=runs/electra-mini "
                     "finetune.seeds=[1,2,3]",
                     "launch/torchrun.sh 2 finetune -c configs/finetune-rt.yaml  # backend.name auto: ddp",
-                    note=recipes_note))
+                    note=_RECIPES_NOTE))
     p.add_argument("-c", "--config", required=True, help="YAML recipe, e.g. configs/finetune-rt.yaml")
     p.add_argument("--resume", choices=["auto"], help="'auto': reuse finished seeds in run.dir and continue the "
                    "unfinished one from its newest intact checkpoint")
@@ -649,6 +664,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. finetune.seeds=[1,2,3]")
     p.set_defaults(func=cmd_finetune)
 
+
+def _add_glue(sub, command: _Command) -> None:
     p = command(sub, "glue", "GLUE as the papers report it: the benchmark's files, its metrics, seeds' medians, "
                 "the test-set submission", _examples(
                     "megakd glue -c configs/glue.yaml model.path=runs/electra-tiny/hf/discriminator "
@@ -664,16 +681,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. glue.tasks=[cola,rte]")
     p.set_defaults(func=cmd_glue)
 
+
+def _add_distill(sub, command: _Command) -> None:
     p = command(sub, "distill", "DWT: pretraining with a frozen teacher MLM (distill.teacher) on the "
                 "student's MLM loss", _examples(
                     "megakd pretrain -c configs/dwt-tiny.yaml model.generator.num_layers=2 "
                     "run.dir=runs/dwt-teacher-2l",
                     "megakd distill -c configs/dwt-tiny.yaml distill.teacher=runs/dwt-teacher-2l",
                     "megakd distill -c configs/dwt-weak.yaml  # teacher: runs/bert-mini (bert-mini.yaml)",
-                    note=recipes_note))
+                    note=_RECIPES_NOTE))
     _training_arguments(p, "configs/dwt-weak.yaml", "distill.teacher=runs/teacher")
     p.set_defaults(func=cmd_distill)
 
+
+def _add_eval_rtd(sub, command: _Command) -> None:
     p = command(sub, "eval-rtd", "score discriminators against one fixed generator on fixed masked data (RTD "
                 "accuracy, precision, recall, F1 as JSON)", _examples(
                     "megakd eval-rtd --generator runs/rtd-generator-tiny --discriminator runs/electra-tiny "
@@ -695,6 +716,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="also write the JSON report to this file")
     p.set_defaults(func=cmd_eval_rtd)
 
+
+def _add_repro(sub, command: _Command) -> None:
     p = command(sub, "repro", "re-run one of the papers' findings at CPU scale and write its section of "
                 "docs/REPRODUCTION.md (paper numbers, measured mean ± std over seeds, verdict)", _examples(
                     "megakd repro all --plan  # minutes per finding; runs nothing",
@@ -719,6 +742,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --plan: time a few training steps here (about 20 s) and plan with this machine's speed")
     p.set_defaults(func=cmd_repro)
 
+
+def _add_data(sub, command: _Command) -> None:
     corpus = "megakd/data/corpus/austen.jsonl.gz megakd/data/corpus/kjv.jsonl.gz"
     data_examples = (f"megakd data tokenizer --input {corpus} --vocab-size 8000 --out data/tok",
                      f"megakd data shards --input {corpus} --tokenizer data/tok --seq-len 128 "
@@ -756,6 +781,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write each shard's samples in a seeded random order (for data.read_block > 1)")
     s.set_defaults(func=cmd_data_shards)
 
+
+def _add_convert(sub, command: _Command) -> None:
     convert_examples = ("megakd convert to-hf runs/electra-tiny runs/electra-tiny-hf  # OUT/discriminator, "
                         "OUT/generator",
                         "megakd convert from-hf runs/electra-tiny-hf/discriminator models/electra-tiny-disc",
@@ -776,6 +803,8 @@ def build_parser() -> argparse.ArgumentParser:
         c.add_argument("--force", action="store_true", help="replace a non-empty OUT")
         c.set_defaults(func=cmd_convert)
 
+
+def _add_bench(sub, command: _Command) -> None:
     b = command(sub, "bench", "cluster benchmark: collectives, matmul, data loader, training throughput; "
                 "'bench plot A.json B.json' draws results", _examples(
                     "megakd bench --parts matmul  # one process: the device's matmul peak",
@@ -797,6 +826,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("rest", nargs="*", help="key=value config overrides, or: plot FILE.json [FILE.json ...]")
     b.set_defaults(func=cmd_bench)
 
+
+def _add_plan(sub, command: _Command) -> None:
     pl = command(sub, "plan", "memory/throughput planner: layouts that fit, best first", _examples(
         "megakd plan configs/electra-base.yaml --gpus 64 --gpu-mem 80 --gpu h100 --storage-gbps 10",
         "megakd plan configs/electra-base.yaml --gpus 8 --gpu-mem 80 --bench bench/bench_w8.json",
@@ -829,12 +860,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the same as a positional key=value (kept for older scripts)")
     pl.set_defaults(func=cmd_plan)
 
+
+def _add_doctor(sub, command: _Command) -> None:
     d = command(sub, "doctor", "what this machine has (torch, CUDA, NCCL, Triton, DeepSpeed, GPUs, launcher "
                 "variables) against what megakd needs, and what will not work here", _examples(
                     "megakd doctor  # on a login node, then on a GPU node (srun megakd doctor)",
                     "megakd doctor > doctor.txt  # beside a bug report"))
     d.set_defaults(func=cmd_doctor)
 
+
+def _add_config(sub, command: _Command) -> None:
     cf = command(sub, "config", "the config keys (types, defaults, meanings) and the recipes in configs/",
                  _examples("megakd config keys 'optim.*.lr'  # a glob on the whole key; or a word of the key",
                            "megakd config keys --finetune lr",
@@ -859,7 +894,7 @@ def build_parser() -> argparse.ArgumentParser:
         "megakd pretrain -c configs/electra-mini.yaml --print-config  # a recipe's every value"))
     r.add_argument("dir", nargs="?", default=str(RECIPES), help="a directory of recipes (default: configs/)")
     r.set_defaults(func=cmd_config_recipes)
-    return parser
+
 
 
 def _training_arguments(p: argparse.ArgumentParser, recipe: str, override: str) -> None:

@@ -200,17 +200,10 @@ def training_throughput(cfg: Config, steps: int, warmup: int, peak_tflops: float
     flops = step_flops(cfg, cfg.train.global_batch_size, trainer.loader.seq_len)
     peak_source = "--peak-tflops"
     if peak_tflops is None:
-        matmul_s = _slowest(matmul_seconds(DTYPES[cfg.train.precision], backend.device, matmul_n), backend.device)
-        peak_tflops = 2 * matmul_n**3 / matmul_s / 1e12
-        peak_source = f"measured {cfg.train.precision} matmul n={matmul_n}, {torch.get_num_threads()} threads"
+        peak_tflops, peak_source = _measured_peak(cfg.train.precision, backend.device, matmul_n)
     split = phase_seconds(train_step, profile_steps, backend.device)
     split = {k: _slowest(v, backend.device) for k, v in split.items()}
-    if backend.device.type == "cuda":
-        peak_mem = torch.cuda.max_memory_allocated(backend.device)
-        mem_kind = "cuda max_memory_allocated"
-    else:
-        peak_mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        mem_kind = "process peak RSS"
+    peak_mem, mem_kind = _peak_memory(backend.device)
     achieved = flops.model / step_s / world / 1e12
     result = {
         "steps": steps, "world_size": world, "backend": backend.name, "precision": cfg.train.precision,
@@ -237,6 +230,20 @@ def training_throughput(cfg: Config, steps: int, warmup: int, peak_tflops: float
     gc.collect()
     backend.close()
     return result
+
+
+def _measured_peak(precision: str, device: torch.device, matmul_n: int) -> tuple[float, str]:
+    """(TFLOP/s, how it was measured) of a dense matmul at `precision`: the slowest rank's."""
+    matmul_s = _slowest(matmul_seconds(DTYPES[precision], device, matmul_n), device)
+    source = f"measured {precision} matmul n={matmul_n}, {torch.get_num_threads()} threads"
+    return 2 * matmul_n**3 / matmul_s / 1e12, source
+
+
+def _peak_memory(device: torch.device) -> tuple[int, str]:
+    """(bytes, what they count): the allocator's peak on CUDA, the process's peak RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "cuda max_memory_allocated"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process peak RSS"
 
 
 def run_bench(cfg: Config, *, parts: tuple[str, ...], sizes: list[int], iters: int, matmul_n: int,

@@ -136,29 +136,7 @@ def declare(run: FindingRun) -> ReportFn:
                   for draw, by_arm in whole.items() for arm, m in by_arm.items()]
         verdict, reason = verdict_of(short, whole)
         plot = _plot(short, curves, run.out_dir / "repro" / "dwt.png")
-        draws = run.settings.draws
-        setup = (f"`{run.command}`: student `{run.recipe.name}` ({student_layers}-layer BERT-MLM) on the bundled "
-                 f"corpus. Short budget, {steps:,} steps: alone and distilled from teachers = the same recipe with "
-                 f"{', '.join(map(str, TEACHERS.values()))} layers (seed 0, same length), pretrained first, with "
-                 "`dwt-weak.yaml`'s loss weights (Normal: constant α_h:α_s = 1:1, τ = 1), and from the weak teacher "
-                 "with `dwt-weak-strong.yaml` (constant 1:4) and `dwt-weak-4to1.yaml` (α_s 4 → 1, linear); student "
-                 f"seeds {', '.join(map(str, run.seeds))}. Whole budget, {long:,} steps: random init against "
-                 "remapping from a weak teacher of that length (Normal weights), student pretrained "
-                 f"{len(draws)} times (draws: train.seed {', '.join(map(str, draws))}), each fine-tuned on RT with "
-                 f"`configs/finetune-rt.yaml`'s defaults, seeds {', '.join(map(str, run.seeds))}. Student masked-LM "
-                 "loss and accuracy (hard cross-entropy only; the run sees each sample once, so these are losses on "
-                 "unseen text) over the last 10 % of logged steps; early = over "
-                 f"{EARLY[0] * 100:.0f}–{EARLY[1] * 100:.0f} % of the short run (after its warm-up) and 10–20 % of "
-                 "the whole one; "
-                 "gain = loss(no teacher) − loss(student) of the same seed (positive = better); probe = the "
-                 "frozen-feature RT probe at the end. Rule: teacher strength on the short budget's masked-LM loss, "
-                 "where distillation acts: weak < none < very weak < extremely weak; schedules: Strong below Normal "
-                 "early, Normal below Strong at the end; each a paired t-test over student seeds (p < 0.05). "
-                 "Remapping, downstream as the paper judges it: per draw, random init's RT accuracy above remapped's "
-                 "(paired over fine-tuning seeds), counted only where both draws agree. Reproduced if every "
-                 "relation holds, not reproduced if any is significantly reversed, inconclusive otherwise."
-                 + (f" Quick mode: {student_layers} × {width} student for a few steps, a structure check rather than a "
-                    "measurement." if run.quick else run.note))
+        setup = _setup(run, steps, long, student_layers, width)
         return FindingReport(name="dwt", title="DWT: teacher strength, soft-loss schedule and parameter remapping",
                              paper=PAPER, setup=setup,
                              columns=["steps", "teacher", "teacher size", "teacher MLM loss", "early MLM loss",
@@ -167,6 +145,33 @@ def declare(run: FindingRun) -> ReportFn:
                              rows=table, verdict=verdict, reason=reason, plots=[str(plot.relative_to(run.out_dir))])
 
     return report
+
+
+def _setup(run: FindingRun, steps: int, long: int, student_layers: int, width: int) -> str:
+    """The report's setup paragraph: the arms, budgets and seeds of `declare`, and the rule it judges by."""
+    draws = run.settings.draws
+    return (f"`{run.command}`: student `{run.recipe.name}` ({student_layers}-layer BERT-MLM) on the bundled "
+            f"corpus. Short budget, {steps:,} steps: alone and distilled from teachers = the same recipe with "
+            f"{', '.join(map(str, TEACHERS.values()))} layers (seed 0, same length), pretrained first, with "
+            "`dwt-weak.yaml`'s loss weights (Normal: constant α_h:α_s = 1:1, τ = 1), and from the weak teacher "
+            "with `dwt-weak-strong.yaml` (constant 1:4) and `dwt-weak-4to1.yaml` (α_s 4 → 1, linear); student "
+            f"seeds {', '.join(map(str, run.seeds))}. Whole budget, {long:,} steps: random init against "
+            "remapping from a weak teacher of that length (Normal weights), student pretrained "
+            f"{len(draws)} times (draws: train.seed {', '.join(map(str, draws))}), each fine-tuned on RT with "
+            f"`configs/finetune-rt.yaml`'s defaults, seeds {', '.join(map(str, run.seeds))}. Student masked-LM "
+            "loss and accuracy (hard cross-entropy only; the run sees each sample once, so these are losses on "
+            "unseen text) over the last 10 % of logged steps; early = over "
+            f"{EARLY[0] * 100:.0f}–{EARLY[1] * 100:.0f} % of the short run (after its warm-up) and 10–20 % of "
+            "the whole one; "
+            "gain = loss(no teacher) − loss(student) of the same seed (positive = better); probe = the "
+            "frozen-feature RT probe at the end. Rule: teacher strength on the short budget's masked-LM loss, "
+            "where distillation acts: weak < none < very weak < extremely weak; schedules: Strong below Normal "
+            "early, Normal below Strong at the end; each a paired t-test over student seeds (p < 0.05). "
+            "Remapping, downstream as the paper judges it: per draw, random init's RT accuracy above remapped's "
+            "(paired over fine-tuning seeds), counted only where both draws agree. Reproduced if every "
+            "relation holds, not reproduced if any is significantly reversed, inconclusive otherwise."
+            + (f" Quick mode: {student_layers} × {width} student for a few steps, a structure check rather than a "
+               "measurement." if run.quick else run.note))
 
 
 # (better, worse) on the short budget's student loss: teacher strength at the end, then the schedules

@@ -834,8 +834,11 @@ def _kill_leftover_workers() -> None:
     multiprocessing's own exit handler stops them with SIGTERM, which our workers ignore, and then
     waits forever. That happens whenever a loader iterator is still open at exit (a caller keeps a
     reference to it). atexit runs handlers last-registered-first, so this must be registered after
-    multiprocessing's handler: :func:`_kill_leftover_workers_at_exit` does that.
+    multiprocessing's handler: :func:`_kill_leftover_workers_at_exit` does that. An open iterator's
+    SIGCHLD handler (DataLoader's) would report each of these deaths as a failed worker, with a
+    traceback out of whichever exit handler runs next, so SIGCHLD goes back to its default first.
     """
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     for child in multiprocessing.active_children():
         if child.daemon:
             child.kill()

@@ -316,7 +316,8 @@ assert len(ours) == 1, ours
 
 def test_import_registers_nothing_and_open_worker_iterators_do_not_block_exit(small_shards, tokenizer):
     """The exit handler that kills leftover workers is registered by the first loader whose workers
-    start (once), not by importing the module; a process that exits with worker iterators open ends."""
+    start (once), not by importing the module; a process that exits with worker iterators open ends,
+    and their killed workers are not reported as failures."""
     child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(EXIT_WITH_OPEN_ITERATORS), str(small_shards),
                               str(tokenizer.path)], stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -324,4 +325,4 @@ def test_import_registers_nothing_and_open_worker_iterators_do_not_block_exit(sm
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(child.pid, signal.SIGKILL)  # a hung exit leaves its workers behind too
-    assert child.returncode == 0, err[-3000:]
+    assert child.returncode == 0 and "Traceback" not in err, err[-3000:]

@@ -1,10 +1,10 @@
 """Hooks: the work a training loop does after a step and when it ends, registered instead of inlined.
 
-Both loops (pretraining's `Trainer`, fine-tuning's `SeedTraining`) are a step, then `Hooks.after_step`,
-until the last step or a stop, then `Hooks.end`. The log line, validation, the probe, the metrics
-file, the progress bar, checkpoint cadence and plots are hooks, so adding periodic work (a new
-evaluation, a logger) is one `add` and no change to a loop. docs/architecture.md § The run session
-shows the order the loops register them in.
+The training loop (`megakd.engine.loop.TrainingLoop`) is a step, then `Hooks.after_step`, until the
+last step or a stop, then `Hooks.end`. The log line, validation, the probe, the epoch's evaluation,
+the metrics file, the progress bar, checkpoint cadence and plots are hooks, so adding periodic work
+(a new evaluation, a logger) is one `add` and no change to the loop. docs/architecture.md § The
+training loop shows the order the loop registers them in.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class StepEnd:
     # lines[0] is the step's log line ({} until a hook fills it); hooks may join it or append lines
     lines: list[dict]
     stopping: bool = False  # all ranks agreed to stop: the loop checkpoints and leaves after the hooks
-    values: dict | None = None  # the step's statistics, as the loop reports them (None: update skipped)
+    values: dict | None = None  # this rank's statistics of the step, on its device (None: update skipped)
 
 
 class Hook:

@@ -1,7 +1,7 @@
 """The run session: the mechanics every training command shares, whatever its loop.
 
-Pretraining (`engine/trainer.py`) and fine-tuning (`finetune/trainer.py`) each own their steps,
-their batches and what they log. What must behave the same in every job lives here, once:
+The training loop (`engine/loop.py`) owns the steps, the log line and the checkpoints of every job.
+What the loop and the commands around it share with the run directory and the process lives here:
 
 - **ownership**: rank 0 takes `<run.dir>/.lock` and decides (claim a new run dir, find the
   checkpoint to resume); every rank learns the outcome, so a refusal stops all of them;
@@ -18,7 +18,7 @@ their batches and what they log. What must behave the same in every job lives he
 The work a loop does after each step and at its end (log line, evaluations, metrics file, progress
 bar, checkpoint cadence, plots) are hooks, `megakd/engine/hooks.py`.
 
-docs/architecture.md § The run session shows how the two loops use it.
+docs/architecture.md § The training loop shows how the loop uses it.
 """
 
 from __future__ import annotations

@@ -136,7 +136,7 @@ def test_signal_under_torchrun_with_workers(tiny_data, tmp_path, to_one_rank):
     got, text = finish(proc, log)
     stopped = step_of(latest_checkpoint(run))
     for rank in (0, 1):
-        assert re.search(rf"\[rank{rank}\] WARNING megakd.engine.trainer: stopped at step {stopped} on a signal",
+        assert re.search(rf"\[rank{rank}\] WARNING megakd.engine.loop: stopped at step {stopped} on a signal",
                          text), text[-4000:]
     assert sorted(p.name for p in latest_checkpoint(run).glob("trainer_state_rank*.pt")) == [
         "trainer_state_rank00000.pt", "trainer_state_rank00001.pt"]

@@ -70,6 +70,16 @@ def test_every_package_has_a_layer():
     assert set(_package_files()) <= set(LAYER_OF), set(_package_files()) - set(LAYER_OF)
 
 
+def test_every_package_is_installed():
+    """A wheel holds the packages pyproject lists and no others: every directory of megakd with an
+    `__init__.py` must be listed (an editable install finds them all, so nothing else notices)."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    present = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "megakd").rglob("__init__.py")}
+    assert present | {"megakd.kernels"} == listed
+
+
 def test_imports_point_down():
     upward = [f"{pkg} -> {target} ({', '.join(files)})"
               for pkg, targets in _edges().items() for target, files in targets.items()

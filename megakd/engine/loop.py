@@ -79,6 +79,12 @@ class RandomStreams:
         self.sampling = sampling
         self.fresh_seed = fresh_seed
 
+    @staticmethod
+    def seed_rank(seed: int) -> None:
+        """Seed this rank's global streams (dropout) once the models are built from the shared seed: the
+        job picks `seed` so that it differs per rank and reproduces."""
+        torch.manual_seed(seed)
+
     def state_dict(self) -> dict:
         return rng_state(self.sampling)
 

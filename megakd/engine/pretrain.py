@@ -116,10 +116,17 @@ def build_loader(cfg: Config, tokenizer: Tokenizer, shards_dir: ShardStore, micr
 
 
 def build_trainer(cfg: Config, backend: TrainingBackend | None = None, resume: str | None = None) -> Trainer:
-    """The trainer for `cfg`; `resume` (as given to `Trainer.open_run`) only decides whether `init.*` is read."""
+    """The trainer for `cfg`; `resume` (as given to `Trainer.open_run`) only decides whether `init.*` is read.
+
+    The config is finished first, before anything is built: the data's tokenizer (the bundled corpus is
+    built if needed) fills `vocab_size: auto` and the pad id, the launch fills `backend.name: auto`.
+    """
+    tokenizer_dir, shards_dir = resolve_data(cfg)
+    tokenizer = Tokenizer.load(tokenizer_dir)
+    finish_config(cfg, tokenizer)
     backend = backend or build_backend(cfg)
     try:
-        return _build_trainer(cfg, backend, resume)
+        return _build_trainer(cfg, backend, tokenizer, tokenizer_dir, shards_dir, resume)
     except BaseException:
         backend.close()  # a config error found while building must not leave a process group behind
         raise
@@ -132,11 +139,9 @@ def resumes_from_checkpoint(cfg: Config, resume: str | None) -> bool:
     return resume != "auto" or bool(checkpoint.list_checkpoints(Path(cfg.run.dir)))
 
 
-def _build_trainer(cfg: Config, backend: TrainingBackend, resume: str | None = None) -> Trainer:
+def _build_trainer(cfg: Config, backend: TrainingBackend, tokenizer: Tokenizer, tokenizer_dir: Path,
+                   shards_dir: ShardStore, resume: str | None) -> Trainer:
     micro_batch, accumulation = cfg.batch_layout(backend.data_world_size)
-    tokenizer_dir, shards_dir = resolve_data(cfg)
-    tokenizer = Tokenizer.load(tokenizer_dir)
-    finish_config(cfg, tokenizer)  # the tokenizer in use fills `vocab_size: auto` and the pad id
     manifest = read_manifest(shards_dir)
     if manifest.get("packed") and cfg.backend.pipeline_stages > 1:
         raise ConfigError(f"data.shards={shards_dir}: packed shards are not supported with "
@@ -156,8 +161,6 @@ def _build_trainer(cfg: Config, backend: TrainingBackend, resume: str | None = N
     backend.prepare(layout, accumulation)
     loader = build_loader(cfg, tokenizer, shards_dir, micro_batch, backend.data_rank, backend.data_world_size)
     validator = build_validator(cfg, tokenizer, shards_dir, micro_batch, backend, layout)
-    # Dropout must differ per rank but be reproducible: reseed after the shared model init.
-    torch.manual_seed(cfg.train.seed * 1_000_003 + backend.rank)
     return Trainer(cfg, backend, layout, loader, tokenizer_dir=tokenizer_dir, validator=validator)
 
 

@@ -82,6 +82,7 @@ class Trainer:
         if validator is not None:
             self.add_hook(StepHook(t.eval_every, validator.evaluate))
         self.add_hook(StepHook(t.probe_every, self._probe_line, own_line=True))
+        streams.seed_rank(t.seed * 1_000_003 + backend.rank)  # dropout, after the models' shared init
 
     def add_hook(self, hook: Hook, state: str | None = None) -> None:
         """Run `hook` after every applied step (values it adds to the step's lines reach metrics.jsonl),

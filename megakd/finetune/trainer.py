@@ -371,7 +371,7 @@ class SeedTraining:
         self.loop.checkpointer = Checkpointer(runtime.session, out_dir, [unit], parts, keep_last=cfg.run.keep_last,
                                               files=lambda tmp: save_config(cfg, tmp / "config.yaml"))
         # Dropout: rank 0 draws the seed's one-process stream, other ranks their own.
-        torch.manual_seed(seed + 1_000_003 * runtime.rank)
+        RandomStreams.seed_rank(seed + 1_000_003 * runtime.rank)
 
     def resume(self) -> None:
         """Continue from the newest intact checkpoint of this training, if `--resume auto` and there is one."""

@@ -298,7 +298,10 @@ class LoaderSteps:
             waiting = functools.partial(session.waiting_for_data, interrupt=not self.loader.num_workers)
             self.loader.stop_waiting = lambda: session.stop_flags()[0]
         self.batches = StepBatches(iter(self.loader), can_hold=backend.holds_steps, waiting=waiting)
-        yield
+        try:
+            yield
+        finally:
+            self.batches = None  # the iterator goes, and with it the DataLoader's workers
 
     def next_step(self) -> StepInput:
         return StepInput(self.batches, held=self.batches.held)

@@ -17,6 +17,7 @@ from megakd.data.stream import PretrainingLoader
 from megakd.data.tokenizer import Tokenizer
 from megakd.engine.backends import free_local_port
 from megakd.engine.pretrain import build_trainer
+from megakd.engine.trainer import Trainer
 from megakd.engine.runlog import read_metrics as read_metrics_file
 from megakd.store.checkpoint import latest_checkpoint
 from megakd.store.checkpoint_models import read_unit_state
@@ -159,7 +160,7 @@ def reference_run(overrides: list[str], world: int) -> Path:
         raise AssertionError("the trainer's sampling-generator seeding changed: update reference_run")
     # Micro-batch i of a step is what rank i sees, and its replacements are sampled with rank i's
     # generator, so the step's summed gradient is the data-parallel one: only summation order differs.
-    base.layout = _RankRngLayout(base.layout, rngs)
-    base.loader = _RankInterleaved(loaders)
-    base.train()
+    replay = Trainer(cfg, base.backend, _RankRngLayout(base.layout, rngs), _RankInterleaved(loaders),
+                     tokenizer_dir=base.tokenizer_dir, validator=base.validator)
+    replay.train()
     return Path(cfg.run.dir)

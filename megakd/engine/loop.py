@@ -191,13 +191,15 @@ class Checkpointer:
 
     A checkpoint is `root/checkpoints/step_N/`: each unit's files as the backend writes them, rank 0's
     `files(tmp)` (the config, the tokenizer), and `trainer_state_rank<r>.pt` = {part name: its state}.
+    `upgrade(state, rank)` turns a rank state of an older layout into this one (the job knows its own).
     """
 
     def __init__(self, session: RunSession, root: Path, units: list[Unit], parts: dict[str, Stateful], *,
-                 keep_last: int, files: Callable[[Path], None] | None = None):
+                 keep_last: int, files: Callable[[Path], None] | None = None,
+                 upgrade: Callable[[dict, int], dict] = lambda state, rank: state):
         self.session, self.backend = session, session.backend
         self.root, self.units, self.parts = Path(root), units, parts
-        self.keep_last, self.files = keep_last, files
+        self.keep_last, self.files, self.upgrade = keep_last, files, upgrade
 
     def save(self, step: int) -> Path:
         """Every rank writes its part; the run session publishes the checkpoint once all agree."""
@@ -233,7 +235,7 @@ class Checkpointer:
                             f"megakd checkpoint")
         if saved_world == b.world_size:
             b.load_units(self.units, path)
-            state = checkpoint.load_rank_state(path, b.rank)
+            state = self.upgrade(checkpoint.load_rank_state(path, b.rank), b.rank)
             self._check_parts(path, state)
             for name, part in self.parts.items():
                 part.load_state_dict(state[name])
@@ -242,7 +244,7 @@ class Checkpointer:
             raise StoreError(f"{path}: written by {saved_world} processes, this run has {b.world_size}; resume a "
                              "fine-tuning run with the world size it was started with")
         b.load_units_resharded(self.units, path, self.root, saved_world)
-        states = [checkpoint.load_rank_state(path, r) for r in range(saved_world)]
+        states = [self.upgrade(checkpoint.load_rank_state(path, r), r) for r in range(saved_world)]
         self._check_parts(path, states[0])
         for name, part in self.parts.items():
             saved = [state[name] for state in states]

@@ -78,7 +78,8 @@ class Trainer:
         metrics = (lambda step: MetricsWriter.for_run(self.run_dir, cfg, step)) if main else None
         self.loop = TrainingLoop(backend, layout, self.session, LoaderSteps(loader), streams, plan, metrics)
         self.loop.checkpointer = Checkpointer(self.session, self.run_dir, list(layout.units.values()), self.loop.parts,
-                                              keep_last=cfg.run.keep_last, files=self._checkpoint_files)
+                                              keep_last=cfg.run.keep_last, files=self._checkpoint_files,
+                                              upgrade=_upgrade_flat_rank_state)
         if validator is not None:
             self.add_hook(StepHook(t.eval_every, validator.evaluate))
         self.add_hook(StepHook(t.probe_every, self._probe_line, own_line=True))
@@ -272,6 +273,17 @@ class Trainer:
             if self._config_changes:
                 rundir.record_history(self.run_dir, self._saved_config, self.step)
             save_config(self.cfg, self.run_dir / "config.yaml")
+
+
+def _upgrade_flat_rank_state(state: dict, rank: int) -> dict:
+    """A pretraining rank state written before the loop's parts had names (step, bad_steps, interval, data
+    and rng side by side): the same values under the parts' names. It saved no gradient norms, so the
+    first log line after the resume averages those of the steps after it, as it did then."""
+    if "progress" in state:
+        return state
+    return {"progress": {"step": state["step"], "bad_steps": state["bad_steps"]},
+            "interval": {"sums": state["interval"], "norms": {}, "steps": 0},
+            "data": state["data"], "rng": state["rng"]}
 
 
 def _bar_values(line: dict) -> dict | None:

@@ -369,7 +369,8 @@ class SeedTraining:
         if hasattr(objective, "state_dict"):  # SoTeacher's store, TGT's sampling generator
             parts["objective"] = objective
         self.loop.checkpointer = Checkpointer(runtime.session, out_dir, [unit], parts, keep_last=cfg.run.keep_last,
-                                              files=lambda tmp: save_config(cfg, tmp / "config.yaml"))
+                                              files=lambda tmp: save_config(cfg, tmp / "config.yaml"),
+                                              upgrade=_upgrade_progress_rank_state)
         # Dropout: rank 0 draws the seed's one-process stream, other ranks their own.
         RandomStreams.seed_rank(seed + 1_000_003 * runtime.rank)
 
@@ -395,6 +396,28 @@ class SeedTraining:
         if end.stopped:
             raise Stopped(end.interrupted)
         return self.epochs.dev_logits
+
+
+def _upgrade_progress_rank_state(state: dict, rank: int) -> dict:
+    """A fine-tuning rank state written before the loop's parts had names ({progress, rng, objective},
+    the progress holding the counters, the epoch's record and the log interval as global sums): the same
+    values under the parts' names, the global sums on rank 0 (the next reduction adds the others' zeros)."""
+    old = state["progress"]
+    if "epoch_sum" not in old:
+        return state
+    mine = rank == 0
+    sums = {k: torch.tensor(v if mine else 0.0, dtype=torch.float64) for k, v in old["interval"].items()
+            if k != "grad_norm"}
+    sums["samples"] = torch.tensor(float(old["interval_samples"] if mine else 0), dtype=torch.float64)
+    upgraded = {"progress": {"step": old["step"], "bad_steps": old["bad_steps"]},
+                "interval": {"sums": sums, "norms": {UNIT: old["interval"].get("grad_norm", 0.0)},
+                             "steps": old["interval_steps"]},
+                "data": {"drawn": old["step"]}, "rng": state["rng"],
+                "epochs": {"loss_sum": torch.tensor(old["epoch_sum"] if mine else 0.0, dtype=torch.float64),
+                           "losses": old["epoch_losses"], "curve": old["curve"], "metrics": old["metrics"]}}
+    if state.get("objective"):
+        upgraded["objective"] = state["objective"]
+    return upgraded
 
 
 def _bar_values(line: dict) -> dict | None:

@@ -254,7 +254,6 @@ class Checkpointer:
                 part.load_state_dict(saved[b.rank] if b.rank < saved_world else saved[0])
         return saved_world
 
-
     def _check_parts(self, path: Path, state: dict) -> None:
         missing = [name for name in self.parts if name not in state]
         if missing:

@@ -339,3 +339,27 @@ def test_a_stateful_part_added_by_a_job_is_checkpointed_and_resumes_bit_exactly(
     with pytest.raises(StoreError) as err:
         run(tmp_path / "plain", resume="auto")
     assert "\n" not in str(err.value) and "no saved state for weight_ema" in str(err.value)
+
+
+def test_a_checkpoint_in_the_layout_before_named_parts_resumes_exactly(tiny_data, tmp_path):
+    """A checkpoint whose rank state has the layout megakd wrote before the loop's parts had names
+    (step, bad_steps, interval sums, data and rng side by side) resumes as the run it came from would
+    have gone on. The old file is this run's own state rewritten in that layout."""
+    import shutil
+
+    from megakd.store import checkpoint
+
+    steps = {"train.max_steps": 4, "train.log_every": 1, "train.save_every": 2, "run.keep_last": 0}
+    full = _train(tiny_data, tmp_path / "full", **steps)
+    run = tmp_path / "old"
+    shutil.copytree(tmp_path / "full", run)
+    shutil.rmtree(run / "checkpoints" / "step_00000004")
+    saved = run / "checkpoints" / "step_00000002"
+    state = checkpoint.load_rank_state(saved, 0)
+    checkpoint.save_rank_state(saved, 0, {**state["progress"], "interval": state["interval"]["sums"],
+                                          "data": state["data"], "rng": state["rng"]})
+    checkpoint.write_manifest(saved, 2)
+    resumed = _train(tiny_data, run, resume="auto", **steps)
+    assert resumed.step == 4 and _metrics(run) == _metrics(tmp_path / "full")
+    a, b = _params(full), _params(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -900,7 +900,7 @@ class PretrainingLoader:
     fetched (:class:`ContentCache`; node-local disk shared by the node's ranks and workers).
 
     A run's training stream comes from its ``data`` section (:meth:`from_config`); the keyword
-    arguments are for callers that choose their own (validation, Admin's profiling, ``megakd rtd``,
+    arguments are for callers that choose their own (validation, Admin's profiling, ``megakd eval-rtd``,
     tools and tests).
     """
 

@@ -73,7 +73,8 @@ class Layout:
         raise NotImplementedError
 
     def ratios(self, sums: dict[str, float]) -> dict[str, float]:
-        """Ratios from statistics summed over micro-batches, steps and ranks (training and validation)."""
+        """Ratios from statistics summed over micro-batches, steps and ranks (training and validation); a
+        training log line adds `steps`, the applied steps the sums cover."""
         out: dict[str, float] = {}
         for module in self.loss_modules():
             out.update(module.ratios(sums))

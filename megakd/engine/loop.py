@@ -170,6 +170,7 @@ class StepInput:
 class StepSource(Stateful, Protocol):
     """Where each step's micro-batches come from (pretraining's shard loader, fine-tuning's epoch sampler)."""
 
+    can_hold: bool  # its steps can be held (`StepInput.held`): this rank's data failed, or a stop ended a wait
     failure: UserError | None  # set when this rank's data failed for good mid-run (the step was held)
 
     def next_step(self) -> StepInput: ...
@@ -424,9 +425,11 @@ class TrainingLoop:
         try:
             self.layout.train()
             self._clock = Clock(hooks)
+            # A held step is rewound to where it began; only a source and backend that can hold one need to know.
+            rewindable = self.source.can_hold and self.backend.holds_steps
             with self.source.start(self.session, self.backend):
                 while self.progress.step < self.plan.max_steps:
-                    before = self.source.state_dict(), self.streams.state_dict()
+                    before = (self.source.state_dict(), self.streams.state_dict()) if rewindable else None
                     try:
                         result = self.step(self.source.next_step())
                     except StoppedWaitingForData:  # before the first batch: the run is as its last save left it

@@ -294,6 +294,8 @@ def _bar_values(line: dict) -> dict | None:
 class LoaderSteps:
     """Pretraining's step source: the shard loader's micro-batches (`StepBatches` over them for the run)."""
 
+    can_hold = True
+
     def __init__(self, loader):
         self.loader = loader
         self.batches: StepBatches | None = None

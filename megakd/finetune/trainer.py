@@ -261,7 +261,7 @@ class EpochSampler:
     """Fine-tuning's step source: each step is one global batch, this rank's rows of it. Epoch e's order
     is `randperm` from a generator seeded with (seed, e), so the position is just the batches drawn."""
 
-    failure = None  # the rows are in memory: nothing to fail mid-run
+    can_hold, failure = False, None  # the rows are in memory: nothing to fail or wait for mid-run
 
     def __init__(self, train: EncodedTask, batch_size: int, seed: int, steps_per_epoch: int, runtime: Runtime):
         self.train, self.batch_size, self.seed = train, batch_size, seed

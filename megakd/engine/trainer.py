@@ -58,8 +58,6 @@ class Trainer:
         self.validator = validator  # scores held-out shards every train.eval_every steps
         self.tokenizer_dir = Path(tokenizer_dir)
         self.backend = backend
-        self.layout = layout
-        self.loader = loader
         self.run_dir = Path(cfg.run.dir)
         self.session = RunSession(self.run_dir, backend)  # the run dir's lock, stop signals, saving
         self._saved_config: dict = {}  # the resumed checkpoint's config, kept in config_history/ if it changed
@@ -113,6 +111,15 @@ class Trainer:
         return self.loop.streams.sampling
 
     @property
+    def layout(self) -> Layout:
+        return self.loop.layout
+
+    @property
+    def loader(self):
+        """The shard loader the loop's step source reads."""
+        return self.loop.source.loader
+
+    @property
     def units(self) -> dict[str, Unit]:
         return self.layout.units
 
@@ -120,9 +127,6 @@ class Trainer:
         """One optimizer step on `batches` (an iterator of micro-batches) outside the run, as the benchmarks
         drive it; returns the gradient norms, or None if the update was skipped."""
         return self.loop.step(StepInput(batches)).norms
-
-    def save(self) -> Path:
-        return self.loop.save()
 
     def _checkpoint_files(self, tmp: Path) -> None:
         """Rank 0's files in a checkpoint, which make it self-contained: conversion and resumption need no

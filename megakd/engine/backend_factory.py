@@ -15,8 +15,8 @@ def build_backend(backend: BackendConfig, precision: str, micro_batch_size: int)
     """The backend `backend.name` names, `backend.pipeline_stages > 1` making deepspeed the pipeline.
 
     `auto` is replaced in `backend` first (`finish_backend`, as a finished config has it already), so
-    the run's config records the choice. `micro_batch_size`
-    is what one rank's DeepSpeed engine takes per micro-batch; DeepSpeed is imported only when named.
+    the run's config records the choice. `micro_batch_size` is what one rank's DeepSpeed engine takes
+    per micro-batch; DeepSpeed is imported only when named.
     """
     name = finish_backend(backend)
     if name == "single":

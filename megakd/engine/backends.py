@@ -94,11 +94,20 @@ def require_launcher(name: str) -> None:
 _created_process_group = False
 
 
+_excepthooks: tuple = ()  # (sys.excepthook before the group, the one init_process_group put in its place)
+
+
 def create_process_group(dist_backend: str, **kwargs) -> None:
-    """`dist.init_process_group` with megakd's timeout, remembered for `exit_process`."""
-    global _created_process_group
+    """`dist.init_process_group` with megakd's timeout, remembered for `exit_process`.
+
+    torch wraps `sys.excepthook` to prefix tracebacks with `[rank<r>]` and never unwraps it: a process
+    that joins groups one after another (GLUE's fine-tunings, a test worker) would stack one prefix per
+    group. `leave_process_group` puts the hook back."""
+    global _created_process_group, _excepthooks
+    before = sys.excepthook
     dist.init_process_group(dist_backend, timeout=datetime.timedelta(minutes=30), **kwargs)
     _created_process_group = True
+    _excepthooks = (before, sys.excepthook)
 
 
 def exit_process(code: int) -> None:
@@ -441,6 +450,8 @@ def leave_process_group() -> None:
         ds_comm.destroy_process_group()
     else:
         dist.destroy_process_group()
+    if _excepthooks and sys.excepthook is _excepthooks[1]:
+        sys.excepthook = _excepthooks[0]
 
 
 def single_process_backend(precision: str) -> SingleProcessBackend:

@@ -34,6 +34,7 @@ import copy
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -202,12 +203,39 @@ class EngineConfigs:
         return config
 
 
+class ProcessWideState:
+    """What DeepSpeed changes for the whole process, read before it runs so that it can be put back.
+
+    ZeRO-3 (`deepspeed.initialize` runs `zero.Init` on the model) swaps `torch.nn.functional.linear` for
+    its memory-efficient linear "until manually reset": every model built later in the process (a
+    teacher, an evaluation, the next job or test) would run DeepSpeed's linear, which keeps each bias
+    for backward and adds it after the matmul (bench/memory.py counts it under ZeRO-3). `LOCAL_RANK`
+    is set by `init_deepspeed` for a lone process, and `sys.excepthook` wrapped by the process group
+    DeepSpeed creates when none exists. `put_back` restores the three.
+    """
+
+    def __init__(self):
+        self.linear = torch.nn.functional.linear
+        self.local_rank = os.environ.get("LOCAL_RANK")
+        self.excepthook = sys.excepthook
+
+    def put_back(self) -> None:
+        torch.nn.functional.linear = self.linear
+        sys.excepthook = self.excepthook
+        if self.local_rank is None:
+            os.environ.pop("LOCAL_RANK", None)
+        else:
+            os.environ["LOCAL_RANK"] = self.local_rank
+
+
 class DeepSpeedBackend(ProcessGroupBackend):
-    """One `deepspeed.DeepSpeedEngine` per unit, in the process group DeepSpeed's comm layer joined."""
+    """One `deepspeed.DeepSpeedEngine` per unit, in the process group DeepSpeed's comm layer joined.
+    What DeepSpeed changed process-wide lasts while the backend is open (`ProcessWideState`)."""
 
     name = "deepspeed"
 
     def __init__(self, engine_configs: EngineConfigs):
+        self.found = ProcessWideState()
         super().__init__(engine_configs.precision, engine_configs.backend.dist_backend)
         self.zero_stage = engine_configs.backend.zero_stage
         self.engine_configs = engine_configs
@@ -228,6 +256,10 @@ class DeepSpeedBackend(ProcessGroupBackend):
     @staticmethod
     def join(dist_backend: str) -> tuple[int, int, int]:
         return init_deepspeed(dist_backend)
+
+    def close(self) -> None:
+        super().close()
+        self.found.put_back()
 
     def wrap_units(self, units: list[Unit], accumulation_steps: int) -> None:
         import deepspeed

@@ -57,7 +57,7 @@ from megakd.engine.backends import (
     leave_process_group,
     step_all_or_none,
 )
-from megakd.engine.deepspeed_backend import EngineConfigs, init_deepspeed
+from megakd.engine.deepspeed_backend import EngineConfigs, ProcessWideState, init_deepspeed
 from megakd.engine.layouts import Layout
 from megakd.engine.losses import DiscriminatorLoss, GeneratorLoss
 from megakd.engine.units import StepContext, Unit
@@ -403,6 +403,7 @@ class PipelineBackend(TrainingBackend):
     def __init__(self, engine_configs: EngineConfigs):
         super().__init__(engine_configs.precision)
         self.num_stages = engine_configs.backend.pipeline_stages
+        self.found = ProcessWideState()  # put back on close
         self.rank, self.world_size, self.local_rank = init_deepspeed(engine_configs.backend.dist_backend)
         self.device = default_device(self.local_rank)
         self.engine_configs = engine_configs
@@ -535,3 +536,4 @@ class PipelineBackend(TrainingBackend):
 
     def close(self) -> None:
         leave_process_group()
+        self.found.put_back()

@@ -14,6 +14,7 @@ from megakd.config import load_config
 from megakd.configio import save_config
 from megakd.convert import ConversionError, to_hf
 from megakd.engine.backends import free_local_port, leave_process_group
+from megakd.engine.deepspeed_backend import ProcessWideState
 from megakd.models.electra import MaskedLM
 from megakd.store.checkpoint import write_manifest
 from tests.helpers import TINY_VOCAB, mlm_logits, tiny_overrides
@@ -36,14 +37,16 @@ class _Loss(nn.Module):
 def _single_process_world():
     """No process group, and none in DeepSpeed's caches (`leave_process_group`) before and after: the tests
     before and after this file in the same pytest process (a worker runs several files) must not meet
-    this file's world, nor it theirs."""
+    this file's world, nor it theirs, nor the linear ZeRO-3 leaves in torch's place (`ProcessWideState`)."""
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_local_port())}
     saved = {k: os.environ.get(k) for k in env}
+    found = ProcessWideState()
     leave_process_group()
     os.environ.update(env)
     yield
     leave_process_group()
+    found.put_back()
     for k, v in saved.items():
         if v is None:
             os.environ.pop(k, None)

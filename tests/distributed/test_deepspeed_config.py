@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -49,23 +50,28 @@ def test_contradictions_are_refused_naming_the_key(user, message):
 
 
 def test_the_engine_runs_with_the_merged_config(tiny_data, tmp_path):
-    """One real DeepSpeed engine per unit built from the merged config (single process)."""
+    """One real DeepSpeed engine per unit built from the merged config (single process). What ZeRO-3
+    changed for the whole process (torch's linear swapped for DeepSpeed's, LOCAL_RANK set) lasts while
+    the backend is open: the next model in this process must not run DeepSpeed's linear."""
     user = tmp_path / "ds.json"
     user.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "gradient_clipping": "auto",
                                 "zero_optimization": {"stage": "auto", "reduce_bucket_size": 12345}}))
     cfg = load_config(CONFIG, tiny_overrides(tiny_data, tmp_path / "run", **{
-        "backend.name": "deepspeed", "backend.zero_stage": 2, "backend.deepspeed_config": str(user),
+        "backend.name": "deepspeed", "backend.zero_stage": 3, "backend.deepspeed_config": str(user),
         "train.max_steps": 1, "run.export_hf": "false"}))
+    linear, local_rank = torch.nn.functional.linear, os.environ.get("LOCAL_RANK")
     trainer = build_trainer(cfg)
     try:
+        assert torch.nn.functional.linear is not linear  # ZeRO-3's memory-efficient linear, while open
         for unit in trainer.units.values():
             engine = unit.wrapped
-            assert engine.zero_optimization_stage() == 2 and engine.train_micro_batch_size_per_gpu() == 4
+            assert engine.zero_optimization_stage() == 3 and engine.train_micro_batch_size_per_gpu() == 4
             assert engine.zero_reduce_bucket_size() == 12345
             assert engine.gradient_clipping() == pytest.approx(unit.max_grad_norm)
         assert trainer.train().step == 1
     finally:
         trainer.backend.close()
+    assert torch.nn.functional.linear is linear and os.environ.get("LOCAL_RANK") == local_rank
 
 
 def test_cli_refuses_a_contradicting_file_in_one_line(tiny_data, tmp_path, capsys):

@@ -109,7 +109,7 @@ def model_state_bytes(params: int, largest_module: int, zero_stage: int, dp: int
 
 
 def layer_activation_bytes(cfg: EncoderConfig, seq_len: int, micro_batch: int, elem: int,
-                           mask_bytes: int = 1) -> float:
+                           mask_bytes: int = 1, zero3: bool = False) -> float:
     """Bytes one encoder layer keeps for backward for one micro-batch (no checkpointing).
 
     Counted tensor by tensor for this layer with fused SDPA attention (no [L x L] probabilities
@@ -121,6 +121,9 @@ def layer_activation_bytes(cfg: EncoderConfig, seq_len: int, micro_batch: int, e
     materialised as [B, heads, L, L]: once per forward and shared by the layers in `Encoder.forward`,
     once per layer on pipeline stages; counted per layer here (an upper bound outside pipelines).
     With `fused_qkv` the concatenated [3H, H] projection weight is kept too (a copy, not a parameter).
+    Under ZeRO-3 (`zero3`) DeepSpeed runs every linear layer through its own memory-efficient linear,
+    which keeps the bias as well: with `fused_qkv` that is the concatenated [3H] bias, a copy (torch's
+    linear adds the bias inside the matmul and keeps none; the other layers' biases are parameters).
     """
     s, b, h, i, a = seq_len, micro_batch, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads
     sbh = s * b * h
@@ -129,7 +132,7 @@ def layer_activation_bytes(cfg: EncoderConfig, seq_len: int, micro_batch: int, e
     if cfg.position_encoding == "t5_relative":
         attention += elem * b * a * s * s
     if cfg.fused_qkv:
-        attention += elem * 3 * h * h
+        attention += elem * 3 * h * (h + 1 if zero3 else h)
     ffn = elem * sbh + 2 * elem * s * b * i + mask * sbh  # input, GELU input and output, dropout mask
     norms = 2 * elem * sbh + 2 * 2 * 4 * s * b  # the two residual sums, LayerNorm mean/rstd (fp32)
     return attention + ffn + norms
@@ -148,11 +151,11 @@ def mlm_head_bytes(cfg: EncoderConfig, masked: float, tokens: float, elem: int) 
 
 
 def block_activation_bytes(block: Block, enc: EncoderConfig, seq_len: int, micro_batch: int, elem: int,
-                           mask_prob: float, checkpointing: bool) -> float:
-    """Bytes a block keeps for backward for one micro-batch."""
+                           mask_prob: float, checkpointing: bool, zero3: bool = False) -> float:
+    """Bytes a block keeps for backward for one micro-batch (`zero3`: under DeepSpeed's ZeRO-3 linear)."""
     tokens = seq_len * micro_batch
     if block.kind == "layer":
-        full = layer_activation_bytes(enc, seq_len, micro_batch, elem)
+        full = layer_activation_bytes(enc, seq_len, micro_batch, elem, zero3=zero3)
         # Checkpointed: only the layer input stays; the recomputed layer is added once per stage.
         return elem * tokens * enc.hidden_size if checkpointing else full
     if block.kind == "embeddings":

@@ -174,10 +174,11 @@ def evaluate(cfg: Config, hw: Hardware, gpus: int, gpu_mem_gib: float, parallel:
         params = sum(x.params for x in mine)
         largest = max((x.largest_module for x in mine), default=0)
         mem = model_state_bytes(params, largest, parallel.zero_stage, dp, precision)
+        zero3 = parallel.zero_stage == 3
         acts = sum(block_activation_bytes(x, getattr(cfg.model, x.model), seq, b, elem, cfg.data.mask_prob,
-                                          parallel.checkpointing) for x in mine)
+                                          parallel.checkpointing, zero3) for x in mine)
         if parallel.checkpointing and any(x.kind == "layer" for x in mine):
-            acts += max(layer_activation_bytes(getattr(cfg.model, x.model), seq, b, elem)
+            acts += max(layer_activation_bytes(getattr(cfg.model, x.model), seq, b, elem, zero3=zero3)
                         for x in mine if x.kind == "layer")  # the one layer being recomputed
         in_flight = min(P - s, micro_batches)  # 1F1B: stage s holds P - s micro-batches
         mem["activations"] = acts * in_flight

@@ -72,10 +72,16 @@ def test_parameter_counts_match_spec(size, expected):
     assert counts["total"] == counts["generator"] + counts["discriminator"]
 
 
+@pytest.mark.parametrize("zero3", [False, True], ids=["torch_linear", "zero3_linear"])
 @pytest.mark.parametrize("fused_qkv", [True, False])
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
-def test_layer_activations_match_saved_tensors(dropout, fused_qkv):
-    """Every tensor autograd saves for one layer (parameters excluded, shared storage once)."""
+def test_layer_activations_match_saved_tensors(dropout, fused_qkv, zero3, monkeypatch):
+    """Every tensor autograd saves for one layer (parameters excluded, shared storage once), with torch's
+    linear and with the linear DeepSpeed's ZeRO-3 puts in its place (which keeps the bias too)."""
+    if zero3:
+        from deepspeed.runtime.zero.linear import zero3_linear_wrap
+
+        monkeypatch.setattr(torch.nn.functional, "linear", zero3_linear_wrap)
     cfg = EncoderConfig(vocab_size=512, hidden_size=64, num_layers=1, num_heads=4, intermediate_size=256,
                         dropout=dropout, attention_dropout=0.0, max_position_embeddings=128, fused_qkv=fused_qkv)
     encoder = Encoder(cfg).train()
@@ -94,4 +100,4 @@ def test_layer_activations_match_saved_tensors(dropout, fused_qkv):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         encoder.layers[0](x, key_mask, bias)
     # CPU dropout keeps its mask as float32 (CUDA keeps bool: mask_bytes=1).
-    assert sum(saved.values()) == layer_activation_bytes(cfg, 128, 4, elem=4, mask_bytes=4)
+    assert sum(saved.values()) == layer_activation_bytes(cfg, 128, 4, elem=4, mask_bytes=4, zero3=zero3)

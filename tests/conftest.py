@@ -9,6 +9,8 @@ from __future__ import annotations
 import gzip
 import itertools
 import os
+import random
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -20,38 +22,102 @@ import pytest
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
-
-from tests.helpers import TINY_SEQ_LEN, TINY_VOCAB, built_once
-
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Two workers on two cores: torch's default of a thread per core would run four on two. Set before
     # torch is imported, and inherited by the commands the tests start.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import numpy as np
+import torch
+import torch._dynamo.mutation_guard
+import torch.utils.data._utils.signal_handling
+
+from tests import global_state
+from tests.helpers import TINY_SEQ_LEN, TINY_VOCAB, built_once
+
+# What torch installs once per process, for good, on first use, installed before any test so that every
+# test sees the same process whatever ran before it: the SIGCHLD handler of the first DataLoader with
+# workers, and the nn.Module.__init__/__setstate__ wrappers of the first torch.compile (they tag each
+# module for dynamo's guards and change nothing else).
+torch.utils.data._utils.signal_handling._set_SIGCHLD_handler()
+torch._dynamo.mutation_guard.install_generation_tagging_init()
+
+
+def pytest_addoption(parser):
+    parser.addoption("--shuffle-files", type=int, metavar="SEED",
+                     help="run the test files in an order shuffled by SEED (each file's tests together, in their "
+                          "own order): a test that passes only beside certain neighbours fails in some order")
+
 
 def pytest_collection_modifyitems(config, items):
     """Files with more slow tests first. Under pytest-xdist each worker takes a file at a time
-    (`--dist loadfile`), so a long file that started last would run alone at the end."""
+    (`--dist loadfile`), so a long file that started last would run alone at the end. With
+    `--shuffle-files SEED` the files come in a shuffled order instead (the same on every worker)."""
+    seed = config.getoption("--shuffle-files")
+    if seed is not None:
+        files = sorted({item.path for item in items})
+        random.Random(seed).shuffle(files)
+        position = {path: i for i, path in enumerate(files)}
+        items.sort(key=lambda item: position[item.path])
+        return
     slow = Counter(item.path for item in items if item.get_closest_marker("slow"))
     items.sort(key=lambda item: -slow[item.path])  # stable: each file keeps its own order
 
 
-LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR",
-                      "MASTER_PORT")
-
-
 @pytest.fixture(autouse=True)
-def _launcher_variables_stay_put():
-    """A test that builds a DeepSpeed backend in this process leaves `LOCAL_RANK` set (DeepSpeed wants it);
-    under xdist the next test in the worker may be another file's, which would then think a launcher
-    started it (HF's Trainer, `backend: auto`). Each test gets back the variables it started with."""
-    saved = {k: os.environ.get(k) for k in LAUNCHER_VARIABLES}
+def _same_random_start():
+    """Every test starts from seed 0, whatever ran before it in this worker: a test that draws without a
+    seed of its own sees the same numbers in any order and beside any neighbour."""
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+
+
+_file_start: dict = {}  # the process-wide state when the running file's first test began
+_changed_by: dict[str, str] = {}  # state key -> the test after which it first differed from _file_start
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    if not _file_start:
+        _file_start.update(global_state.snapshot())
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """A test file leaves the process as it found it (tests/global_state.py): a leak fails the file's
+    last test, naming what changed and the test after which it first differed, and is put back, so
+    the files after it in this worker do not see it."""
+    result = yield
+    changed = global_state.changes(_file_start, global_state.snapshot())
+    for key in changed:
+        _changed_by.setdefault(key, item.nodeid)
+    if nextitem is not None and nextitem.path == item.path:
+        return result
+    before = dict(_file_start)
+    _file_start.clear()
+    if changed:
+        global_state.restore(before, changed)
+        culprits = sorted({_changed_by[key] for key in changed})
+        _changed_by.clear()
+        pytest.fail(f"{item.path.name} left process-wide state changed (now put back): "
+                    f"{global_state.describe(changed)}; first seen after {', '.join(culprits)}", pytrace=False)
+    _changed_by.clear()
+    return result
+
+
+@pytest.fixture
+def wandb_torn_down(monkeypatch):
+    """For a test that starts a wandb run: the wandb service it starts ends with the test (with it goes
+    WANDB_SERVICE, which would point this worker's next wandb run at it), and the sys.exit and
+    sys.excepthook wandb wraps when its service starts are put back."""
+    import wandb
+
+    monkeypatch.setattr(sys, "exit", sys.exit)
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
     yield
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    wandb.teardown()
 
 
 @pytest.fixture(scope="session")

@@ -85,7 +85,7 @@ def test_plan_takes_positional_overrides_and_set(capsys):
     assert outputs["positional"] == outputs["set"] != outputs["none"]
 
 
-def test_wandb_keeps_one_run_per_run_dir(tmp_path, monkeypatch):
+def test_wandb_keeps_one_run_per_run_dir(tmp_path, monkeypatch, wandb_torn_down):
     """A requeued job (a second MetricsWriter on the same dir) continues the first wandb run."""
     from megakd.engine.runlog import WANDB_ID_FILE, MetricsWriter
 

@@ -175,23 +175,18 @@ def test_no_import_cycles_between_modules():
 # first, so what they register on import is not counted.
 
 _STATE = """
-import atexit, os, random, signal, sys, warnings
+import atexit, random, sys, warnings
 import numpy as np
 import torch
+from tests import global_state
 
 def state():
     return {
+        "process-wide": global_state.snapshot(),
         "atexit handlers": atexit._ncallbacks(),
-        "torch threads": [torch.get_num_threads(), torch.get_num_interop_threads()],
-        "torch flags": [str(torch.get_default_dtype()), torch.are_deterministic_algorithms_enabled(),
-                        torch.get_float32_matmul_precision(), torch.is_grad_enabled(),
-                        torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic,
-                        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32],
+        "torch interop threads": torch.get_num_interop_threads(),
         "rng": [torch.initial_seed(), torch.get_rng_state().tolist(), random.getstate()[1][:8],
                 np.random.get_state()[1][:8].tolist()],
-        "signal handlers": {int(s): str(signal.getsignal(s)) for s in (signal.SIGINT, signal.SIGTERM,
-                                                                       signal.SIGUSR1, signal.SIGHUP)},
-        "environment": dict(os.environ),
         "warning filters": len(warnings.filters),
         "excepthook": str(sys.excepthook),
     }
@@ -217,8 +212,10 @@ with Calls():
             if err.name.split(".")[0] in ("megakd", "kernels"):
                 raise
 after = state()
-print(json.dumps({"torch calls": Calls.seen, "changed": {k: [before[k], after[k]] for k in before
-                                                         if before[k] != after[k]}}))
+changed = {k: [before[k], after[k]] for k in before if k != "process-wide" and before[k] != after[k]}
+changed.update({k: global_state.describe({k: v}) for k, v in
+                global_state.changes(before["process-wide"], after["process-wide"]).items()})
+print(json.dumps({"torch calls": Calls.seen, "changed": changed}))
 """
 
 

@@ -17,8 +17,8 @@ from megakd.data.stream import PretrainingLoader
 from megakd.data.tokenizer import Tokenizer
 from megakd.engine.backends import free_local_port
 from megakd.engine.pretrain import build_trainer
-from megakd.engine.trainer import Trainer
 from megakd.engine.runlog import read_metrics as read_metrics_file
+from megakd.engine.trainer import Trainer
 from megakd.store.checkpoint import latest_checkpoint
 from megakd.store.checkpoint_models import read_unit_state
 

@@ -11,10 +11,10 @@ from megakd.convert.export import save_hf_model
 from megakd.data.stream import PretrainingLoader
 from megakd.data.tokenizer import Tokenizer
 from megakd.engine.backends import SingleProcessBackend
-from megakd.testing.device_audit import SIMULATED, MixedDeviceError, SimulatedTensor, simulated_cuda
 from megakd.engine.pretrain import build_trainer
 from megakd.engine.probe import Probe
 from megakd.engine.validation import Validator
+from megakd.testing.device_audit import SIMULATED, MixedDeviceError, SimulatedTensor, simulated_cuda
 from tests.helpers import tiny_overrides
 
 # Per micro-batch: the masked positions of the sparse generator head (megakd/objectives/electra.py

@@ -61,7 +61,7 @@ def test_bf16_autocast_changes_the_numbers_a_little(finished, tiny_data, tmp_pat
     np.testing.assert_allclose(bf16, fp32, atol=0.05)  # ... on the same training trajectory
 
 
-def test_tensorboard_and_wandb_keep_one_run_per_seed_dir(tiny_data, tmp_path):
+def test_tensorboard_and_wandb_keep_one_run_per_seed_dir(tiny_data, tmp_path, wandb_torn_down):
     run = tmp_path / "logged"
     args = tiny_finetune(tiny_data[0], run, "finetune.epochs=1", "finetune.lr=3e-3", "run.tensorboard=true",
                          "run.wandb=true", "run.wandb_mode=offline")

@@ -462,6 +462,9 @@ class ContentCache:
             return fetch()
         self._holding.add(lock)
         try:
+            # Another reader may have published the object between the look above and taking the lock.
+            if (data := self._valid(path, valid)) is not None:
+                return data
             data = fetch()
             if valid(data):
                 with contextlib.suppress(OSError):

@@ -128,6 +128,27 @@ def test_index_cache_fetches_once_for_racing_readers(tmp_path):
     assert cache.get(digest(data), fetch) == data and len(calls) == 1  # later readers: from disk
 
 
+def test_an_object_published_while_a_reader_took_the_lock_is_not_fetched_again(tmp_path, monkeypatch):
+    """Reader B looks, finds nothing, and before B takes the lock reader A publishes the object and lets
+    its lock go: B reads A's file instead of fetching the same bytes again (the rank's DataLoader
+    workers read ahead the same group within milliseconds of each other)."""
+    data = b"a shared read"
+    cache = ContentCache(tmp_path / "c")
+    looked = ContentCache._valid
+
+    def look_then_a_publishes(self, path, valid):
+        found = looked(self, path, valid)
+        if found is None and not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)  # A's fetch ends now, between B's look and B's lock
+        return found
+
+    monkeypatch.setattr(ContentCache, "_valid", look_then_a_publishes)
+    fetched = []
+    assert cache.get(digest(data), lambda: fetched.append(1) or data) == data
+    assert fetched == [] and not (tmp_path / "c" / f"{digest(data)}.lock").exists()
+
+
 def test_index_cache_never_trusts_a_planted_or_damaged_file(tmp_path):
     data = b"the real index bytes"
     (tmp_path / "c").mkdir()

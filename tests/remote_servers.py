@@ -271,6 +271,7 @@ class _Handler(BaseHTTPRequestHandler):
 class _FileServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = 128  # socketserver's 5 drops some of the readers' connections: each retried 1 s later
     owner: RangeHTTPServer
 
     def handle_error(self, request, client_address) -> None:

@@ -54,6 +54,16 @@ def test_communication_grows_with_zero_stage_and_checkpointing_costs_compute(bas
     assert ck.memory["activations"] < z[1].memory["activations"] / 4 and ck.compute_s > z[1].compute_s
 
 
+def test_zero3_activations_add_the_fused_qkv_bias_deepspeeds_linear_keeps(base):
+    """Under ZeRO-3 each layer with fused QKV keeps its concatenated [3H] bias too (bench/memory.py),
+    for every micro-batch in flight; nothing else in the activations differs from ZeRO-2."""
+    hw, elem = GPUS["a100"], 2
+    z2, z3 = (evaluate(base, hw, 64, 80, ParallelPlan(s, 1, 8, False)) for s in (2, 3))
+    extra = sum(enc.num_layers * 3 * enc.hidden_size * elem
+                for enc in (base.model.generator, base.model.discriminator) if enc.fused_qkv)
+    assert extra > 0 and z3.memory["activations"] - z2.memory["activations"] == extra
+
+
 def test_plans_fit_first_and_respect_constraints(base):
     plans = plan(base, GPUS["a100"], 8, 40)
     fits = [p.fits for p in plans]

@@ -6,8 +6,10 @@ import errno
 import fcntl
 import hashlib
 import os
+import re
 import shutil
 import socket
+import stat
 import tempfile
 import time
 from collections.abc import Iterator
@@ -34,7 +36,7 @@ def atomic_output_dir(out: str | Path, *, force: bool = False, error: type[Excep
     with `force` the very files found then); one that someone else wrote into meanwhile is left alone,
     and the finished output is kept beside it under a name the error gives. An interrupted or failed
     write leaves no half-written directory, and a full disk is one line naming `out` (the partial
-    output removed).
+    output removed). What is published has the permissions the umask gives (`apply_umask`).
     """
     out = Path(out)
     if out.exists() and not out.is_dir():
@@ -46,9 +48,9 @@ def atomic_output_dir(out: str | Path, *, force: bool = False, error: type[Excep
         with _claimed(out, error):
             found = _listing(out)
             tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-            tmp.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary output directory
             try:
                 yield tmp
+                apply_umask(tmp)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
@@ -96,7 +98,7 @@ def _publish(tmp: Path, out: Path, found: dict | None, error: type[Exception]) -
 def _claimed(out: Path, error: type[Exception]) -> Iterator[None]:
     """An exclusive flock on `.<out name>.claim` beside `out` while the block runs; removed after."""
     claim = out.parent / f".{out.name}.claim"
-    fd = os.open(claim, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    fd = os.open(claim, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -111,6 +113,47 @@ def _claimed(out: Path, error: type[Exception]) -> Iterator[None]:
     finally:
         claim.unlink(missing_ok=True)  # still locked: a command waiting for it opens a fresh one
         os.close(fd)
+
+
+_STATUS = "/proc/self/status"
+
+
+def umask() -> int:
+    """The process's umask, read without changing it.
+
+    `os.umask` reads only by setting: a file another thread (a data loader's, a library's) creates
+    in between gets the stand-in umask. Linux (4.7 on) shows the umask in /proc/self/status, read
+    afresh each call so that a umask set after import counts; elsewhere the stand-in is 0o077,
+    which can only make such a file more private, never more open.
+    """
+    try:
+        found = re.search(r"^Umask:\s*([0-7]+)$", Path(_STATUS).read_text(errors="replace"), re.MULTILINE)
+    except OSError:
+        found = None
+    if found:
+        return int(found.group(1), 8)
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
+def apply_umask(root: Path) -> None:
+    """Give `root` and everything under it at least the permissions a plain open() or mkdir() gives
+    under the umask (0o666 or 0o777 less it): called on an output just before it is published.
+
+    Temporary files and directories are created private (mkstemp 0600, mkdtemp 0700) whatever the
+    umask, and libraries write through them (safetensors, so also transformers' save_pretrained):
+    published as they are, a colleague on a shared filesystem could not read them. Bits are only
+    added: what a default ACL or a setgid directory gave an entry stays. Symbolic links are skipped.
+    """
+    mask = umask()
+    for path in (root, *root.rglob("*")):
+        mode = path.lstat().st_mode
+        if stat.S_ISLNK(mode):
+            continue
+        wanted = (0o777 if stat.S_ISDIR(mode) else 0o666) & ~mask
+        if mode & wanted != wanted:
+            path.chmod(stat.S_IMODE(mode) | wanted)
 
 
 def is_disk_full(err: BaseException) -> bool:

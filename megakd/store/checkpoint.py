@@ -22,7 +22,7 @@ import shutil
 import time
 from pathlib import Path
 
-from megakd.fsutil import sha256_file
+from megakd.fsutil import apply_umask, sha256_file
 from megakd.store import rundir
 from megakd.store.files import StoreError, fsync_dir, fsync_tree, load_state, save_state
 
@@ -158,7 +158,8 @@ def newest_intact(run_dir: str | Path) -> Path | None:
 
 
 def commit(tmp: Path, final: Path, step: int, keep_last: int) -> None:
-    """Rank 0, after all ranks wrote: manifest, fsync, publish `tmp` as `final`, prune older ones.
+    """Rank 0, after all ranks wrote: manifest, the umask's permissions (`fsutil.apply_umask`), fsync,
+    publish `tmp` as `final`, prune older ones.
 
     Saving a step that is already published (a signal right after a periodic save) replaces it.
     Pruning keeps the newest `keep_last` by step and never the checkpoint just written. Ownership of
@@ -167,6 +168,7 @@ def commit(tmp: Path, final: Path, step: int, keep_last: int) -> None:
     """
     _check_owner_or_abort(tmp, final)
     write_manifest(tmp, step)
+    apply_umask(tmp)
     fsync_tree(tmp)
     _check_owner_or_abort(tmp, final)
     old = None

@@ -122,7 +122,7 @@ class RunDirLock:
         flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         try:
             try:
-                fd, created = os.open(self.path, flags | os.O_CREAT | os.O_EXCL, 0o644), True
+                fd, created = os.open(self.path, flags | os.O_CREAT | os.O_EXCL, 0o666), True
             except FileExistsError:
                 fd, created = os.open(self.path, flags), False
         except OSError as err:

@@ -588,6 +588,12 @@ class SampleReader:
             self._epochs[epoch] = groups, np.cumsum([self.counts[g].sum() for g in groups])
         return self._epochs[epoch]
 
+    def group_of(self, position: int) -> tuple[int, int]:
+        """(epoch, group number) of the group that holds global ``position``."""
+        epoch, offset = divmod(position, self.plan.total)
+        _, ends = self.epoch_groups(epoch)
+        return epoch, int(np.searchsorted(ends, offset, side="right"))
+
     def group_at(self, epoch: int, index: int) -> ShardGroup:
         """Group ``index`` of ``epoch``, nothing read yet."""
         groups, ends = self.epoch_groups(epoch)
@@ -710,8 +716,7 @@ class SampleReader:
         epoch, offset = divmod(position, self.plan.total)
         group = self.current
         if group is None or group.epoch != epoch or not group.first <= offset < group.first + group.shard_ends[-1]:
-            _, ends = self.epoch_groups(epoch)
-            self._enter(epoch, int(np.searchsorted(ends, offset, side="right")))
+            self._enter(*self.group_of(position))
             group = self.current
         j = int(group.perm[offset - group.first])
         i = int(np.searchsorted(group.shard_ends, j, side="right"))
@@ -1020,6 +1025,8 @@ class PretrainingLoader:
                             worker_init_fn=_init_worker if self.num_workers else None,
                             timeout=WAIT_POLL_S if self.num_workers and self.stop_waiting else 0)
         self._clear_shared_reads()  # a crashed run's, or this loader's last pass's
+        if self.store.remote:
+            self._announce_first_read()
         with _stop_signals_blocked():  # workers start here, with the stop signals held back
             batches = iter(loader)
         if self.num_workers:
@@ -1041,6 +1048,25 @@ class PretrainingLoader:
             dataset.close()  # closed, dropped or raising: the group read ahead is no one's now
             del batches  # DataLoader's workers stop here (not whenever the collector gets to them)
             self._clear_shared_reads()
+
+    def _announce_first_read(self) -> None:
+        """One line before the first batch from an object store: the rank's readers fetch their part of the
+        shard group at this position (and the member indexes the node's cache lacks) before their first
+        batches; later groups are read ahead meanwhile."""
+        p = self.plan
+        reader = SampleReader(p, [], prefetch=False)
+        group = reader.group_at(*reader.group_of(p.batch_positions(self._next_batch)[0]))
+        entries = [p.entries[shard] for shard in group.shards]
+        if not p.indexed:  # each reader reads the group's shards whole
+            size = sum(e["bytes"] for e in entries) * max(1, self.num_workers)
+        else:
+            size = 0.0
+            for wanted, e in zip(reader.wanted(group, every=1, from_batch=self._next_batch), entries):
+                if len(wanted):
+                    cached = p.index_cache and (Path(p.index_cache) / e["index"]["sha256"]).is_file()
+                    size += len(wanted) * e["bytes"] / e["samples"] + (0 if cached else e["index"]["bytes"])
+        logger.info("reading shard group %d of epoch %d from %s before the first batch: %d shards, ~%.1f MB for "
+                    "this rank", group.index, group.epoch, self.store, len(entries), size / 1e6)
 
     def _next(self, batches) -> ReadBatch | None:
         """The next batch (None at the end); while workers have none ready, ``stop_waiting`` is asked

@@ -126,10 +126,36 @@ def cpu_adam_like(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
                           f"AdamW, which is not this run's {type(optimizer).__name__}; remove offload_optimizer")
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
+    announce_op_build("CPUAdamBuilder", "ZeRO-Offload's CPU Adam")
     d = optimizer.defaults
     groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in optimizer.param_groups]
     return DeepSpeedCPUAdam(groups, lr=d["lr"], betas=d["betas"], eps=d["eps"], adamw_mode=True)
 
+
+def announce_op_build(builder_name: str, what: str) -> None:
+    """One line before DeepSpeed loads its C++ op `builder_name` where that load compiles it first.
+
+    DeepSpeed's `OpBuilder.load` imports an op built at install time (`DS_BUILD_*`) or one this process
+    loaded already; otherwise torch's JIT loader runs g++ through ninja unless the extensions directory
+    holds the library, newer than its sources (what ninja checks). An op DeepSpeed finds incompatible
+    is skipped or refused at once. Nothing is built or loaded here (the directory is made, as a build would).
+    """
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.git_version_info import accelerator_name, installed_ops
+    from deepspeed.ops.op_builder.builder import OpBuilder, probe_is_compatible
+    from torch.utils.cpp_extension import LIB_EXT, _get_build_directory
+
+    builder = get_accelerator().create_op_builder(builder_name)
+    if (builder is None or not probe_is_compatible(builder) or builder.name in OpBuilder._loaded_ops
+            or (installed_ops.get(builder.name, False) and accelerator_name == get_accelerator()._name)):
+        return
+    directory = Path(_get_build_directory(builder.name, verbose=False))
+    library = directory / f"{builder.name}{LIB_EXT}"
+    sources = [Path(builder.deepspeed_src_path(source)) for source in builder.sources()]
+    if library.is_file() and all(library.stat().st_mtime >= source.stat().st_mtime for source in sources):
+        return
+    log.info("compiling DeepSpeed's %s op (%s) with the C++ compiler into %s: once per machine, about a minute on 2 "
+             "CPU cores (docs/distributed.md: pre-building it)", builder.name, what, directory)
 
 
 def init_deepspeed(dist_backend: str) -> tuple[int, int, int]:
@@ -146,6 +172,7 @@ def init_deepspeed(dist_backend: str) -> tuple[int, int, int]:
     os.environ.setdefault("LOCAL_RANK", str(local_rank))
     if not dist.is_initialized():
         create_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_local_port()}", rank=0, world_size=1)
+    announce_op_build("ShareMemCommBuilder", "the shared-memory collectives of DeepSpeed's CPU comm layer")
     deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False)
     return rank, world, local_rank
 

@@ -24,6 +24,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from time import monotonic
 from typing import Protocol
 
 import torch
@@ -37,9 +38,30 @@ from megakd.engine.session import RunSession, rng_state, seed_rng, set_rng_state
 from megakd.engine.units import StepContext, Unit, never
 from megakd.errors import UserError
 from megakd.store import checkpoint
-from megakd.store.files import StoreError
+from megakd.store.files import StoreError, human_bytes
 
 log = logging.getLogger(__name__)
+
+LONG_WAIT_S = 5.0  # a wait expected to last this long is announced in the log before it starts
+# A checkpoint's write speed until this process has timed one: rank 0 reads every byte back for the manifest's
+# sha256 after the ranks wrote it (hashlib ~300 MB/s on the 2-core machine, docs/data.md), so about half that.
+FIRST_SAVE_BYTES_PER_S = 150e6
+
+
+def about(seconds: float) -> str:
+    """A duration for a log line: seconds, or minutes from two minutes on."""
+    return f"about {seconds:.0f} s" if seconds < 120 else f"about {seconds / 60:.0f} min"
+
+
+def checkpoint_bytes(units: list[Unit]) -> int:
+    """About what a checkpoint of `units` holds over all ranks: each weight at its dtype and AdamW's two fp32
+    moments, plus an fp32 master copy of a 16-bit weight (DeepSpeed's bf16/fp16 engines keep one)."""
+    total = 0
+    for unit in units:
+        for p in unit.model.parameters():
+            numel = getattr(p, "ds_numel", p.numel())  # ZeRO-3 holds a partition; ds_numel is the whole
+            total += numel * (p.element_size() + 8 + (4 if p.element_size() < 4 else 0))
+    return total
 
 
 class Stateful(Protocol):
@@ -201,9 +223,13 @@ class Checkpointer:
         self.session, self.backend = session, session.backend
         self.root, self.units, self.parts = Path(root), units, parts
         self.keep_last, self.files, self.upgrade = keep_last, files, upgrade
+        self.bytes_per_s = FIRST_SAVE_BYTES_PER_S  # measured by every save
 
     def save(self, step: int) -> Path:
-        """Every rank writes its part; the run session publishes the checkpoint once all agree."""
+        """Every rank writes its part; the run session publishes the checkpoint once all agree.
+
+        A save expected to take `LONG_WAIT_S` or longer (its size at the last save's speed) is announced first.
+        """
         b = self.backend
 
         def write(tmp: Path) -> None:
@@ -212,7 +238,14 @@ class Checkpointer:
             b.save_units(self.units, tmp)
             checkpoint.save_rank_state(tmp, b.rank, self.state_dict())
 
-        return self.session.save(self.root, step, write, self.keep_last)
+        size = checkpoint_bytes(self.units)
+        if b.is_main and size / self.bytes_per_s >= LONG_WAIT_S:
+            log.info("saving checkpoint step %d (~%s) to %s: %s", step, human_bytes(size),
+                     checkpoint.step_dir(self.root, step), about(size / self.bytes_per_s))
+        started = monotonic()
+        path = self.session.save(self.root, step, write, self.keep_last)
+        self.bytes_per_s = size / max(monotonic() - started, 1e-3)
+        return path
 
     def state_dict(self) -> dict:
         return {name: part.state_dict() for name, part in self.parts.items()}

@@ -17,6 +17,7 @@ from megakd.data.tokenizer import Tokenizer
 from megakd.engine import backend_factory
 from megakd.engine.backends import TrainingBackend
 from megakd.engine.layouts import Layout, build_layout
+from megakd.engine.loop import about
 from megakd.engine.losses import TeacherKD
 from megakd.engine.trainer import Trainer, TrainResult
 from megakd.engine.validation import VALID_SEED, Validator
@@ -28,6 +29,10 @@ from megakd.models.remap import remap_masked_lm
 from megakd.store import check_same_tokenizer, checkpoint, freeze, load_model
 
 log = logging.getLogger(__name__)
+
+# The CPU's pace in Admin's profiling pass, per torch thread: fp32 matmuls ran at 28 GFLOP/s on one thread of the
+# 2-core machine (docs/distributed.md, `megakd bench`); the pass's other work (norms, softmax, dropout) is slower.
+PROFILE_FLOPS_PER_THREAD = 20e9
 
 
 def build_backend(cfg: Config) -> TrainingBackend:
@@ -76,13 +81,21 @@ def admin_profile(cfg: Config, models: list[MaskedLM | Discriminator | None], sh
 
     Every rank profiles the same batch (the first one a one-rank loader yields), so ω, like the
     weights, is identical everywhere. The generator sees masked input, the discriminator clean.
+    The pass runs on the CPU, before the backend places the models: at electra-base's size minutes on
+    a few cores, so it is announced with its matmul work (2 FLOPs per layer weight and token).
     """
     admin = [m for m in models if m is not None and m.config.init == "admin"]
     if not admin:
         return
-    loader = PretrainingLoader(shards_dir, tokenizer, micro_batch_size=cfg.train.micro_batch_size,
-                               seed=cfg.train.seed, mask_prob=cfg.data.mask_prob,
-                               shuffle_shards=cfg.data.shuffle_shards)
+    micro_batch = cfg.train.micro_batch_size
+    loader = PretrainingLoader(shards_dir, tokenizer, micro_batch_size=micro_batch, seed=cfg.train.seed,
+                               mask_prob=cfg.data.mask_prob, shuffle_shards=cfg.data.shuffle_shards)
+    flops = sum(2 * sum(p.numel() for p in m.encoder.layers.parameters()) for m in admin) * micro_batch * loader.seq_len
+    threads = torch.get_num_threads()
+    shapes = " and ".join(f"{m.config.num_layers} x {m.config.hidden_size}" for m in admin)
+    log.info("Admin init: profiling the %s encoder(s) in one forward pass over %d x %d tokens on the CPU "
+             "(~%.3g TFLOP): %s on %d threads", shapes, micro_batch, loader.seq_len, flops / 1e12,
+             about(flops / (PROFILE_FLOPS_PER_THREAD * threads)), threads)
     batch = next(iter(loader))
     for model in admin:
         ids = batch["masked_input_ids"] if isinstance(model, MaskedLM) else batch["input_ids"]
@@ -99,11 +112,17 @@ def compile_encoders(models: list[MaskedLM | Discriminator | None]) -> None:
     backward scatters with atomic adds, whose order is not fixed); with the layers alone resume is
     bit-exact (tests/engine/test_compile.py). The heads and fused losses stay eager too: they are
     chunked custom-autograd kernels that already avoid the [tokens x vocab] logits.
+
+    Compiling happens in the first step, which it makes a wait of its own: announced here (measured: a
+    2-step electra-tiny run with a cold cache took 37 s more CPU than the eager one, 2 min more on a loaded
+    2-core machine).
     """
-    for model in models:
-        if model is not None:
-            for layer in model.encoder.layers:
-                layer.compile()
+    layers = [layer for model in models if model is not None for layer in model.encoder.layers]
+    log.info("train.compile: the first step compiles the %d encoder layers (torch.compile): about a minute on 2 "
+             "CPU cores with a cold inductor cache (TORCHINDUCTOR_CACHE_DIR, default /tmp/torchinductor_$USER)",
+             len(layers))
+    for layer in layers:
+        layer.compile()
 
 
 def build_loader(cfg: Config, tokenizer: Tokenizer, shards_dir: ShardStore, micro_batch_size: int, rank: int,

@@ -62,7 +62,9 @@ class RunConfig:
     wandb_mode: Literal["offline", "online"] = "offline"  # offline keeps the run on disk; WANDB_MODE wins
     plots: bool = True  # draw loss and RTD plots into run.dir/plots at the end of training
     export_hf: bool = True  # write run.dir/hf (HuggingFace format) at the end of training
-    progress_bar: bool = True  # a tqdm bar on rank 0
+    # rank 0's progress: a tqdm bar on a terminal; otherwise (stderr to a file, e.g. Slurm's --output) a
+    # plain log line every train.log_every steps and at the last: step, rate, ETA, the bar's figures
+    progress_bar: bool = True
     overwrite: bool = False  # a new run into a used run.dir moves its contents to <run.dir>.old-<time>/
 
     def validate(self) -> None:

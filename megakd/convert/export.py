@@ -27,6 +27,7 @@ from megakd.models.electra import Discriminator, MaskedLM
 from megakd.models.encoder import COMPUTE_FIELDS, EncoderConfig
 from megakd.models.hf_mapping import TIED_EMBEDDING, hf_config, hf_model_class, to_hf_state_dict
 from megakd.store import load_model
+from megakd.store.model_dir import hf_bars_off_unless_terminal
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +119,8 @@ def save_hf_model(model: MaskedLM | Discriminator, kind: str, out: str | Path,
     missing = [k for k in missing if not k.endswith((".position_ids", ".token_type_ids"))]
     if missing or unexpected:  # the mapping is tested exhaustively; this guards against HF changing
         raise RuntimeError(f"HF {type(hf_model).__name__}: missing {missing}, unexpected {unexpected}")
-    hf_model.save_pretrained(out)
+    with hf_bars_off_unless_terminal():
+        hf_model.save_pretrained(out)
     return type(hf_model).__name__
 
 

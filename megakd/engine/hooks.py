@@ -9,12 +9,16 @@ training loop shows the order the loop registers them in.
 
 from __future__ import annotations
 
+import logging
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -111,21 +115,49 @@ class Clock:
 
 
 class ProgressBar(Hook):
-    """A tqdm bar of steps; `postfix(end)` gives the values to show after a step (None: keep the last)."""
+    """Rank 0's progress (`enabled`): steps, rate, time left and `postfix(end)`'s figures (None: none new).
+
+    On a terminal, a tqdm bar. Anywhere else (stderr to a file: `2> log`, a Slurm `--output`) every redraw
+    of a bar would land in the file, carriage returns on one ever-growing line, so a step with figures
+    (the job's `bar_values` has them at each log line: every `log_every` steps and the last) gets a plain
+    log line instead, and the others nothing."""
 
     def __init__(self, total: int, initial: int, postfix: Callable[[StepEnd], dict | None], *, enabled: bool,
                  desc: str | None = None) -> None:
-        self.postfix = postfix
-        self.bar = tqdm(total=total, initial=initial, unit="step", desc=desc, dynamic_ncols=True, disable=not enabled)
+        self.postfix, self.total, self.desc = postfix, total, desc
+        self.plain = enabled and not sys.stderr.isatty()
+        self.bar = tqdm(total=total, initial=initial, unit="step", desc=desc, dynamic_ncols=True,
+                        disable=not enabled or self.plain)
+        self._start = (time.perf_counter(), initial)
 
     def after_step(self, end: StepEnd) -> None:
-        self.bar.update(1)
         values = self.postfix(end)
+        if self.plain:
+            if values:
+                log.info("%s", self.line(end.step, values))
+            return
+        self.bar.update(1)
         if values:
             self.bar.set_postfix(values)
 
+    def line(self, step: int, values: dict) -> str:
+        """`[desc: ]step k/n (p%), rate, ETA h:mm:ss: figures`; the rate is the mean since this process's
+        first step here, hooks included, so the time left counts the evaluations still to come."""
+        began, first = self._start
+        rate = (step - first) / max(time.perf_counter() - began, 1e-9)
+        speed = f"{rate:.3g} steps/s" if rate >= 1 else f"{1 / rate:.3g} s/step"
+        figures = ", ".join(f"{k} {v}" for k, v in values.items())
+        return (f"{f'{self.desc}: ' if self.desc else ''}step {step}/{self.total} ({100 * step // self.total}%), "
+                f"{speed}, ETA {clock_text((self.total - step) / rate)}: {figures}")
+
     def end(self, step: int, finished: bool) -> None:
         self.bar.close()
+
+
+def clock_text(seconds: float) -> str:
+    """`h:mm:ss`, for a time left in a log line."""
+    minutes, secs = divmod(round(seconds), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}"
 
 
 class Checkpoints(Hook):

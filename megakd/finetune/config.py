@@ -21,7 +21,9 @@ from megakd.objectives.soteacher import CR_SCHEDULES
 @dataclass
 class FinetuneRunConfig:
     dir: str = "runs/finetune"  # the run directory: one seed_<s>/ per seed, summary.json
-    progress_bar: bool = True  # a tqdm bar on rank 0
+    # rank 0's progress: a tqdm bar on a terminal; otherwise (stderr to a file, e.g. Slurm's --output) a
+    # plain log line every finetune.log_every steps and at the last: step, rate, ETA, the bar's figures
+    progress_bar: bool = True
     overwrite: bool = False  # a new run into a used run.dir moves its contents to <run.dir>.old-<time>/
     tensorboard: bool = True  # <seed dir>/tb/
     wandb: bool = False  # one wandb run per seed directory (its id kept there, resumed on requeue)

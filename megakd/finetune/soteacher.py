@@ -180,7 +180,8 @@ def run_soteacher(cfg: FinetuneConfig, runtime: Runtime) -> dict:
                                        int(train.indices.max()) + 1, cfg.task.num_labels))
         return SoTeacherObjective(s, stores[-1], cfg.finetune.epochs, cfg.kernels.backend, gather_rows(runtime))
 
-    teachers, _, dev, teacher_lr = run_seeds(cfg, run_dir / "teacher", cfg.model, make_teacher_objective, runtime)
+    teachers, _, dev, teacher_lr = run_seeds(cfg, run_dir / "teacher", cfg.model, make_teacher_objective, runtime,
+                                             name=f"{cfg.task.name} teacher")
     for store in stores:
         store.flush()
     summary = {"teacher": summarize(teachers, run_dir / "teacher", cfg.metric, _calibration(teachers, dev), teacher_lr,
@@ -196,7 +197,8 @@ def run_soteacher(cfg: FinetuneConfig, runtime: Runtime) -> dict:
                                         cfg.task.num_labels, cfg.finetune.eval_batch_size, runtime)
             return LabelregObjective(kd, cfg.task.num_labels, logits)
 
-        students, _, _, student_lr = run_seeds(cfg, run_dir / "student", s.student, make_student_objective, runtime)
+        students, _, _, student_lr = run_seeds(cfg, run_dir / "student", s.student, make_student_objective, runtime,
+                                               name=f"{cfg.task.name} student")
         by_seed = {r.seed: r for r in teachers}
         agree = [agreement(r.dev_logits, by_seed[r.seed].dev_logits) for r in students]
         summary["student"] = summarize(students, run_dir / "student", cfg.metric, {"agreement": agree}, student_lr,

@@ -36,6 +36,7 @@ import json
 import logging
 import math
 import shutil
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,7 +51,7 @@ from megakd.config import ConfigError, ScheduleConfig
 from megakd.configio import save_config
 from megakd.data.tasks import EncodedTask, Example, load_split
 from megakd.data.tokenizer import Tokenizer
-from megakd.engine.hooks import Hook, StepEnd
+from megakd.engine.hooks import Hook, StepEnd, clock_text
 from megakd.engine.layouts import Layout, MicroStepOutput
 from megakd.engine.loop import Checkpointer, LoopPlan, RandomStreams, StepInput, TrainingLoop
 from megakd.engine.optim import build_scheduler, param_groups
@@ -324,8 +325,8 @@ class EpochEnd(Hook):
         self.dev_logits = predict(t.model, self.dev, t.cfg.finetune.eval_batch_size, t.runtime)
         self.metrics = task_metrics(self.dev_logits, self.dev.labels.numpy(), t.cfg.task.num_labels)
         self.curve.append({"epoch": epoch, "train_loss": self.losses[-1], **self.metrics})
-        log.info("seed %d epoch %d: train loss %.4f, %s %s", t.seed, epoch, self.losses[-1], split,
-                 ", ".join(f"{k} {v:.4f}" for k, v in self.metrics.items()))
+        log.info("%s epoch %d/%d: train loss %.4f, %s %s", t.label, epoch + 1, t.cfg.finetune.epochs,
+                 self.losses[-1], split, ", ".join(f"{k} {v:.4f}" for k, v in self.metrics.items()))
         return {"epoch": epoch, "train_loss": self.losses[-1], **{f"{split}_{k}": v for k, v in self.metrics.items()}}
 
     def state_dict(self) -> dict:
@@ -338,14 +339,16 @@ class EpochEnd(Hook):
 
 class SeedTraining:
     """One training of `model` with `objective` (a seed, or an LR-selection trial) on `runtime`'s backend:
-    a classifier layout, an epoch sampler and an epoch-end evaluation on the one training loop."""
+    a classifier layout, an epoch sampler and an epoch-end evaluation on the one training loop. `label`
+    (e.g. "cola seed 2") begins its progress and epoch lines."""
 
     def __init__(self, cfg: FinetuneConfig, seed: int, model: SequenceClassifier, objective: Objective,
-                 out_dir: Path, lr: float, runtime: Runtime, train: EncodedTask, dev: EncodedTask, eval_split: str):
+                 out_dir: Path, lr: float, runtime: Runtime, train: EncodedTask, dev: EncodedTask, eval_split: str,
+                 label: str):
         f = cfg.finetune
-        self.cfg, self.seed, self.model, self.runtime = cfg, seed, model, runtime
-        self.steps_per_epoch = math.ceil(len(train) / f.batch_size)
-        self.total = self.steps_per_epoch * f.epochs
+        self.cfg, self.seed, self.model, self.runtime, self.label = cfg, seed, model, runtime, label
+        self.total = training_steps(len(train), f)
+        self.steps_per_epoch = self.total // f.epochs
         model.to(runtime.device)
         optimizer = build_optimizer(model, f, lr)
         schedule = ScheduleConfig(warmup_steps=round(f.warmup_frac * self.total), decay="linear")
@@ -360,8 +363,8 @@ class SeedTraining:
             save_due=lambda step: (step % spe == 0 and step < self.total) or (bool(every) and step % every == 0),
             save_at_end=False, bad_step_limit=MAX_BAD_STEPS,
             bad_step_limit_text=f"fine-tuning's limit of {MAX_BAD_STEPS}",
-            bad_step_label=f"seed {seed}: ", count_skipped=True, bar_values=_bar_values, bar_label=f"seed {seed}",
-            show_bar=cfg.run.progress_bar and main, evaluations=[self.epochs])
+            bad_step_label=f"{label}: ", count_skipped=True, bar_values=lambda line: _bar_values(line, f.epochs),
+            bar_label=label, show_bar=cfg.run.progress_bar and main, evaluations=[self.epochs])
         metrics = (lambda step: MetricsWriter.for_run(out_dir, cfg, step)) if main else None
         sampler = EpochSampler(train, f.batch_size, seed, spe, runtime)
         self.loop = TrainingLoop(runtime.backend, layout, runtime.session, sampler, RandomStreams(), plan, metrics)
@@ -420,24 +423,86 @@ def _upgrade_progress_rank_state(state: dict, rank: int) -> dict:
     return upgraded
 
 
-def _bar_values(line: dict) -> dict | None:
-    return {"epoch": line["epoch"], "loss": f"{line['loss']:.4f}"} if "loss" in line else None
+def _bar_values(line: dict, epochs: int) -> dict | None:
+    """The progress figures of a log line, its epoch counted from 1 as people count ("epoch 3/3"; the
+    `epoch` of metrics.jsonl, result.json and summary.json counts from 0, as it always has)."""
+    return {"epoch": f"{line['epoch'] + 1}/{epochs}", "loss": f"{line['loss']:.4f}"} if "loss" in line else None
+
+
+def training_steps(train_examples: int, f: OptimConfig) -> int:
+    """The optimizer steps of one training on `train_examples`: `finetune.epochs` epochs of global batches."""
+    return math.ceil(train_examples / f.batch_size) * f.epochs
+
+
+def planned_steps(train_examples: int, f: OptimConfig, candidates: int) -> list[int]:
+    """The optimizer steps of each training `run_seeds` runs, in its order: with several LR candidates a
+    trial of each on the fit rows (`selection_rows`), then every seed on the whole train split."""
+    trials = []
+    if candidates > 1:
+        fit = train_examples - held_out_count(train_examples, f.lr_select_frac)
+        trials = [training_steps(fit, f)] * candidates
+    return trials + [training_steps(train_examples, f)] * len(f.seeds)
+
+
+class Trainings:
+    """A command's trainings (LR trials and seeds; under `megakd glue` every task's), planned as the
+    optimizer steps of each (`planned_steps`). Each start is a log line: which run of how many, and the
+    time the rest will take at the seconds per step of the runs before it in this process (wall time
+    from one start to the next, so evaluations and the work between runs are in it)."""
+
+    def __init__(self, steps: list[int]) -> None:
+        self.count, self.left = len(steps), sum(steps)  # runs planned; the steps of those not started
+        self.started = 0
+        self.where = ""  # where the runs are in a larger plan (GLUE: "task 2 of 9"), said in each line
+        self.seconds, self.trained = 0.0, 0  # time and steps of the runs this process finished
+        self._current: tuple[float, int] | None = None  # (start, steps to train) of the run in progress
+
+    def reused(self, *steps: int) -> None:
+        """Trainings that finished before this process (`--resume auto`): counted, not timed."""
+        self.started += len(steps)
+        self.left -= sum(steps)
+
+    def start(self, label: str, steps: int, done: int = 0) -> None:
+        """The training `label` of `steps` steps starts, `done` of them trained before (a resume)."""
+        now = time.perf_counter()
+        if self._current is not None:
+            self.seconds += now - self._current[0]
+            self.trained += self._current[1]
+        self.started += 1
+        ahead = self.left - done
+        self.left -= steps
+        self._current = (now, steps - done)
+        where = f" ({self.where})" if self.where else ""
+        resumed = f" (resumed at step {done})" if done else ""
+        if self.trained:
+            rate = self.seconds / self.trained
+            estimate = (f"about {clock_text(ahead * rate)} for it and the {self.count - self.started} after it "
+                        f"({rate:.3g} s per step so far)")
+        else:
+            estimate = "the time left is estimated from the end of the first run on"
+        log.info("%s: run %d of %d%s, %d steps%s; %s", label, self.started, self.count, where, steps - done, resumed,
+                 estimate)
 
 
 def train_seed(cfg: FinetuneConfig, seed: int, model: SequenceClassifier, tokenizer: Tokenizer,
                train: EncodedTask, dev: EncodedTask, objective: Objective, out_dir: Path,
-               lr: float, eval_split: str = "dev", runtime: Runtime | None = None) -> SeedResult:
+               lr: float, eval_split: str = "dev", runtime: Runtime | None = None, label: str = "",
+               runs: Trainings | None = None) -> SeedResult:
     """Train `model` with `objective` for `finetune.epochs` epochs at peak rate `lr` (see `run_seeds`).
 
     Evaluates on `dev` after every epoch; its metrics are logged as `<eval_split>_<metric>`. For the
     real dev split this writes the dev logits and the model; an LR-selection trial
     (`eval_split="slice"`, `dev` a slice of train) writes only its metrics. Without a `runtime`
-    it trains in this process on the CPU.
+    it trains in this process on the CPU. `label` names it in the log ("" = "<task> seed <seed>"); `runs`
+    counts it among the command's trainings.
     """
     runtime = runtime or single_process(cfg)
     out_dir.mkdir(parents=True, exist_ok=True)
-    training = SeedTraining(cfg, seed, model, objective, out_dir, lr, runtime, train, dev, eval_split)
+    training = SeedTraining(cfg, seed, model, objective, out_dir, lr, runtime, train, dev, eval_split,
+                            label or f"{cfg.task.name} seed {seed}")
     training.resume()
+    if runs is not None:
+        runs.start(training.label, training.total, training.loop.progress.step)
     dev_logits = training.run()
     if dev_logits is None:
         dev_logits = predict(model, dev, cfg.finetune.eval_batch_size, runtime)
@@ -472,13 +537,14 @@ ObjectiveFactory = Callable[[int, SequenceClassifier, Tokenizer, EncodedTask, Pa
 
 
 def run_seeds(cfg: FinetuneConfig, run_dir: Path, init: ModelInitConfig, make_objective: ObjectiveFactory,
-              runtime: Runtime, read_split: Callable[[str], list[Example]] | None = None
-              ) -> tuple[list[SeedResult], EncodedTask, EncodedTask, dict]:
+              runtime: Runtime, read_split: Callable[[str], list[Example]] | None = None, name: str = "",
+              runs: Trainings | None = None) -> tuple[list[SeedResult], EncodedTask, EncodedTask, dict]:
     """Every seed of `finetune.seeds` into `run_dir/seed_<s>/`.
 
     Returns the results, the encoded splits and the LR record (`lr_record`). The dev split is read
     only after the learning rate is fixed. `read_split` ("train" or "dev" → examples) replaces
-    `load_split(cfg.task, ...)` for callers with their own files (megakd/glue).
+    `load_split(cfg.task, ...)` for callers with their own files (megakd/glue). `name` begins the log
+    lines ("" = `task.name`); `runs` counts the trainings in a larger plan (default: these alone).
     """
     read = read_split or (lambda split: load_split(cfg.task, split))
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -489,25 +555,29 @@ def run_seeds(cfg: FinetuneConfig, run_dir: Path, init: ModelInitConfig, make_ob
     max_len = model_max_len(cfg.finetune.max_seq_len, encoder.max_position_embeddings, encoder.position_encoding)
     regression = cfg.task.num_labels == 1
     train = EncodedTask(train_ex, tokenizer, max_len, regression)
-    log.info("task %s: %d train examples; init %s (%s)", cfg.task.name, len(train), init.path or "random", init.init)
+    name = name or cfg.task.name
+    log.info("task %s: %d train examples; init %s (%s)", name, len(train), init.path or "random", init.init)
     candidates = candidate_lrs(cfg.finetune.lr, encoder.hidden_size)
+    runs = runs or Trainings(planned_steps(len(train), cfg.finetune, len(candidates)))
     record = {"setting": cfg.finetune.lr, "candidates": candidates, "lr": candidates[0]}
     if len(candidates) > 1:
-        record = select_lr(cfg, run_dir / "lr_select", init, pretrained, train, make_objective, candidates, runtime)
+        record = select_lr(cfg, run_dir / "lr_select", init, pretrained, train, make_objective, candidates, runtime,
+                           name, runs)
     dev = EncodedTask(read("dev"), tokenizer, max_len, regression)
-    log.info("task %s: %d dev examples; lr %g", cfg.task.name, len(dev), record["lr"])
+    log.info("task %s: %d dev examples; lr %g", name, len(dev), record["lr"])
     results = []
     for seed in cfg.finetune.seeds:
         seed_dir = run_dir / f"seed_{seed}"
         done = finished_result(seed_dir, seed, "dev", runtime)
         if done is not None:
+            runs.reused(training_steps(len(train), cfg.finetune))
             results.append(done)
             continue
         model, tokenizer = build_classifier(init, cfg.task.num_labels, cfg.finetune.dropout, seed,
                                             pretrained)
         results.append(train_seed(cfg, seed, model, tokenizer, train, dev,
                                   make_objective(seed, model, tokenizer, train, seed_dir), seed_dir, lr=record["lr"],
-                                  runtime=runtime))
+                                  runtime=runtime, label=f"{name} seed {seed}", runs=runs))
     return results, train, dev, record
 
 
@@ -527,15 +597,21 @@ def candidate_lrs(setting: float | list[float] | str, hidden_size: int) -> list[
     return [float(v) for v in setting] if isinstance(setting, list) else [float(setting)]
 
 
+def held_out_count(n: int, frac: float) -> int:
+    """How many of `n` train examples the LR selection holds out: `frac` of them, at least one, not all."""
+    return min(max(1, round(frac * n)), n - 1)
+
+
 def selection_rows(n: int, frac: float) -> tuple[list[int], list[int]]:
     """(fit rows, held-out rows) of a train split of `n` examples: a fixed permutation (seed 0), both non-empty."""
     order = torch.randperm(n, generator=torch.Generator().manual_seed(0)).tolist()
-    held = min(max(1, round(frac * n)), n - 1)
+    held = held_out_count(n, frac)
     return sorted(order[held:]), sorted(order[:held])
 
 
 def select_lr(cfg: FinetuneConfig, out_dir: Path, init: ModelInitConfig, pretrained: Pretrained | None,
-              train: EncodedTask, make_objective: ObjectiveFactory, candidates: list[float], runtime: Runtime) -> dict:
+              train: EncodedTask, make_objective: ObjectiveFactory, candidates: list[float], runtime: Runtime,
+              name: str, runs: Trainings) -> dict:
     """Train the first seed at every candidate on train minus a held-out slice; the best slice score wins."""
     if len(train) < 2:
         raise ConfigError(f"finetune.lr: choosing among {candidates} needs at least 2 train examples")
@@ -546,11 +622,14 @@ def select_lr(cfg: FinetuneConfig, out_dir: Path, init: ModelInitConfig, pretrai
     for lr in candidates:
         trial_dir = out_dir / f"lr_{lr:g}"
         result = finished_result(trial_dir, seed, "slice", runtime)
-        if result is None:
+        if result is not None:
+            runs.reused(training_steps(len(fit), cfg.finetune))
+        else:
             model, tokenizer = build_classifier(init, cfg.task.num_labels, cfg.finetune.dropout, seed, pretrained)
             objective = make_objective(seed, model, tokenizer, fit, trial_dir)
             result = train_seed(cfg, seed, model, tokenizer, fit, held, objective, trial_dir, lr=lr,
-                                eval_split="slice", runtime=runtime)
+                                eval_split="slice", runtime=runtime, label=f"{name} seed {seed} lr {lr:g} trial",
+                                runs=runs)
         scores.append(result.metrics[metric])
     # Rank 0's scores decide on every rank (they agree already: the same weights predict the same slice).
     mine = torch.tensor(scores if runtime.is_main else [0.0] * len(scores), dtype=torch.float64)

@@ -8,6 +8,10 @@ matched from the training's own evaluation, mismatched predicted by the seed's s
 the seed whose task score is the median (the lower one for an even count) into `submission/<Task>.tsv`.
 A finished task is reused by `--resume auto`; an unfinished one resumes per seed (fine-tuning's
 checkpoints). At the end: `results.json`, `results.md` and `submission.zip`.
+
+The log says the plan first (tasks, runs, optimizer steps: every train split is read once more for its
+size), then at each run's start which task of how many and which run of how many it is, and the time
+the runs left will take (`megakd.finetune.trainer.Trainings`).
 """
 
 from __future__ import annotations
@@ -25,7 +29,15 @@ from megakd.finetune.config import LabelregConfig, ModelInitConfig
 from megakd.finetune.models import load_pretrained
 from megakd.finetune.runtime import Runtime
 from megakd.finetune.scores import mean_std_record
-from megakd.finetune.trainer import LabelregObjective, SeedResult, model_max_len, predict, run_seeds
+from megakd.finetune.trainer import (
+    LabelregObjective,
+    SeedResult,
+    Trainings,
+    model_max_len,
+    planned_steps,
+    predict,
+    run_seeds,
+)
 from megakd.glue.config import GlueConfig, electra_lr
 from megakd.glue.metrics import electra_score, glue_score, predictions, split_metrics, task_score
 from megakd.glue.tasks import AX, TASKS, GlueTask, read_split, split_source
@@ -67,13 +79,20 @@ def run_glue(cfg: GlueConfig, runtime: Runtime) -> dict:
     """Every task of `glue.tasks` (MNLI first when others start from it); the results record. The caller has
     run `check_data` before it opened the runtime."""
     lr = peak_lr(cfg)
+    tasks = cfg.task_list
+    plan = {task.name: planned_steps(len(_limited(cfg, task, "train")), cfg.task_config(task, cfg.model, lr).finetune,
+                                     len(lr) if isinstance(lr, list) else 1) for task in tasks}
+    runs = Trainings([steps for task in plan.values() for steps in task])
+    log.info("GLUE: %d tasks (%s), %d fine-tuning runs, %d optimizer steps in all", len(tasks), ", ".join(plan),
+             runs.count, runs.left)
     records: dict[str, dict] = {}
-    for task in cfg.task_list:
+    for number, task in enumerate(tasks, 1):
+        runs.where = f"task {number} of {len(tasks)}"
         init = cfg.model
         if task.name in cfg.glue.from_mnli:
             init = ModelInitConfig(path=records["mnli"]["submission_model"])
             log.info("%s starts from MNLI's fine-tuned encoder %s", task.name, init.path)
-        records[task.name] = run_task(cfg, task, init, lr, runtime)
+        records[task.name] = run_task(cfg, task, init, lr, runtime, runs, plan[task.name])
     results = summarize(cfg, records)
     if runtime.is_main:
         write_results(runtime.run_dir, results)
@@ -90,18 +109,20 @@ def _limited(cfg: GlueConfig, task: GlueTask, split: str) -> list[Example]:
 
 
 def run_task(cfg: GlueConfig, task: GlueTask, init: ModelInitConfig, lr: float | list[float],
-             runtime: Runtime) -> dict:
-    """One task: its seeds (fine-tuning), their official dev metrics, the median seed's test predictions."""
+             runtime: Runtime, runs: Trainings, planned: list[int]) -> dict:
+    """One task: its seeds (fine-tuning), their official dev metrics, the median seed's test predictions.
+    `runs` counts its trainings (`planned`: their steps) among the command's."""
     task_dir = runtime.run_dir / task.name
     done = task_dir / TASK_FILE
     if runtime.resume and done.is_file():
         log.info("%s: finished before, reusing %s", task.name, done)
+        runs.reused(*planned)
         return json.loads(done.read_text())
     tcfg = cfg.task_config(task, init, lr)
     splits = {"train": "train", "dev": task.dev_splits[0]}
     results, _, dev, lr_record = run_seeds(
         tcfg, task_dir, init, lambda *_: LabelregObjective(LabelregConfig(), task.num_labels), runtime,
-        read_split=lambda split: _limited(cfg, task, splits[split]))
+        read_split=lambda split: _limited(cfg, task, splits[split]), name=task.name, runs=runs)
     other_dev = task.dev_splits[1:]
     per_seed = []
     for r in results:

@@ -29,10 +29,13 @@ one entry point that chooses among them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import shutil
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -208,6 +211,23 @@ class HFModel:
     source: dict[str, Any]
 
 
+@contextlib.contextmanager
+def hf_bars_off_unless_terminal() -> Iterator[None]:
+    """transformers' progress bars ("Loading weights", "Writing model shards") off while stderr is not a
+    terminal (a log file, a Slurm `--output`), where each redraw would be one more carriage return in the
+    file; its setting is put back."""
+    from transformers.utils import logging as hf_logging
+
+    if sys.stderr.isatty() or not hf_logging.is_progress_bar_enabled():
+        yield
+        return
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.enable_progress_bar()
+
+
 def read_hf_dir(src: str | Path) -> HFModel:
     """A local HF BERT/ELECTRA directory → the megakd model of its kind (eval mode)."""
     from megakd.models.hf_mapping import encoder_config_from_hf  # imports transformers: only when needed
@@ -228,8 +248,9 @@ def read_hf_dir(src: str | Path) -> HFModel:
     if (safetensors := src / "model.safetensors").is_file():  # sized against the config before transformers builds
         check_weight_count(MODEL_KINDS[kind], [config], safetensors, str(src / "config.json"))
     try:
-        hf_model, loading = hf_class.from_pretrained(src, local_files_only=True, output_loading_info=True,
-                                                     dtype=torch.float32)
+        with hf_bars_off_unless_terminal():
+            hf_model, loading = hf_class.from_pretrained(src, local_files_only=True, output_loading_info=True,
+                                                         dtype=torch.float32)
     except Exception as err:  # transformers loads weights-only; a payload or garbage ends here
         raise StoreError(f"{src}: cannot load the {architecture} weights ({first_line(err)[:200]})") from None
     missing = [k for k in loading["missing_keys"] if not k.endswith((".position_ids", ".token_type_ids"))]

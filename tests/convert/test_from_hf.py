@@ -74,6 +74,21 @@ def test_import_is_exact_through_files(architecture, tmp_path):
     assert diff.abs().max() <= 1e-5
 
 
+def test_hf_reads_and_writes_draw_no_bar_into_a_log_file(tmp_path, capfd):
+    """stderr here is no terminal (pytest's capture, as a log file): transformers' "Loading weights" and
+    "Writing model shards" bars would leave carriage returns in it. Its setting is what it was after."""
+    from transformers.utils import logging as hf_logging
+
+    _hf_model("ElectraForPreTraining").save_pretrained(tmp_path / "src")
+    capfd.readouterr()
+    assert hf_logging.is_progress_bar_enabled()
+    from_hf(tmp_path / "src", tmp_path / "model")
+    to_hf(tmp_path / "model", tmp_path / "back")
+    err = capfd.readouterr().err
+    assert "Loading weights" not in err and "Writing model shards" not in err and "\r" not in err
+    assert hf_logging.is_progress_bar_enabled()
+
+
 @pytest.mark.parametrize("architecture", ["BertForMaskedLM", "ElectraForMaskedLM", "ElectraForPreTraining"])
 def test_round_trip_back_to_hf(architecture, tmp_path):
     hf = _hf_model(architecture, seed=1)

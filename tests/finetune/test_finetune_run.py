@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import re
 from pathlib import Path
 
 import numpy as np
@@ -106,8 +108,13 @@ def test_config_errors_name_the_key(tmp_path, capsys):
     assert "model.path" in capsys.readouterr().err
 
 
-def test_random_init_regression_without_a_pretrained_model(tiny_data, tmp_path):
-    """rt_score from a fresh tiny encoder (no model.path): MSE, Spearman, warm-up then linear decay."""
+def test_random_init_regression_without_a_pretrained_model(tiny_data, tmp_path, caplog, capsys):
+    """rt_score from a fresh tiny encoder (no model.path): MSE, Spearman, warm-up then linear decay. Its log
+    (stderr, `capsys`'s even under -s, is not a terminal: plain progress lines) names the task and seed in
+    every progress line, counts epochs from 1 as people do and the runs of the plan; the files keep their
+    `epoch` counted from 0."""
+    caplog.set_level(logging.INFO, logger="megakd.finetune.trainer")
+    caplog.set_level(logging.INFO, logger="megakd.engine.hooks")
     run = tmp_path / "reg"
     assert main(["finetune", "-c", str(CONFIG), f"run.dir={run}", "model.path=", "model.init=random",
                  f"model.tokenizer={tiny_data[0]}", "model.encoder.vocab_size=512", "model.encoder.hidden_size=16",
@@ -115,9 +122,23 @@ def test_random_init_regression_without_a_pretrained_model(tiny_data, tmp_path):
                  "model.encoder.max_position_embeddings=32", "task.name=rt_score", "task.num_labels=1",
                  "task.max_train_examples=20", "task.max_dev_examples=12", "finetune.max_seq_len=32",
                  "finetune.batch_size=5", "finetune.epochs=2", "finetune.warmup_frac=0.25", "finetune.seeds=[0,1]",
-                 "finetune.log_every=1", "run.progress_bar=false"]) == 0
+                 "finetune.log_every=1", "run.progress_bar=true"]) == 0
     summary = json.loads((run / "summary.json").read_text())
     assert summary["headline"] == "spearman" and list(summary["metrics"]) == ["spearman"]
+    said = [r.getMessage() for r in caplog.records]
+    for seed in (0, 1):
+        bar = [m.split(", ETA ")[1].split(": ", 1)[1] for m in said if m.startswith(f"rt_score seed {seed}: step ")]
+        assert [m.split(",")[0] for m in bar] == [f"epoch {1 + (k > 4)}/2" for k in range(1, 9)]
+        assert [m.split(":")[0] for m in said if m.startswith(f"rt_score seed {seed} epoch")] == [
+            f"rt_score seed {seed} epoch 1/2", f"rt_score seed {seed} epoch 2/2"]
+        assert [json.loads(line)["epoch"] for line in (run / f"seed_{seed}" / "metrics.jsonl").read_text().splitlines()
+                if "train_loss" in line] == [0, 1]
+    runs = [m for m in said if ": run " in m]
+    assert runs[0] == ("rt_score seed 0: run 1 of 2, 8 steps; the time left is estimated from the end of the first "
+                       "run on")
+    assert re.fullmatch(r"rt_score seed 1: run 2 of 2, 8 steps; about \d+:\d\d:\d\d for it and the 0 after it "
+                        r"\([\d.e+-]+ s per step so far\)", runs[1]) and len(runs) == 2
+    assert [c["epoch"] for c in summary["dev_curve"]["0"]] == [0, 1]
     values = summary["metrics"]["spearman"]["values"]
     assert len(values) == 2 and all(-1 <= v <= 1 for v in values)
     assert summary["metrics"]["spearman"]["mean"] == pytest.approx(np.mean(values))

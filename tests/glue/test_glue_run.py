@@ -1,10 +1,14 @@
 """`megakd glue` end to end on the HF export of a tiny ELECTRA run and stand-in GLUE files (every layout's
-reader, the official metrics, the MNLI-checkpoint start, the submission, resume)."""
+reader, the official metrics, the MNLI-checkpoint start, the submission, resume, what its log says)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import re
 import shutil
+import types
 import zipfile
 from pathlib import Path
 
@@ -13,6 +17,7 @@ import pytest
 from sklearn.metrics import accuracy_score, matthews_corrcoef
 
 from megakd.cli import main
+from megakd.finetune import trainer
 from megakd.glue.config import electra_lr
 from megakd.glue.synthetic import write_glue_data
 from megakd.glue.tasks import TASKS, read_split
@@ -25,7 +30,29 @@ def _command(run_dir: Path, model: Path, data: Path, *extra: str) -> list[str]:
     return ["glue", "-c", str(CONFIG), f"model.path={model}", f"glue.data_dir={data}", f"run.dir={run_dir}",
             f"glue.tasks=[{','.join(TASK_LIST)}]", "glue.from_mnli=[rte]", "finetune.seeds=[1,2]",
             "finetune.epochs=1", "glue.long_epochs=2", "finetune.batch_size=8", "finetune.max_seq_len=48",
-            "run.progress_bar=false", "run.tensorboard=false", *extra]
+            "run.progress_bar=true", "run.tensorboard=false", *extra]
+
+
+@contextlib.contextmanager
+def _megakd_log():
+    """The messages megakd logs at INFO and above while the block runs (a module fixture has no caplog)."""
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logger, level = logging.getLogger("megakd"), logging.getLogger("megakd").level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield said
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def _run_lines(said: list[str]) -> list[tuple[str, ...]]:
+    """(label, run, runs, task, tasks, steps) of each run's first line."""
+    found = [re.fullmatch(r"(.+): run (\d+) of (\d+) \(task (\d+) of (\d+)\), (\d+) steps; .*", m) for m in said]
+    return [m.groups() for m in found if m]
 
 
 @pytest.fixture(scope="module")
@@ -33,13 +60,14 @@ def glue_run(tiny_electra_run, tmp_path_factory):
     root = tmp_path_factory.mktemp("glue")
     data = write_glue_data(root / "glue_data", "glue", TASK_LIST, train=16, dev=8, test=6)
     run_dir = root / "run"
-    assert main(_command(run_dir, tiny_electra_run / "hf" / "discriminator", data)) == 0
-    return run_dir, data, tiny_electra_run / "hf" / "discriminator"
+    with _megakd_log() as said:
+        assert main(_command(run_dir, tiny_electra_run / "hf" / "discriminator", data)) == 0
+    return run_dir, data, tiny_electra_run / "hf" / "discriminator", said
 
 
 @pytest.mark.slow
 def test_results_hold_every_task_seed_and_official_metric(glue_run):
-    run_dir, data, _ = glue_run
+    run_dir, data, _, _ = glue_run
     results = json.loads((run_dir / "results.json").read_text())
     assert list(results["tasks"]) == ["mnli", "cola", "stsb", "rte"]  # MNLI first: RTE starts from it
     expected = {"cola": ["mcc"], "stsb": ["pearson", "spearman"], "mnli": ["accuracy_m", "accuracy_mm"],
@@ -69,7 +97,7 @@ def test_results_hold_every_task_seed_and_official_metric(glue_run):
 
 @pytest.mark.slow
 def test_submission_is_what_the_server_takes(glue_run):
-    run_dir, data, _ = glue_run
+    run_dir, data, _, _ = glue_run
     with zipfile.ZipFile(run_dir / "submission.zip") as z:
         files = {name: z.read(name).decode().splitlines() for name in z.namelist()}
     assert sorted(files) == ["AX.tsv", "CoLA.tsv", "MNLI-m.tsv", "MNLI-mm.tsv", "RTE.tsv", "STS-B.tsv"]
@@ -86,15 +114,18 @@ def test_submission_is_what_the_server_takes(glue_run):
 
 @pytest.mark.slow
 def test_resume_reuses_finished_tasks_and_seeds_and_a_used_run_dir_is_refused(glue_run):
-    run_dir, data, model = glue_run
+    run_dir, data, model, _ = glue_run
     before = {t: (run_dir / t / "task.json").read_text() for t in TASK_LIST}
     assert main(_command(run_dir, model, data)) == 2  # a used run.dir needs --resume auto
     # CoLA's record and its second seed are gone (a job stopped there): only that seed trains again.
     (run_dir / "cola" / "task.json").unlink()
     shutil.rmtree(run_dir / "cola" / "seed_2")
     kept = {f: f.stat().st_mtime_ns for f in (run_dir / "cola" / "seed_1").rglob("*") if f.is_file()}
-    assert main([*_command(run_dir, model, data), "--resume", "auto"]) == 0
+    with _megakd_log() as said:
+        assert main([*_command(run_dir, model, data), "--resume", "auto"]) == 0
     assert {t: (run_dir / t / "task.json").read_text() for t in TASK_LIST} == before  # bit-exact on CPU
+    # MNLI's two seeds and CoLA's first count as runs done: the one run trained is the fourth of eight.
+    assert _run_lines(said) == [("cola seed 2", "4", "8", "2", "4", "2")]
     assert {f: f.stat().st_mtime_ns for f in (run_dir / "cola" / "seed_1").rglob("*") if f.is_file()} == kept
 
 
@@ -117,6 +148,49 @@ def test_a_list_of_rates_is_chosen_on_a_slice_of_train(tiny_electra_run, tmp_pat
     assert list(json.loads((tmp_path / "run" / "results.json").read_text())["tasks"]) == ["rte", "cola"]
     assert main([*args, "glue.tasks=[rte,cola]", "finetune.seeds=[1]", "glue.lr=[3e-4,1e-3]",
                  "finetune.lr_select_frac=0.5", "glue.submission=false", "--resume", "auto"]) == 2
+
+
+@pytest.mark.slow
+def test_the_log_names_task_and_seed_and_says_the_runs_ahead(glue_run):
+    """A GLUE job's log, read as it grows: the plan first, then at each run's start its task and run of how
+    many, then progress lines that each name the task and seed (not "task files", not "seed 2" alone)."""
+    *_, said = glue_run
+    # 16 train examples in batches of 8: 2 steps an epoch; 1 epoch (mnli, cola) or 2 (stsb, rte); 2 seeds each.
+    assert "GLUE: 4 tasks (mnli, cola, stsb, rte), 8 fine-tuning runs, 24 optimizer steps in all" in said
+    runs = _run_lines(said)
+    assert [(label, run, task) for label, run, _, task, *_ in runs] == [
+        (f"{name} seed {seed}", str(2 * t + seed), str(t + 1))
+        for t, name in enumerate(["mnli", "cola", "stsb", "rte"]) for seed in (1, 2)]
+    assert {r[2] for r in runs} == {"8"} and {r[4] for r in runs} == {"4"} and sum(int(r[5]) for r in runs) == 24
+    assert all(re.search(r"; about \d+:\d\d:\d\d for it and the \d+ after it", m) for m in said
+               if re.search(r": run [2-8] of 8", m))
+    progress = [m for m in said if re.search(r": step \d+/\d+ ", m)]
+    assert {m.split(": step")[0] for m in progress} == {label for label, *_ in runs}
+    assert "task mnli: 16 train examples" in "\n".join(said) and "task files" not in "\n".join(said)
+
+
+def test_the_time_left_is_the_plan_s_steps_at_the_seconds_per_step_so_far(monkeypatch, caplog):
+    """`megakd glue`'s estimate, on a fake clock: the runs before this one trained 30 steps in 60 s (their
+    evaluations included), so the 10 + 40 steps left (a resumed run's trained steps not among them) take
+    100 s; runs finished before the process count as runs, not as time."""
+    now = {"t": 0.0}
+    monkeypatch.setattr(trainer, "time", types.SimpleNamespace(perf_counter=lambda: now["t"]))
+    caplog.set_level(logging.INFO, logger=trainer.__name__)
+    runs = trainer.Trainings([10, 10, 20, 20, 40])
+    runs.where = "task 1 of 2"
+    runs.reused(10)
+    runs.start("cola seed 2", 10)
+    now["t"] = 20.0
+    runs.start("sst2 seed 1", 20)
+    runs.where = "task 2 of 2"
+    now["t"] = 60.0
+    runs.start("sst2 seed 2", 20, done=10)
+    assert [r.getMessage() for r in caplog.records] == [
+        "cola seed 2: run 2 of 5 (task 1 of 2), 10 steps; the time left is estimated from the end of the first run on",
+        "sst2 seed 1: run 3 of 5 (task 1 of 2), 20 steps; about 0:02:40 for it and the 2 after it (2 s per step so "
+        "far)",
+        "sst2 seed 2: run 4 of 5 (task 2 of 2), 10 steps (resumed at step 10); about 0:01:40 for it and the 1 after "
+        "it (2 s per step so far)"]
 
 
 def test_electra_lr_by_model_size():

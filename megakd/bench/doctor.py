@@ -24,6 +24,7 @@ EXTRAS = {
     "triton": "the Triton kernels (kernels.backend=auto uses them on CUDA; else the chunked torch path)",
     "wandb": "run.wandb=true",
     "s3": "data.shards=s3://...",
+    "datasets": "inputs saved with datasets' save_to_disk, and glue.data_dir in the save_to_disk or parquet layout",
 }
 # Variables the launchers set (torchrun, the deepspeed launcher, srun) and that megakd reads, plus the
 # ones that steer NCCL and threads (docs/cluster.md says which matter).

@@ -155,7 +155,7 @@ class MetricsWriter(Hook):
 def append_whole(path: Path, data: bytes) -> None:
     """Append `data` to `path` in one `os.write`; if it fails (a full disk part-way through included) the
     file is cut back to its old length, so a reader never finds half of it."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o666)
     try:
         size = os.fstat(fd).st_size
         try:
@@ -251,38 +251,70 @@ def summarize_run(metrics_path: Path) -> dict:
     return summary
 
 
-def plot_metrics(metrics_path: Path, out_dir: Path) -> list[Path]:
-    """loss.png (generator and discriminator losses), rtd.png (RTD F1 and accuracies), probe.png (probe_acc)."""
+# Each plot's panels, top to bottom: (y label, keys). A panel per scale: the discriminator's loss (~0.3-0.7)
+# drawn on the generator's axis (~10 down to ~2) would look flat.
+PLOT_PANELS = {
+    "loss.png": [("generator loss", ["gen_loss", "val_gen_loss"]),
+                 ("discriminator loss", ["disc_loss", "val_disc_loss"])],
+    "rtd.png": [("score", ["rtd_f1", "rtd_precision", "rtd_recall", "gen_acc", "disc_acc", "val_rtd_f1",
+                           "val_rtd_auc", "val_gen_acc", "val_teacher_agreement"])],
+    "probe.png": [("downstream probe accuracy", ["probe_acc"])],
+}
+
+
+def metric_figures(records: list[dict], probe_chance: float | None = None) -> dict:
+    """{file name: matplotlib Figure} for the plots `records` have data for (see PLOT_PANELS).
+
+    probe.png spans accuracy 0 to 1 with the chance level drawn (`probe_chance`, when given) and the
+    last probe's value written beside it: one probe (a short run) is otherwise a lone dot on an axis
+    zoomed to it, which says nothing about how good it is.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    figures = {}
+    for name, panels in PLOT_PANELS.items():
+        panels = [(label, [k for k in keys if any(k in r for r in records)]) for label, keys in panels]
+        panels = [(label, keys) for label, keys in panels if keys]
+        if not panels:
+            continue
+        fig, axes = plt.subplots(len(panels), 1, figsize=(7, 1 + 3 * len(panels)), sharex=True, squeeze=False)
+        for ax, (ylabel, keys) in zip(axes[:, 0], panels):
+            for key in keys:
+                pts = [(r["step"], r[key]) for r in records if key in r]
+                # A point or two drawn as a bare line is invisible (a short run's one probe): mark sparse series.
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], label=key, marker="o" if len(pts) <= 20 else None)
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3)
+        if name == "probe.png":
+            ax = axes[0, 0]
+            last = [(r["step"], r["probe_acc"]) for r in records if "probe_acc" in r][-1]
+            ax.annotate(f"{last[1]:.3f}", last, textcoords="offset points", xytext=(6, 6))
+            if probe_chance is not None:
+                ax.axhline(probe_chance, color="gray", linestyle="--", label=f"chance ({probe_chance:.2f})")
+            ax.set_ylim(0, 1)
+            ax.set_xlim(0, 1.05 * max(r["step"] for r in records) + 1)  # the probes where they fell in the run
+        for ax in axes[:, 0]:
+            ax.legend()
+        axes[-1, 0].set_xlabel("step")
+        fig.tight_layout()
+        figures[name] = fig
+    return figures
+
+
+def plot_metrics(metrics_path: Path, out_dir: Path, probe_chance: float | None = None) -> list[Path]:
+    """Write `metric_figures` of a run's metrics.jsonl into out_dir: loss.png, rtd.png, probe.png."""
     records = read_metrics(metrics_path)
     if not records:
         return []
+    figures = metric_figures(records, probe_chance)
+    import matplotlib.pyplot as plt  # after metric_figures chose the Agg backend
+
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    panels = {
-        "loss.png": ("loss", ["gen_loss", "disc_loss", "val_gen_loss", "val_disc_loss"]),
-        "rtd.png": ("score", ["rtd_f1", "rtd_precision", "rtd_recall", "gen_acc", "disc_acc", "val_rtd_f1",
-                              "val_rtd_auc", "val_gen_acc", "val_teacher_agreement"]),
-        "probe.png": ("downstream probe accuracy", ["probe_acc"]),
-    }
-    for name, (ylabel, keys) in panels.items():
-        keys = [k for k in keys if any(k in r for r in records)]
-        if not keys:
-            continue
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for key in keys:
-            pts = [(r["step"], r[key]) for r in records if key in r]
-            # A point or two drawn as a bare line is invisible (a short run's one probe): mark sparse series.
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=key, marker="o" if len(pts) <= 20 else None)
-        ax.set_xlabel("step")
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
+    for name, fig in figures.items():
         path = out_dir / name
         fig.savefig(path, dpi=100)
         plt.close(fig)

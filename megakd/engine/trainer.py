@@ -135,7 +135,9 @@ class Trainer:
         copy_tokenizer(self.tokenizer_dir, tmp / "tokenizer")
 
     def _plot(self) -> None:
-        plot_metrics(self.run_dir / "metrics.jsonl", self.run_dir / "plots")
+        t = self.cfg.train  # the probe's task is validated (>= 2 labels) only when the probe is on
+        plot_metrics(self.run_dir / "metrics.jsonl", self.run_dir / "plots",
+                     probe_chance=1 / t.probe_task.num_labels if t.probe_every else None)
 
     # -- the probe ------------------------------------------------------------------------------------
     def _probe_line(self, step: int) -> dict | None:

@@ -18,6 +18,8 @@ def test_doctor_reports_this_machine(capsys):
     assert metadata.version("torch") in rows["torch"] and rows["torch"].startswith("ok")
     assert rows["deepspeed"].startswith("ok") and metadata.version("deepspeed") in rows["deepspeed"]
     assert "torch>=2.13.0" in rows["torch"]  # the floor of pyproject.toml, read from the installed metadata
+    for name in ("datasets", "pyarrow"):  # the save_to_disk and parquet GLUE layouts read through them
+        assert rows[name].startswith("ok") and "(extra [datasets])" in rows[name]
     has_gpu = torch.cuda.is_available()
     assert rows["GPUs"].startswith("ok" if has_gpu else "--")
     assert ("GPUs: GPU training" in out) is not has_gpu

@@ -1,12 +1,14 @@
 """The headline recipe's HF export (T5-relative + Admin, remote code) used as HF users use a model.
 
 Token classification and QA heads load through the Auto classes, hidden states and attention maps
-come out, `resize_token_embeddings` and gradient checkpointing work, the tokenizer loads with no
-prompt, and one HF `Trainer` step runs on each head. Models are built locally (no hub).
+come out, `resize_token_embeddings` and gradient checkpointing work, the tokenizer loads quietly the
+ways docs/hf.md gives, and one HF `Trainer` step runs on each head. Models are built locally (no hub).
 """
 
 from __future__ import annotations
 
+import io
+import logging
 import math
 
 import pytest
@@ -14,9 +16,11 @@ import torch
 from transformers import (
     AutoModel,
     AutoModelForMaskedLM,
+    AutoModelForPreTraining,
     AutoModelForQuestionAnswering,
     AutoModelForTokenClassification,
     AutoTokenizer,
+    PreTrainedTokenizerFast,
     Trainer,
     TrainingArguments,
 )
@@ -29,6 +33,7 @@ from megakd.models.encoder import EncoderConfig
 from tests.helpers import TINY_VOCAB, mlm_logits, padded_inputs
 
 LOAD = {"trust_remote_code": True, "local_files_only": True}
+OFFLINE = {"local_files_only": True}
 
 
 def _config() -> EncoderConfig:
@@ -145,16 +150,36 @@ def test_gradient_checkpointing_recomputes_layers_and_keeps_gradients(exported):
         torch.testing.assert_close(ckpt[k], plain[k], rtol=0, atol=1e-6, msg=k)
 
 
-def test_tokenizer_loads_without_a_prompt(exported, tiny_data, capfd, monkeypatch):
-    """With `trust_remote_code` given (True, as for the model, or False) nothing asks on stdin."""
-    _, gen_dir, _, _ = exported
-    monkeypatch.setattr("builtins.input", lambda *_: pytest.fail("AutoTokenizer prompted for input"))
+def test_tokenizers_load_quietly_the_documented_ways(tiny_electra_run, exported, tiny_data, capfd, caplog, recwarn,
+                                                     monkeypatch):
+    """docs/hf.md's loads, with stdin closed as in a script: a native export's tokenizer through plain AutoTokenizer,
+    a remote-code export's through PreTrainedTokenizerFast or AutoTokenizer with trust_remote_code=True, say
+    nothing (no prompt, no model-type warning) and give megakd's ids; the model loads with trust_remote_code=True.
+    Plain AutoTokenizer on the remote-code export asks, as docs/hf.md says: transformers reads config.json first."""
+    monkeypatch.setattr("sys.stdin", io.StringIO())
+    # transformers' own handler writes to the stderr of import time, which capfd does not see: read its records.
+    monkeypatch.setattr(logging.getLogger("transformers"), "handlers", [caplog.handler])
+
+    def said() -> list[str]:
+        out, err = capfd.readouterr()
+        text = [out, err, *(r.getMessage() for r in caplog.records), *(str(w.message) for w in recwarn)]
+        caplog.clear()
+        recwarn.clear()
+        return [line for line in text if line]
+
     text = "It is a truth universally acknowledged."
-    want = Tokenizer.load(tiny_data[0]).encode(text)
-    for trust in (True, False):
-        tok = AutoTokenizer.from_pretrained(gen_dir, trust_remote_code=trust, local_files_only=True)
-        assert tok(text, add_special_tokens=False)["input_ids"] == want
-    assert "Do you wish to run the custom code" not in capfd.readouterr().out
+    want = [1, *Tokenizer.load(tiny_data[0]).encode(text), 2]
+    native, remote = tiny_electra_run / "hf" / "discriminator", exported[0]
+    said()
+    for load in (lambda: AutoTokenizer.from_pretrained(native, **OFFLINE),
+                 lambda: PreTrainedTokenizerFast.from_pretrained(remote, **OFFLINE),
+                 lambda: AutoTokenizer.from_pretrained(remote, trust_remote_code=True, **OFFLINE)):
+        assert load()(text)["input_ids"] == want
+        assert said() == []
+    assert type(AutoModelForPreTraining.from_pretrained(remote, **LOAD)).__name__ == "MegakdForPreTraining"
+    said()
+    assert AutoTokenizer.from_pretrained(remote, **OFFLINE)(text)["input_ids"] == want
+    assert "Do you wish to run the custom code?" in said()[0]
 
 
 class _Rows(torch.utils.data.Dataset):

@@ -3,6 +3,7 @@ import gzip
 import hashlib
 import json
 import tarfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -128,6 +129,22 @@ def test_uint32_tokens_for_large_vocabularies():
     from megakd.data.shards import token_dtype
 
     assert token_dtype(65536) == np.uint16 and token_dtype(128_000) == np.uint32
+
+
+def test_the_docs_webdataset_example_reads_what_megakd_reads(tiny_data):
+    """docs/data.md's example, run as written on real shards: a reader outside megakd gets every sample, keyed
+    by its global index, as the uint16 array megakd's own reader returns, in the same order."""
+    shards = tiny_data[1]
+    section = (Path(__file__).parents[2] / "docs" / "data.md").read_text().split("### The shard layout")[1]
+    example = section.split("```python\n")[1].split("```")[0]
+    assert "data/shards512" in example
+    printed = []
+    exec(example.replace("data/shards512", str(shards)), {"print": lambda *args: printed.append(args)})
+    want = all_samples(shards)
+    assert len(read_manifest(shards)["shards"]) > 1 and read_manifest(shards)["dtype"] == "uint16"
+    assert [key for key, _ in printed] == [f"{i:012d}" for i in range(len(want))]
+    for (key, ids), ref in zip(printed, want):
+        assert ids.dtype == np.uint16 and np.array_equal(ids, ref), key
 
 
 def test_shards_are_standard_tar_files(packed):

@@ -11,6 +11,7 @@ from scipy.optimize import minimize
 
 from megakd.config import load_config
 from megakd.engine.pretrain import build_trainer
+from megakd.engine.runlog import plot_metrics
 from megakd.models.logreg import fit_logistic_regression, predict_logistic_regression
 from tests.helpers import tiny_overrides
 
@@ -57,14 +58,17 @@ def test_logistic_regression_matches_scipy_dense_and_sparse():
                        torch.from_numpy((x @ w_ref + b_ref).argmax(1)))
 
 
-def test_probe_logs_at_its_steps_and_matches_a_reference(tiny_data, tmp_path):
+def test_probe_logs_at_its_steps_and_matches_a_reference(tiny_data, tmp_path, monkeypatch):
     run = tmp_path / "run"
+    plotted = []  # probe.png's chance line: 1 / the probe task's labels
+    monkeypatch.setattr("megakd.engine.trainer.plot_metrics",
+                        lambda *a, **kw: plotted.append(kw) or plot_metrics(*a, **kw))
     trainer = _train(tiny_data, run, **{"train.max_steps": 4, "train.probe_every": 2, "run.plots": "true",
                                         "run.tensorboard": "true", **PROBE})
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     probes = [r for r in rows if "probe_acc" in r]
     assert [r["step"] for r in probes] == [2, 4]
-    assert (run / "plots" / "probe.png").is_file()
+    assert (run / "plots" / "probe.png").is_file() and plotted == [{"probe_chance": 0.5}]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(run / "tb")).Reload()

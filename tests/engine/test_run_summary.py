@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from megakd.cli import main, run_report
-from megakd.engine.runlog import plot_metrics, summarize_run
+from megakd.engine.runlog import metric_figures, plot_metrics, summarize_run
 from tests.helpers import tiny_overrides
 
 
@@ -77,3 +77,26 @@ def test_a_single_logged_point_is_drawn(tmp_path):
     drawn = _blue_pixels(one[0])
     assert drawn > 60 + 2 * 40, drawn
     assert _blue_pixels(two[0]) > drawn
+
+
+def test_each_loss_fills_its_own_axis_and_the_probe_is_read_against_chance():
+    """The discriminator's loss (0.62 -> 0.31) on the generator's axis (9 -> 2) is a flat line at the bottom. One
+    probe on an axis zoomed to it says nothing: probe.png spans accuracy 0..1 and the run's steps, with chance
+    drawn and the value written."""
+    import matplotlib.pyplot as plt
+
+    rows = [{"step": s, "gen_loss": 9 - 7 * s / 20, "disc_loss": 0.62 - 0.31 * s / 20} for s in range(1, 21)]
+    figures = metric_figures([*rows, {"step": 10, "probe_acc": 0.6}], probe_chance=0.5)
+    try:
+        for ax, key, span in zip(figures["loss.png"].axes, ("gen_loss", "disc_loss"), (7 * 19 / 20, 0.31 * 19 / 20)):
+            low, high = ax.get_ylim()
+            assert [line.get_label() for line in ax.lines] == [key]
+            assert span / (high - low) > 0.8, (key, low, high)  # the curve fills most of its axis
+        (probe,) = figures["probe.png"].axes
+        assert probe.get_ylim() == (0, 1) and probe.get_xlim()[0] == 0 and probe.get_xlim()[1] > 20
+        chance = [line for line in probe.lines if line.get_label() == "chance (0.50)"]
+        assert len(chance) == 1 and list(chance[0].get_ydata()) == [0.5, 0.5]
+        assert [text.get_text() for text in probe.texts] == ["0.600"]
+    finally:
+        for fig in figures.values():
+            plt.close(fig)

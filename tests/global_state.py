@@ -56,6 +56,13 @@ def _autocast(value: tuple[bool, torch.dtype]) -> None:
     torch.set_autocast_dtype("cpu", value[1])
 
 
+def _umask() -> int:
+    """The umask, read by setting it and back (the test process creates no file meanwhile)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _saved_tensors_hooks() -> int:
     """How many `saved_tensors_hooks` contexts are open (each pushed pair is popped on exit)."""
     count, stack = 0, []
@@ -83,6 +90,7 @@ SETTINGS: dict[str, Setting] = {
     "torch function modes": Setting(torch._C._len_torch_function_stack),
     "torch dispatch modes": Setting(lambda: len(torch.utils._python_dispatch._get_current_dispatch_mode_stack())),
     "saved tensors hooks": Setting(_saved_tensors_hooks),
+    "process umask": Setting(_umask, os.umask),  # the mode of every file a later test writes
     "sys.exit": _attribute(sys, "exit"),  # wandb wraps both, for good, when its service starts
     "sys.excepthook": _attribute(sys, "excepthook"),
     "torch.backends.fp32_precision": _attribute(torch.backends, "fp32_precision"),

@@ -25,19 +25,22 @@ def test_a_leak_of_each_kind_is_named_and_put_back(monkeypatch):
     signal.signal(signal.SIGUSR2, lambda *_: None)
     torch.set_float32_matmul_precision("medium")
     torch.set_grad_enabled(False)
+    umask = os.umask(0o077)
     try:
         changed = global_state.changes(before, global_state.snapshot())
         assert {"environment MEGAKD_LEAK_PROBE", "handler of SIGUSR2", "torch float32 matmul precision",
                 "torch.backends.mkldnn.matmul.fp32_precision",  # "medium": fp32 matmuls in bf16 on oneDNN
-                "torch grad enabled", "torch.nn.functional.linear"} <= set(changed)
+                "torch grad enabled", "torch.nn.functional.linear", "process umask"} <= set(changed)
         assert "torch.nn.functional.linear: torch._C._nn.linear -> " in global_state.describe(changed)
         global_state.restore(before, changed)
         assert global_state.changes(before, global_state.snapshot()) == {}
         assert torch.nn.functional.linear is linear and "MEGAKD_LEAK_PROBE" not in os.environ
         assert signal.getsignal(signal.SIGUSR2) is handler and torch.is_grad_enabled()
+        assert os.umask(umask) == umask
     finally:
         torch.nn.functional.linear = linear
         signal.signal(signal.SIGUSR2, handler)
+        os.umask(umask)
         global_state.restore(before, global_state.changes(before, global_state.snapshot()))
 
 

@@ -45,7 +45,6 @@ from megakd.bench.roofline import format_phases, matmul_seconds, op_shares, phas
 from megakd.config import Config, OptimizerConfig
 from megakd.data.masking import collate
 from megakd.engine.backends import precision_autocast
-from megakd.testing.device_audit import SIMULATED, SyncCounter, simulated_cuda
 from megakd.engine.losses import DiscriminatorLoss, GeneratorLoss
 from megakd.engine.optim import build_optimizer
 from megakd.engine.pretrain import compile_encoders
@@ -54,6 +53,7 @@ from megakd.models.electra import Discriminator, MaskedLM
 from megakd.models.encoder import EncoderConfig
 from megakd.models.hf_mapping import from_hf_state_dict
 from megakd.objectives.electra import corrupt
+from megakd.testing.device_audit import SIMULATED, SyncCounter, simulated_cuda
 
 # name: (generator (layers, hidden, heads, ffn), discriminator (layers, hidden, heads, ffn),
 #        embedding, vocab, seq, batch)

@@ -8,6 +8,7 @@ the report accumulates. The file is written atomically.
 from __future__ import annotations
 
 import ast
+import functools
 import math
 import re
 import subprocess
@@ -150,6 +151,7 @@ def code_changes(since: str, paths: tuple[str, ...]) -> list[str] | None:
     return changes
 
 
+@functools.cache  # a commit's files never change; the report's sections ask about the same commits
 def _runs_differently(commit: str, path: str) -> bool:
     before, after = _git("show", f"{commit}^:{path}"), _git("show", f"{commit}:{path}")
     if before is None or after is None:  # added or removed

@@ -33,8 +33,10 @@ def test_quick_findings_write_their_sections(tmp_path):
         "soteacher": (["draw", "teacher", "teacher acc", "ECE", "NLL", "ECE+TS", "NLL+TS", "student acc",
                        "agreement"], ["0", "0", "1", "1"], [2, 3, 4, 5, 6, 7, 8]),
     }
-    # disc_lr as two single-thread worker processes, soteacher one job after the other in this process
-    for name, jobs in zip(expected, ("2", "1")):
+    # disc_lr one job after the other in this process, soteacher as two single-thread worker processes: a
+    # worker process pays its imports per job (~4 s), so the finding with the fewest jobs (soteacher's 7,
+    # not disc_lr's 16) is the one that checks the workers' path
+    for name, jobs in zip(expected, ("1", "2")):
         assert main(["repro", name, "--quick", "--seeds", "0", "1", "--jobs", jobs, "--out", str(out),
                      "--work", str(work)]) == 0
     for name, (columns, first_cells, mean_std_columns) in expected.items():
@@ -51,7 +53,8 @@ def test_quick_findings_write_their_sections(tmp_path):
         assert (out.parent / "repro" / f"{name}.png").stat().st_size > 0 and f"![{name}](repro/{name}.png)" in section
         assert f"<!-- measured-with: {code_version()} -->" in section
     assert out.read_text().index("finding:disc_lr") < out.read_text().index("finding:soteacher")
-    # The shared encoder soteacher fine-tunes is cached: a second finding reuses it instead of pretraining.
+    # The shared encoder soteacher fine-tunes is cached: a second finding reuses it instead of pretraining
+    # (here in this process what the worker processes pretrained).
     cached = sorted((work / "pretrained").iterdir())
     assert main(["repro", "soteacher", "--quick", "--seeds", "0", "1", "--jobs", "1", "--out", str(out),
                  "--work", str(work)]) == 0
@@ -64,7 +67,7 @@ def test_quick_dwt_writes_both_budgets_and_the_remapping_curves(tmp_path):
     """dwt's short-budget arms (teachers and schedules, one row each) and its whole-budget runs (a row per
     draw and init, each fine-tuned on RT) in one table."""
     out = tmp_path / "docs" / "REPRODUCTION.md"
-    # --jobs 1: one job after another in this process (worker processes are disc_lr's test above; on two
+    # --jobs 1: one job after another in this process (worker processes are soteacher's run above; on two
     # cores shared with another test file they only add their imports)
     assert main(["repro", "dwt", "--quick", "--jobs", "1", "--out", str(out), "--work", str(tmp_path / "work")]) == 0
     header, rows = _table(_section(out, "dwt"))

@@ -42,7 +42,9 @@ def test_sections_are_replaced_in_place_and_others_kept(tmp_path):
 def test_quick_lambda_finding_writes_its_section(tmp_path):
     out = tmp_path / "docs" / "REPRODUCTION.md"
     write_section(_report("other"), out)  # an existing section of another finding survives
-    assert main(["repro", "lambda", "--quick", "--out", str(out), "--work", str(tmp_path / "work")]) == 0
+    # --jobs 1: in this process (12 jobs; as worker processes each would pay its imports, ~4 s: the workers'
+    # path is soteacher's in test_repro_quick.py)
+    assert main(["repro", "lambda", "--quick", "--jobs", "1", "--out", str(out), "--work", str(tmp_path / "work")]) == 0
     text = out.read_text()
     assert "<!-- finding:other -->" in text
     section = re.search(r"<!-- finding:lambda -->(.*)<!-- /finding:lambda -->", text, re.DOTALL).group(1)

@@ -64,6 +64,9 @@ def init_distributed(dist_backend: str = "auto") -> tuple[int, int, int]:
             dist_backend = "nccl" if torch.cuda.is_available() else "gloo"
         if dist_backend == "nccl":
             torch.cuda.set_device(local_rank)
+        if rank == 0:  # a rank that never started (a node down, a bad host list) makes this wait for all
+            log.info("joining the %s process group of %d ranks at %s:%s: waits until every rank has joined",
+                     dist_backend, world, os.environ.get("MASTER_ADDR", "?"), os.environ.get("MASTER_PORT", "?"))
         create_process_group(dist_backend)
     return rank, world, local_rank
 

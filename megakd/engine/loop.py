@@ -38,19 +38,13 @@ from megakd.engine.session import RunSession, rng_state, seed_rng, set_rng_state
 from megakd.engine.units import StepContext, Unit, never
 from megakd.errors import UserError
 from megakd.store import checkpoint
-from megakd.store.files import StoreError, human_bytes
+from megakd.store.files import HASH_BYTES_PER_S, LONG_WAIT_S, StoreError, about, human_bytes
 
 log = logging.getLogger(__name__)
 
-LONG_WAIT_S = 5.0  # a wait expected to last this long is announced in the log before it starts
 # A checkpoint's write speed until this process has timed one: rank 0 reads every byte back for the manifest's
 # sha256 after the ranks wrote it (hashlib ~300 MB/s on the 2-core machine, docs/data.md), so about half that.
-FIRST_SAVE_BYTES_PER_S = 150e6
-
-
-def about(seconds: float) -> str:
-    """A duration for a log line: seconds, or minutes from two minutes on."""
-    return f"about {seconds:.0f} s" if seconds < 120 else f"about {seconds / 60:.0f} min"
+FIRST_SAVE_BYTES_PER_S = HASH_BYTES_PER_S / 2
 
 
 def checkpoint_bytes(units: list[Unit]) -> int:

@@ -17,7 +17,6 @@ from megakd.data.tokenizer import Tokenizer
 from megakd.engine import backend_factory
 from megakd.engine.backends import TrainingBackend
 from megakd.engine.layouts import Layout, build_layout
-from megakd.engine.loop import about
 from megakd.engine.losses import TeacherKD
 from megakd.engine.trainer import Trainer, TrainResult
 from megakd.engine.validation import VALID_SEED, Validator
@@ -27,6 +26,7 @@ from megakd.models.admin import admin_initialize
 from megakd.models.electra import Discriminator, MaskedLM
 from megakd.models.remap import remap_masked_lm
 from megakd.store import check_same_tokenizer, checkpoint, freeze, load_model
+from megakd.store.files import about
 
 log = logging.getLogger(__name__)
 

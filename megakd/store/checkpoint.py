@@ -24,7 +24,17 @@ from pathlib import Path
 
 from megakd.fsutil import apply_umask, sha256_file
 from megakd.store import rundir
-from megakd.store.files import StoreError, fsync_dir, fsync_tree, load_state, save_state
+from megakd.store.files import (
+    HASH_BYTES_PER_S,
+    LONG_WAIT_S,
+    StoreError,
+    about,
+    fsync_dir,
+    fsync_tree,
+    human_bytes,
+    load_state,
+    save_state,
+)
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +138,10 @@ def verify(directory: Path) -> None:
         raise StoreError(f"{file}: missing (the checkpoint is incomplete or predates manifests)") from None
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
         raise StoreError(f"{file}: unreadable manifest ({err})") from None
+    size = sum(entry.get("size", 0) for entry in files.values() if isinstance(entry, dict))
+    if size / HASH_BYTES_PER_S >= LONG_WAIT_S:  # a resume reads every byte back first: minutes at electra-large
+        log.info("verifying checkpoint %s (~%s, the sha256 of every file): %s", directory, human_bytes(size),
+                 about(size / HASH_BYTES_PER_S))
     # Readers find files by name or glob (weights, trainer_state_rank*.pt): a file the save did not
     # write must not be read as part of the checkpoint.
     for path in sorted(p for p in directory.rglob("*") if p.is_file()):

@@ -173,6 +173,15 @@ def tree_bytes(root: Path) -> int:
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
 
 
+LONG_WAIT_S = 5.0  # a wait expected to last this long is announced in the log before it starts
+HASH_BYTES_PER_S = 300e6  # hashlib's sha256 on one core of the 2-core machine (docs/data.md)
+
+
+def about(seconds: float) -> str:
+    """A duration for a log line: seconds, or minutes from two minutes on."""
+    return f"about {seconds:.0f} s" if seconds < 120 else f"about {seconds / 60:.0f} min"
+
+
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":

@@ -280,3 +280,48 @@ def test_a_short_save_is_not_announced_and_the_next_one_uses_the_measured_speed(
         checkpointer.save(2)
     assert said_at_start[0] == []
     assert len(said_at_start[1]) == 1 and "about 100 s" in said_at_start[1][0]
+
+
+def test_verifying_a_large_checkpoint_is_announced_before_it_is_read(tmp_path, monkeypatch, caplog):
+    """A resume reads every byte of the checkpoint back for its sha256 first: a checkpoint that takes
+    `LONG_WAIT_S` or more at the hashing speed gets a line naming it, its size and the time, before the
+    first file is read; a quick one gets none."""
+    from megakd.store import checkpoint
+
+    step = tmp_path / "step_00000003"
+    step.mkdir()
+    (step / "weights.bin").write_bytes(os.urandom(4096))
+    checkpoint.write_manifest(step, 3)
+    read_before_the_line = []
+    hashed = checkpoint.sha256_file
+
+    def sha256_file(path):
+        read_before_the_line.append(not lines(caplog, "verifying checkpoint"))
+        return hashed(path)
+
+    monkeypatch.setattr(checkpoint, "sha256_file", sha256_file)
+    with caplog.at_level(logging.INFO, logger="megakd.store.checkpoint"):
+        checkpoint.verify(step)  # 4 KiB at 300 MB/s: no line
+        assert lines(caplog, "verifying checkpoint") == [] and read_before_the_line == [True]
+        read_before_the_line.clear()
+        monkeypatch.setattr(checkpoint, "HASH_BYTES_PER_S", 100.0)  # 4 KiB: 41 s
+        checkpoint.verify(step)
+    [line] = lines(caplog, "verifying checkpoint")
+    assert str(step) in line and "(~4.0 KiB" in line and "about 41 s" in line
+    assert read_before_the_line == [False]
+
+
+def test_joining_the_launchers_process_group_is_announced_before_the_wait(monkeypatch, caplog):
+    """Rank 0 waits in the rendezvous until every rank has joined (forever, if a node never started): the
+    line names the group's size and address before it."""
+    from megakd.engine import backends
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(backends.free_local_port()))
+    said = []
+    monkeypatch.setattr(backends, "create_process_group", lambda *_: said.extend(lines(caplog, "joining")))
+    with caplog.at_level(logging.INFO, logger="megakd.engine.backends"):
+        assert backends.init_distributed("gloo") == (0, 1, 0)
+    assert len(said) == 1 and "gloo process group of 1 ranks at 127.0.0.1:" in said[0]

@@ -4,7 +4,7 @@ Every public kernel takes ``backend="auto" | "triton" | "torch"``; see :mod:`.di
 ``auto`` resolves. This package imports nothing from megakd and imports Triton only lazily.
 """
 
-from .dispatch import BACKENDS, resolve_backend
+from .dispatch import BACKENDS, HEAD_BACKWARDS, head_backward, resolve_backend
 from .linear_head import (
     fused_linear_cross_entropy,
     fused_linear_cross_entropy_and_sample,
@@ -19,6 +19,7 @@ from .rtd_loss import fused_rtd_loss, fused_rtd_loss_reference
 
 __all__ = [
     "BACKENDS",
+    "HEAD_BACKWARDS",
     "fused_linear_cross_entropy",
     "fused_linear_cross_entropy_and_sample",
     "fused_linear_cross_entropy_reference",
@@ -28,6 +29,7 @@ __all__ = [
     "fused_linear_sample_reference",
     "fused_rtd_loss",
     "fused_rtd_loss_reference",
+    "head_backward",
     "lipschitz_1norm",
     "lipschitz_1norm_reference",
     "resolve_backend",

@@ -132,3 +132,34 @@ def check_float(name: str, t: torch.Tensor, op: str) -> None:
     """Reject non-floating tensors where the kernel computes in floating point."""
     if not t.is_floating_point():
         raise TypeError(f"{op}: {name} must be a floating tensor, got {t.dtype}")
+
+
+# ----------------------------------------------------------------------------------------------
+# The fused LM head's backward on the Triton path: which of its two variants runs.
+
+HEAD_BACKWARDS = ("auto", "chunked", "atomic")
+DEFAULT_HEAD_BACKWARD = "chunked"  # what "auto" means
+_head_backward: contextvars.ContextVar[str] = contextvars.ContextVar("head_backward", default="auto")
+
+
+@contextlib.contextmanager
+def head_backward(name: str) -> Iterator[None]:
+    """Within: the Triton head losses (``fused_linear_cross_entropy``/``_kl``/``_and_sample``) use backward
+    ``name``: "chunked" (no atomics, bitwise reproducible), "atomic" (fp32 atomics) or "auto" (the
+    roofline's choice, :func:`chosen_head_backward`). The choice is read when the loss's forward runs.
+    The torch path is chunked whatever this says."""
+    if name not in HEAD_BACKWARDS:
+        raise ValueError(f"head_backward: expected one of {HEAD_BACKWARDS}, got {name!r}")
+    token = _head_backward.set(name)
+    try:
+        yield
+    finally:
+        _head_backward.reset(token)
+
+
+def chosen_head_backward() -> str:
+    """"chunked" or "atomic": the variant :func:`head_backward` selects here, "auto" resolved to the one
+    ``megakd.bench.roofline.head_backward_roofline`` predicts faster at electra-base's production shape
+    (chunked, on both the H100 and the A100; tests/kernels/test_head_backward.py checks the two agree)."""
+    name = _head_backward.get()
+    return DEFAULT_HEAD_BACKWARD if name == "auto" else name

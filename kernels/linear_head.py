@@ -13,7 +13,9 @@ Liger-Kernel's fused linear cross-entropy does, computes the gradients for hidde
 and bias inside the forward (chunk by chunk) so the chunk's logits can be freed at once; backward
 only scales the stored gradients by ``grad_output``. Peak extra memory is O(chunk x V + V x H)
 instead of several N x V tensors. The Triton path goes further: an online softmax over vocabulary
-tiles keeps O(N) state in forward and recomputes logit tiles in backward.
+tiles keeps O(N) state in forward (and samples from the same tiles), and backward recomputes the
+logit tiles, by default writing one row chunk's d(loss)/d(logits) at a time for two cuBLAS products
+accumulated by the same code as the torch path's (:func:`.chunked_grads.chunked_grads`; no atomics).
 
 Dtypes: activations and weights may be fp32, bf16 or fp16, and may differ (bf16 activations with fp32
 weights, as under autocast: the weights are cast to the activations' dtype for the matmul, as
@@ -28,6 +30,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from .chunked_grads import acc_dtype, chunked_grads, rows_per_chunk
 from .dispatch import check_float, check_tensor, resolve_backend
 
 # Elements of one [rows x V] chunk temporary: 2**24 fp32 = 64 MiB, i.e. 131 rows at V = 128K. Measured
@@ -58,11 +61,8 @@ def _initialize_vml() -> None:
 
 
 def _rows_per_chunk(n: int, v: int) -> int:
-    return max(1, min(n, _CHUNK_ELEMS // max(v, 1)))
-
-
-def _acc_dtype(t: torch.Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
+    """Rows of the torch path's [rows x v] chunks (``_CHUNK_ELEMS``, read at call time: tests shrink it)."""
+    return rows_per_chunk(n, v, _CHUNK_ELEMS)
 
 
 def _logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, acc: torch.dtype) -> torch.Tensor:
@@ -137,34 +137,12 @@ def fused_linear_sample_reference(
 
 
 def _chunked_loss_and_grads(ctx, hidden, weight, bias, denom, chunk_terms):
-    """Sum a loss over row chunks of ``hidden @ weight.T + bias`` and build its gradients as it goes.
-
-    ``chunk_terms(r0, h)`` returns (this chunk's loss, d(chunk loss)/d(logits) or None when no
-    gradient is needed, per-row scale of that gradient). Gradients are kept on ``ctx`` for backward,
-    so no [rows x V] tensor outlives its chunk.
-    """
+    """:func:`chunked_grads` for a torch-path forward: the gradients are kept on ``ctx`` for backward."""
     _initialize_vml()
-    acc = _acc_dtype(hidden)
     need = ctx.needs_input_grad
-    want_h, want_w, want_b = need[0], need[1], bias is not None and need[2]
-    gh = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if want_h else None
-    gw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_w else None
-    gb = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if want_b else None
-    total = torch.zeros((), dtype=acc, device=hidden.device)
-    step = _rows_per_chunk(hidden.shape[0], weight.shape[0])
-    for r0 in range(0, hidden.shape[0], step):
-        h = hidden[r0 : r0 + step]
-        loss, dz, row_scale = chunk_terms(r0, h, want_h or want_w or want_b)
-        total += loss
-        if dz is None:
-            continue
-        if want_h:
-            gh[r0 : r0 + step] = (dz.to(weight.dtype) @ weight).to(acc).mul_(row_scale)
-        if want_w:
-            gw.addmm_(dz.t(), h.to(acc) * row_scale)
-        if want_b:
-            gb.addmv_(dz.t(), row_scale.squeeze(1))
-        del dz
+    wants = (need[0], need[1], bias is not None and need[2])
+    total, gh, gw, gb = chunked_grads(hidden, weight, wants, _rows_per_chunk(hidden.shape[0], weight.shape[0]),
+                                       chunk_terms)
     ctx.save_for_backward(gh, gw, gb)
     ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
     return total / denom  # fp32 (fp64 for fp64 inputs): a 16-bit loss would resolve only ~3 digits
@@ -189,7 +167,7 @@ class _ChunkedLinearKL(_ChunkedLinearLoss):
     @staticmethod
     def forward(ctx, hidden, weight, bias, t_hidden, t_weight, t_bias, temperature):
         ctx.num_inputs = 7
-        acc = _acc_dtype(hidden)
+        acc = acc_dtype(hidden)
         inv_tau = 1.0 / temperature
         denom = max(hidden.shape[0], 1)
         if inv_tau != 1.0:
@@ -209,11 +187,11 @@ class _ChunkedLinearKL(_ChunkedLinearLoss):
             loss = torch.dot(p_t.view(-1), log_pt.view(-1)) - torch.dot(p_t.view(-1), log_ps.view(-1))
             del log_pt
             if not grad:
-                return loss, None, None
+                return loss, None, None, None
             dz = log_ps.exp_().sub_(p_t)  # p_s - p_t, in place
             # d(loss)/d(logits) = dz / tau / N: the scale goes on the small GEMM operands.
             row_scale = torch.full((h.shape[0], 1), inv_tau / denom, dtype=acc, device=h.device)
-            return loss, dz, row_scale
+            return loss, dz, row_scale, None
 
         return _chunked_loss_and_grads(ctx, hidden, weight, bias, denom, chunk_terms)
 
@@ -231,7 +209,7 @@ class _ChunkedLinearCE(_ChunkedLinearLoss):
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, ignore_index, draws):
         ctx.num_inputs = 6
-        acc = _acc_dtype(hidden)
+        acc = acc_dtype(hidden)
         # A tensor, not a Python int: reading the count would wait for the device.
         denom = (target != ignore_index).sum().clamp(min=1).to(acc)
 
@@ -252,10 +230,10 @@ class _ChunkedLinearCE(_ChunkedLinearLoss):
                 draws.take_weights(r0, exp, index, totals)
             loss = ((norm.log().to(acc) - target_shifted).squeeze(1) * valid).sum()
             if not grad:
-                return loss, None, None
+                return loss, None, None, None
             dz = exp.div_(norm.to(acc))  # softmax, in place
             dz.scatter_add_(1, safe, torch.full_like(safe, -1, dtype=acc))
-            return loss, dz, (valid.to(acc) / denom).unsqueeze(1)  # 0 on ignored rows
+            return loss, dz, (valid.to(acc) / denom).unsqueeze(1), None  # 0 on ignored rows
 
         return _chunked_loss_and_grads(ctx, hidden, weight, bias, denom, chunk_terms)
 
@@ -310,7 +288,7 @@ def _sample_torch(hidden, weight, bias, generator, temperature):
     draws = _Draws(n, hidden.device, generator, temperature)
     step = _rows_per_chunk(n, v)
     for r0 in range(0, n, step):
-        draws.take(r0, _logits(hidden[r0 : r0 + step], weight, bias, _acc_dtype(hidden)))
+        draws.take(r0, _logits(hidden[r0 : r0 + step], weight, bias, acc_dtype(hidden)))
     return draws.samples, draws.argmax
 
 
@@ -387,9 +365,16 @@ def _check_target(op: str, target: torch.Tensor, hidden: torch.Tensor, weight: t
             f"{op}: target must be an integer tensor of shape ({hidden.shape[0]},), "
             f"got {target.dtype} {tuple(target.shape)}"
         )
-    out_of_range = ((target < 0) | (target >= weight.shape[0])) & (target != ignore_index)
-    if bool(out_of_range.any()):  # one host-device sync: an out-of-range target would read out of bounds
-        raise ValueError(f"{op}: target values must be in [0, {weight.shape[0]}) or ignore_index={ignore_index}")
+    # An out-of-range target would read out of bounds. On the host the check is free and raises this
+    # ValueError; on a GPU reading the answer would stall the host once per call, so the device asserts
+    # instead: a bad target fails the run at the next sync with "CUDA error: device-side assert
+    # triggered" (CUDA_LAUNCH_BLOCKING=1 names this line).
+    in_range = (((target >= 0) & (target < weight.shape[0])) | (target == ignore_index)).all()
+    message = f"{op}: target values must be in [0, {weight.shape[0]}) or ignore_index={ignore_index}"
+    if target.device.type != "cpu":
+        torch._assert_async(in_range, message)
+    elif not bool(in_range):
+        raise ValueError(message)
 
 
 def fused_linear_kl(
@@ -469,9 +454,9 @@ def fused_linear_cross_entropy_and_sample(
     """(loss, samples, argmax): :func:`fused_linear_cross_entropy` and :func:`fused_linear_sample` of
     the same rows, equal to calling the two (bit for bit, the same draws from ``generator``).
 
-    The torch path computes each chunk's logits once for both: ELECTRA's generator samples its
+    Both paths compute each chunk's (tile's) logits once for both: ELECTRA's generator samples its
     replacements from the very logits its loss needs, and at a 128K vocabulary that second
-    [rows x V] product was most of the sampling's time. The Triton path calls the two kernels.
+    [rows x V] product was most of the sampling's time. The Triton path is one forward launch.
     Gradients flow to the loss only.
     """
     op = "fused_linear_cross_entropy_and_sample"
@@ -484,13 +469,10 @@ def fused_linear_cross_entropy_and_sample(
         draws = _Draws(hidden.shape[0], hidden.device, generator, float(temperature))
         loss = _ChunkedLinearCE.apply(hidden, weight, bias, target.long(), int(ignore_index), draws)
         return loss, draws.samples, draws.argmax
-    from .linear_head_triton import linear_cross_entropy_triton, linear_sample_triton
+    from .linear_head_triton import linear_cross_entropy_and_sample_triton
 
-    loss = linear_cross_entropy_triton(hidden, weight, bias, target, int(ignore_index))
-    with torch.no_grad():
-        samples, argmax = linear_sample_triton(hidden.detach(), weight.detach(),
-                                               None if bias is None else bias.detach(), generator, float(temperature))
-    return loss, samples, argmax
+    return linear_cross_entropy_and_sample_triton(hidden, weight, bias, target, int(ignore_index), generator,
+                                                  float(temperature))
 
 
 @torch.no_grad()
@@ -506,9 +488,10 @@ def fused_linear_sample(
 
     No gradient. The torch path samples each row by inverse CDF from one float64 uniform drawn from
     ``generator`` in row order, so it is reproducible and equals :func:`fused_linear_sample_reference`
-    for the same seed. The Triton path (Gumbel-max over vocabulary tiles) draws a 31-bit seed
-    from ``generator`` (or torch's default generator) and uses Triton's Philox RNG: reproducible for
-    the same generator state, but a different stream from the torch path.
+    for the same seed. The Triton path (Gumbel-max inside the loss's forward kernel, over vocabulary
+    tiles and splits) draws a 31-bit Philox key from ``generator`` (or torch's default generator)
+    and adds fp32 Gumbel noise that depends on (key, row, column) only: reproducible for the same
+    generator state whatever the tiling, but a different stream from the torch path.
     """
     op = "fused_linear_sample"
     _check_head(op, "hidden", hidden, "weight", weight, "bias", bias)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from megakd.configio import ConfigError, check_choice, check_literals, load_tree, shown
-from megakd.kernels import BACKENDS
+from megakd.kernels import BACKENDS, HEAD_BACKWARDS
 from megakd.models.encoder import EncoderConfig
 from megakd.objectives.distill import ALPHA_SCHEDULES
 from megakd.objectives.electra import SamplingTemperature
@@ -272,6 +272,7 @@ class TrainConfig:
     save_every: int = 0  # also checkpoint every N steps; 0 = only the final checkpoint
     # bf16 / fp16: mixed precision (autocast; fp16 with loss scaling)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    tf32: bool = True  # fp32 matmuls and convolutions on a CUDA device run in TF32; false = IEEE fp32
     max_bad_steps: int = 10  # stop after this many non-finite losses in a row
     # Downstream probe (megakd/engine/probe.py): logistic regression on frozen encoder features of
     # a fixed slice of a task's training split, logged as probe_acc every probe_every steps.
@@ -330,6 +331,9 @@ class BackendConfig:
 class KernelsConfig:
     # The fused loss kernels: auto (Triton on CUDA if installed, else torch) | triton | torch
     backend: Literal[BACKENDS] = "auto"
+    # The Triton head's backward (kernels.dispatch.HEAD_BACKWARDS): chunked (no atomics, bitwise
+    # reproducible) | atomic (fp32 atomics) | auto (the roofline's default: chunked). The torch path is chunked.
+    head_backward: Literal[HEAD_BACKWARDS] = "auto"
 
 
 @dataclass
@@ -423,8 +427,8 @@ class Config:
             raise ConfigError(f"{p} needs backend.zero_stage=0 (DeepSpeed's pipeline engine allows <= 1, and "
                               f"per-model clipping runs on unpartitioned gradients), got {self.backend.zero_stage}")
         if self.train.precision != "fp32":
-            raise ConfigError(f"{p} needs train.precision=fp32 (per-model clipping runs on fp32 gradients), "
-                              f"got {self.train.precision!r}")
+            raise ConfigError(f"{p} needs train.precision=fp32 (per-model clipping runs on fp32 gradients; its "
+                              f"matmuls run in TF32 on CUDA unless train.tf32=false), got {self.train.precision!r}")
         if self.model.objective == "electra" and not self.electra.decoupled:
             raise ConfigError(f"{p} needs electra.decoupled=true (one pipeline, two optimizers), got false")
         layers = self.model.generator.num_layers

@@ -6,11 +6,13 @@ to ``--out/summary.md``) to paste into the README. Exit status 1 when any step f
 
     python tools/gpu_check.py --out /tmp/gpu-check            # everything, < 1 hour on one H100
     python tools/gpu_check.py --quick --out "$OUT/check"      # ~8 minutes: fewer shapes, steps, dtypes
-    TRITON_INTERPRET=1 python tools/gpu_check.py --device cpu --only parity --small   # the CPU rehearsal
+    TRITON_INTERPRET=1 python tools/gpu_check.py --device cpu --only parity,bench --small   # the CPU rehearsal
 
 Steps: env (versions, device); parity (every kernel vs its fp64 reference in fp32/bf16/fp16/bf16
 activations with fp32 weights, up to N=2458 H=768 V=128000: megakd/bench/kernel_parity.py); bench
-(tools/bench_kernels_cuda.py, each row checked); tiny (electra-tiny on the GPU vs the CPU: with
+(tools/bench_kernels_cuda.py, each row checked, then the head's chunked and atomic backwards side by side,
+measured beside tools/compile_kernels.py's computed time; on --device cpu that head section alone at tiny
+shapes under the interpreter); tiny (electra-tiny on the GPU vs the CPU: with
 dropout 0 the generator never sees the sampled replacements, so its loss must agree although the
 GPU samples by Gumbel-max and the CPU by inverse CDF); zero3 (ZeRO-3 vs ZeRO-1, then a resume from
 the middle checkpoint that must reach the same metrics); base (electra-base's model shape, 20
@@ -113,8 +115,34 @@ def compare_runs(got: Path, want: Path, rtol: float, key: str = "gen_loss") -> C
     return check
 
 
-def finite_run(run: Path, steps: int) -> Callable[[], str]:
-    """A check: the run logged up to `steps` with finite losses; reports speed and peak memory."""
+def computed_step(run: Path, tokens_per_s: float) -> str:
+    """The run's step measured (its positions per step over `tokens_per_s`, which counts the non-padding
+    ones: the bundled shards' rows are full) beside the step docs/performance.md computes for the same
+    config on this GPU's datasheet preset (megakd/bench/step_time.py); "" off a known GPU."""
+    import torch
+
+    from megakd.bench.hardware import GPUS
+    from megakd.bench.memory import parameter_counts
+    from megakd.bench.step_time import predict_step
+    from megakd.config import load_config
+
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    preset = "h100" if any(g in name for g in ("H100", "H200", "H800")) else "a100" if "A100" in name else None
+    if preset is None or not tokens_per_s:
+        return ""
+    cfg = load_config(run / "config.yaml", [])
+    t = cfg.train
+    predicted = predict_step(cfg, GPUS[preset], t.micro_batch_size, t.global_batch_size // t.micro_batch_size,
+                             parameter_counts(cfg)["total"], tf32=t.tf32)
+    measured = t.global_batch_size * cfg.data.seq_len / tokens_per_s
+    return (f"; step {measured * 1e3:,.0f} ms measured, {predicted.step_s * 1e3:,.0f} ms computed for "
+            f"{GPUS[preset].name} (MFU {predicted.mfu:.0%} computed, "
+            f"{predicted.mfu * predicted.step_s / measured:.0%} measured)")
+
+
+def finite_run(run: Path, steps: int, computed: bool = False) -> Callable[[], str]:
+    """A check: the run logged up to `steps` with finite losses; reports speed and peak memory (and with
+    `computed`, the measured step beside the computed one)."""
     def check() -> str:
         rows = read_metrics(run)
         last = rows.get(steps)
@@ -123,8 +151,9 @@ def finite_run(run: Path, steps: int) -> Callable[[], str]:
         bad = [s for s, r in rows.items() if not all(abs(r[k]) < float("inf") for k in ("gen_loss", "disc_loss"))]
         if bad:
             raise Failure(f"{run.name}: non-finite loss at steps {bad}")
-        return (f"gen_loss {rows[min(rows)]['gen_loss']:.3f} -> {last['gen_loss']:.3f}, "
-                f"{last.get('tokens_per_s', 0.0):,.0f} tokens/s, {summary_line(run.parent / (run.name + '.mem'))}")
+        speed = last.get("tokens_per_s", 0.0)
+        return (f"gen_loss {rows[min(rows)]['gen_loss']:.3f} -> {last['gen_loss']:.3f}, {speed:,.0f} tokens/s, "
+                f"{summary_line(run.parent / (run.name + '.mem'))}" + (computed_step(run, speed) if computed else ""))
     return check
 
 
@@ -141,9 +170,13 @@ def build_steps(args: argparse.Namespace) -> list[Step]:
               "--tol-scale", str(args.tol_scale)]
     steps.append(Step("parity", [parity + (["--small"] if args.small else [])], 300 if quick else 1200))
 
-    bench = [py, "tools/bench_kernels_cuda.py", "--tokens", "2458", "--repeat", "3" if quick else "10"]
-    bench_dtypes = ["bfloat16"] if quick else ["bfloat16", "float32", "float16"]
-    steps.append(Step("bench", [[*bench, "--dtype", d] for d in bench_dtypes], 180 if quick else 900))
+    if args.device == "cpu":  # the head backwards' section alone, interpreted: shapes that take seconds
+        steps.append(Step("bench", [[py, "tools/bench_kernels_cuda.py", "--device", "cpu", "--tokens", "40",
+                                     "--hidden", "24", "--vocab", "300", "--dtype", "float32", "--repeat", "1"]], 300))
+    else:
+        bench = [py, "tools/bench_kernels_cuda.py", "--tokens", "2458", "--repeat", "3" if quick else "10"]
+        bench_dtypes = ["bfloat16"] if quick else ["bfloat16", "float32", "float16"]
+        steps.append(Step("bench", [[*bench, "--dtype", d] for d in bench_dtypes], 180 if quick else 900))
 
     n = 30 if quick else 60
     tiny = ["-c", "configs/electra-tiny.yaml", "train.log_every=10", f"train.max_steps={n}", *COMMON]
@@ -170,7 +203,7 @@ def build_steps(args: argparse.Namespace) -> list[Step]:
         steps.append(Step(f"base-{precision}", [
             [py, __file__, "--internal", "peak-memory", f"{run}.mem", *base, f"train.precision={precision}",
              f"run.dir={run}"],
-        ], 360 if quick else 900, finite_run(run, base_steps)))
+        ], 360 if quick else 900, finite_run(run, base_steps, computed=True)))
 
     steps.append(Step("syncs", [[*torchrun, __file__, "--internal", "syncs", "backend.name=deepspeed",
                                  "backend.zero_stage=1", f"run.dir={out / 'syncs-run'}", *COMMON]], 300))

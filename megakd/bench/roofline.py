@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from megakd.bench.hardware import GPUS, Hardware
 from megakd.engine.profiling import PHASES, PREFIX
 
 
@@ -98,3 +99,73 @@ def format_phases(phases: dict[str, float]) -> str:
     """
     total = sum(phases.values()) or 1.0
     return ", ".join(f"{name} {s * 1e3:.0f} ms ({s / total:.0%})" for name, s in phases.items())
+
+
+def head_backward_roofline(hw: Hardware, n: int = 2458, h: int = 768, v: int = 128_000, matmul: str = "bf16",
+                           peak_fraction: float = 1.0, bandwidth_fraction: float = 1.0) -> dict:
+    """Predicted seconds of the head cross-entropy backward on `hw`, chunked and atomic
+    (kernels/linear_head_triton.py), at `peak_fraction` of the `matmul` peak and `bandwidth_fraction` of
+    the memory bandwidth (1: the roofline; megakd/bench/step_time.py passes its assumptions).
+
+    The default shape is electra-base's generator head in bf16: 2,458 masked rows a micro-batch (32 x 512
+    tokens at 15 %), H = 768, V = 128,000. Each kernel is timed at max(FLOPs / peak, HBM bytes /
+    bandwidth, atomic bytes / atomic throughput) and the kernels of a variant add up (they do not
+    overlap). Both recompute the logits and do the two gradient products: 3 x 2NVH FLOPs.
+
+    - atomic: one kernel of ceil(N/64) x ceil(V/128) programs (the shipped tiles); each adds its
+      [64, H] block to grad_hidden, its [128, H] block to grad_weight and its 128 bias sums atomically,
+      so grad_weight is read-modified-written once per row block, grad_hidden once per vocabulary tile.
+      Its fp32 gradients are zero-filled before and cast to the inputs' dtype after. The atomics run
+      between `hw.l2_atomic_tbps`'s best and worst (megakd/bench/hardware.py says why a bracket).
+    - chunked: per chunk of ``kernels.linear_head_triton._BACKWARD_CHUNK_ELEMS // V`` rows, the
+      d(loss)/d(logits) kernel writes the chunk's [rows, V] dz in the activations' dtype (and fp32
+      per-row-block bias sums), one GEMM reads it for grad_hidden and one for grad_weight, which is read
+      and rewritten per chunk (fp32); the weight is read once per chunk by the first two.
+
+    Returns {variant: {"flops", "compulsory_bytes", "extra_bytes" (other HBM traffic: temporaries, re-reads,
+    zero-fills, casts), "atomic_adds" (fp32), "atomic_bytes" (their read-modify-writes at the L2),
+    "seconds": (best, worst)}} (chunked's best = worst: no atomics).
+    """
+    from megakd.kernels.linear_head_triton import _BACKWARD_CHUNK_ELEMS, HEAD_CONFIGS
+
+    act_bytes = 2 if matmul in ("bf16", "fp16") else 4
+    tiles = HEAD_CONFIGS["backward", "16bit", "sm90"]
+    row_blocks, v_tiles = -(-n // tiles["BLOCK_N"]), -(-v // tiles["BLOCK_V"])
+    product = 2.0 * n * v * h
+    grads = (n * h + v * h + v) * 4.0  # fp32 accumulators
+    compulsory = (n * h + v * h + v) * act_bytes * 2.0  # inputs read once, gradients written once
+    cast = grads + (n * h + v * h + v) * act_bytes  # fp32 gradients read, written in the inputs' dtype
+    adds = float(n * h * v_tiles + v * h * row_blocks + v * row_blocks)
+    chunk = max(1, min(n, _BACKWARD_CHUNK_ELEMS // v))
+    chunks = -(-n // chunk)
+    dz = n * v * float(act_bytes)
+    weight, hidden, gw = v * h * float(act_bytes), n * h * float(act_bytes), v * h * 4.0
+    phases = {  # (FLOPs, HBM bytes, atomic bytes) per kernel
+        "atomic": [(0.0, grads, 0.0), (3 * product, hidden + weight, 8 * adds), (0.0, cast, 0.0)],
+        "chunked": [
+            (product, hidden + chunks * weight + dz + 2 * row_blocks * v * 4.0, 0.0),  # dz and bias sums
+            (product, dz + chunks * weight + n * h * 4.0, 0.0),  # grad_hidden = dz @ W
+            (product, dz + hidden + gw + 2 * chunks * gw, 0.0),  # grad_weight: zero-filled, then += per chunk
+            (0.0, cast, 0.0),
+        ],
+    }
+    peak = hw.peak_tflops[matmul] * 1e12 * peak_fraction
+    bandwidth = hw.hbm_gbps * 1e9 * bandwidth_fraction
+    atomics = hw.l2_atomic_tbps or (hw.hbm_gbps / 1e3,) * 2
+    out: dict = {}
+    for variant, kernels in phases.items():
+        moved = sum(b for _, b, _ in kernels)
+        seconds = tuple(sum(max(f / peak, b / bandwidth, a / (tbps * 1e12 * bandwidth_fraction))
+                            for f, b, a in kernels) for tbps in atomics)
+        out[variant] = {"flops": sum(f for f, _, _ in kernels), "compulsory_bytes": compulsory,
+                        "extra_bytes": moved - compulsory, "atomic_adds": adds if variant == "atomic" else 0.0,
+                        "atomic_bytes": sum(a for _, _, a in kernels), "seconds": seconds}
+    return out
+
+
+def roofline_head_backward() -> str:
+    """The head backward the roofline picks at electra-base's shape: "atomic" only if it is faster on both an
+    A100 and an H100 even with its atomics at their best; a tie goes to "chunked", which is also bitwise
+    reproducible. kernels/dispatch.py's default is this choice (a test holds them equal)."""
+    models = [head_backward_roofline(GPUS[gpu]) for gpu in ("a100", "h100")]
+    return "atomic" if all(m["atomic"]["seconds"][0] < m["chunked"]["seconds"][0] for m in models) else "chunked"

@@ -1,4 +1,5 @@
-"""tools/gpu_check.py's CPU rehearsal: the kernel-parity step under the Triton interpreter at small shapes."""
+"""tools/gpu_check.py's CPU rehearsal: the kernel-parity step under the Triton interpreter at small shapes,
+and the bench step's head-backward section (chunked vs atomic, measured beside computed) at tiny ones."""
 
 from __future__ import annotations
 
@@ -46,6 +47,33 @@ def test_every_kernel_passes_and_a_planted_failure_fails(tmp_path):
     assert "FAIL parity" in proc.stdout
 
 
+@pytest.mark.slow  # one interpreter run of the head's kernels, CE and KL, both backwards: ~7 s
+@pytest.mark.skipif(not triton_available(), reason="needs triton")
+def test_the_head_backwards_are_timed_side_by_side_beside_their_computed_time(tmp_path):
+    proc = gpu_check(tmp_path, "--only", "bench")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    log = (tmp_path / "bench.log").read_text().splitlines()
+    rows = {tuple(x.split()[:3]): x.split() for x in log
+            if x.split()[:1] in (["ce"], ["kl"]) and x.split()[2:3] in (["forward"], ["backward"])}
+    assert set(rows) == {(op, choice, phase) for op in ("ce", "kl") for choice in ("chunked", "atomic")
+                         for phase in ("forward", "backward")}
+    assert all("PASS" in row for row in rows.values()), rows
+    # computed: the compulsory bytes at H100's 3,350 GB/s (memory-bound at N=40, H=24, V=300, fp32; the
+    # CE head has a bias, the KL teacher none; the atomic backward also reads and writes its fp32 gradients)
+    n, h, v, f32 = 40, 24, 300, 4
+    ce_inputs = (n * h + v * h + v) * f32
+    expected_ms = {("ce", "forward"): ce_inputs, ("kl", "forward"): ce_inputs + (n * h + v * h) * f32,
+                   ("ce", "atomic backward"): ce_inputs + 2 * (n * h + v * h) * f32}
+    for (op, phase), moved in expected_ms.items():
+        key = (op, "atomic", "backward") if phase == "atomic backward" else (op, "chunked", phase)
+        assert float(rows[key][4]) == pytest.approx(moved / 3350e9 * 1e3, rel=5e-3), (key, rows[key])
+    for op in ("ce", "kl"):
+        ratio = next(x for x in log if x.startswith(f"{op}  atomic / chunked backward"))
+        measured = float(rows[op, "atomic", "backward"][3]) / float(rows[op, "chunked", "backward"][3])
+        computed = float(rows[op, "atomic", "backward"][4]) / float(rows[op, "chunked", "backward"][4])
+        assert f"measured {measured:.2f}x, computed {computed:.2f}x" in ratio, ratio
+
+
 def test_a_wrong_reference_is_a_mismatch():
     g = torch.Generator().manual_seed(0)
     xs = [torch.randn(8, 16, generator=g), torch.randn(50, 16, generator=g), None]
@@ -59,3 +87,29 @@ def test_a_wrong_reference_is_a_mismatch():
     with pytest.raises(Mismatch, match="loss_err"):
         check_against_reference(
             kernel, lambda h, w, b: 1.001 * fused_linear_cross_entropy_reference(h, w, b, target), xs, torch.float32)
+
+
+def test_the_base_step_reports_its_measured_step_beside_the_computed_one(tmp_path, monkeypatch):
+    """On an H100 the base run's check prints docs/performance.md's computed step for the run's own config."""
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.remove(str(REPO / "tools"))
+    from megakd.bench.hardware import GPUS
+    from megakd.bench.memory import parameter_counts
+    from megakd.bench.step_time import predict_step
+    from megakd.config import load_config
+    from megakd.configio import save_config
+    from megakd.finish import finish_config
+
+    cfg = finish_config(load_config(REPO / "configs" / "electra-base.yaml",
+                                    ["data.vocab_size=8000", "train.global_batch_size=64"]))
+    save_config(cfg, tmp_path / "config.yaml")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    computed = predict_step(cfg, GPUS["h100"], 32, 2, parameter_counts(cfg)["total"]).step_s
+    text = gpu_check.computed_step(tmp_path, tokens_per_s=64 * 512 / 0.25)
+    assert f"step 250 ms measured, {computed * 1e3:,.0f} ms computed for H100-SXM5" in text
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla T4")
+    assert gpu_check.computed_step(tmp_path, 1e5) == ""  # no preset: nothing claimed

@@ -164,8 +164,13 @@ def test_cross_entropy_and_sample_equal_the_two_ops(backend_any, temperature, dt
 @pytest.mark.parametrize("backend,rows", [("torch", 20000), pytest.param(*BACKENDS[1].values, 4000,
                                                                           marks=BACKENDS[1].marks)])
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_sampling_distribution(backend, rows, with_bias):
-    """Many rows with the same logits are independent draws: chi-square against softmax(z / tau)."""
+def test_sampling_distribution(backend, rows, with_bias, monkeypatch):
+    """Many rows with the same logits are independent draws: chi-square against softmax(z / tau). The
+    interpreter runs 256-row tiles here: its cost is per program, and the draws do not depend on tiles."""
+    from megakd.kernels import linear_head_triton
+    from megakd.kernels.launch import LaunchConfig
+
+    monkeypatch.setattr(linear_head_triton, "INTERPRETER_CONFIG", LaunchConfig.of(BLOCK_N=256, BLOCK_V=32, BLOCK_H=16))
     g = torch.Generator().manual_seed(9)
     v, h, tau = 37, 6, 0.7  # 37 = one full 32-wide tile plus a partial one under the interpreter
     weight, bias = _randn(g, v, h, scale=0.4), (_randn(g, v, scale=0.3) if with_bias else None)

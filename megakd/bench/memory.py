@@ -24,7 +24,7 @@ from torch import nn
 
 from megakd.config import Config
 from megakd.models.electra import Discriminator, MaskedLM
-from megakd.models.encoder import EncoderConfig
+from megakd.models.encoder import FLEX_BLOCK, EncoderConfig, attention_kernel
 
 GiB = 1024**3
 
@@ -112,14 +112,19 @@ def layer_activation_bytes(cfg: EncoderConfig, seq_len: int, micro_batch: int, e
                            mask_bytes: int = 1, zero3: bool = False) -> float:
     """Bytes one encoder layer keeps for backward for one micro-batch (no checkpointing).
 
-    Counted tensor by tensor for this layer with fused SDPA attention (no [L x L] probabilities
+    Counted tensor by tensor for this layer with fused attention (no [L x L] probabilities
     kept; the fused kernels regenerate attention dropout from the RNG state): attention input,
-    Q, K, V, attention output (a view of the output projection's input), log-sum-exp, the key
-    mask as an additive bias, residual sums and statistics of both LayerNorms, FFN input, GELU
-    input and output, and the two hidden-dropout masks (`mask_bytes`: 1 for CUDA's bool masks;
-    CPU dropout keeps a mask in the activation dtype). A relative-position bias masked by padding is
-    materialised as [B, heads, L, L]: once per forward and shared by the layers in `Encoder.forward`,
-    once per layer on pipeline stages; counted per layer here (an upper bound outside pipelines).
+    Q, K, V, attention output (a view of the output projection's input), log-sum-exp, residual
+    sums and statistics of both LayerNorms, FFN input, GELU input and output, and the two
+    hidden-dropout masks (`mask_bytes`: 1 for CUDA's bool masks; CPU dropout keeps a mask in the
+    activation dtype). The attention kernel is the one a CUDA training step runs (`attention_kernel`):
+    SDPA keeps the key mask as an additive bias, and a relative-position bias masked by padding as
+    [B, heads, L, L]; flex keeps the unmasked [1, heads, L', L'] bias in fp32 (L' = L padded to
+    FLEX_BLOCK), the key-mask row [B, L'] and its BlockMask (4 block counts [B, 1, n] and 4 block
+    index tables [B, 1, n, n] in int32, n = L'/FLEX_BLOCK; packed rows keep [B, L', L'] bool in
+    place of the key row). Those are made once per forward and shared by the layers in
+    `Encoder.forward`, once per layer on pipeline stages; counted per layer here (an upper bound
+    outside pipelines).
     With `fused_qkv` the concatenated [3H, H] projection weight is kept too (a copy, not a parameter).
     Under ZeRO-3 (`zero3`) DeepSpeed runs every linear layer through its own memory-efficient linear,
     which keeps the bias as well: with `fused_qkv` that is the concatenated [3H] bias, a copy (torch's
@@ -128,9 +133,17 @@ def layer_activation_bytes(cfg: EncoderConfig, seq_len: int, micro_batch: int, e
     s, b, h, i, a = seq_len, micro_batch, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads
     sbh = s * b * h
     mask = mask_bytes if cfg.dropout > 0 else 0
-    attention = 5 * elem * sbh + 4 * b * a * s + elem * b * s + mask * sbh
-    if cfg.position_encoding == "t5_relative":
-        attention += elem * b * a * s * s
+    attention = 5 * elem * sbh + 4 * b * a * s + mask * sbh
+    if attention_kernel(cfg, training=True, flex_compiles=True) == "flex":
+        padded = s + -s % FLEX_BLOCK
+        blocks = padded // FLEX_BLOCK
+        attention += b * padded + 4 * 4 * b * blocks * (1 + blocks)
+        if cfg.position_encoding == "t5_relative":
+            attention += 4 * a * padded * padded
+    else:
+        attention += elem * b * s
+        if cfg.position_encoding == "t5_relative":
+            attention += elem * b * a * s * s
     if cfg.fused_qkv:
         attention += elem * 3 * h * (h + 1 if zero3 else h)
     ffn = elem * sbh + 2 * elem * s * b * i + mask * sbh  # input, GELU input and output, dropout mask

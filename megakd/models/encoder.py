@@ -6,16 +6,26 @@ T5 relative position buckets (one bias table shared by all layers), Admin initia
 (Liu et al. 2020), whose residual scales ω are set by a profiling pass in `admin_initialize`, and
 packed samples: with `segment_ids` (several documents per row, 0 = padding) every document gets
 its own positions from 0 and attends only to itself, so it computes exactly what it would alone.
+
+Attention runs through one of two kernels (`attention_kernel`). SDPA takes the relative bias and the
+key mask as one additive [B, heads, L, L] `attn_mask`, which needs a gradient: no flash kernel takes it,
+and that tensor and its gradient are materialised. flex_attention (torch.nn.attention.flex_attention)
+adds the [1, heads, L, L] bias inside its fused kernel (`score_mod`) and skips masked blocks
+(`BlockMask`), keeping only the log-sum-exp; it has no attention dropout, so `auto` uses it only
+while that dropout is off (docs/performance.md).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.utils._triton import has_triton
 from torch.utils.checkpoint import checkpoint
 
 from megakd.models.dropout import Dropout, attention
@@ -24,9 +34,11 @@ POSITION_ENCODINGS = ("absolute", "t5_relative")
 RELATIVE_INITS = ("normal", "local")
 INITS = ("normal", "admin")
 ADMIN_PROFILES = ("reference", "bert")
+ATTENTION_KERNELS = ("auto", "sdpa", "flex")
+FLEX_BLOCK = 128  # flex_attention's BlockMask block (and its kernels' largest tile) along queries and keys
 
 # EncoderConfig fields that say how to compute, not what: left out of exported model configs
-COMPUTE_FIELDS = ("activation_checkpointing", "fused_qkv")
+COMPUTE_FIELDS = ("activation_checkpointing", "fused_qkv", "attention_kernel")
 
 
 # The largest size a config may give each field: far above any model trained today (a 1,024-layer,
@@ -64,6 +76,9 @@ class EncoderConfig:
     activation_checkpointing: bool = False  # recompute each layer in backward: less memory, more compute
     fused_qkv: bool = True  # one [H → 3H] matmul for query, key and value (same parameters; SelfAttention)
     pad_token_id: int = 0  # the padding id, whose embedding row never trains (pretraining: the tokenizer's)
+    # "auto" (flex on CUDA for t5_relative while attention dropout is off: eval, or attention_dropout 0;
+    # else sdpa) | "sdpa" | "flex" (torch flex_attention: no [B, heads, L, L] bias; needs attention_dropout 0)
+    attention_kernel: str = "auto"
 
     @property
     def embed_dim(self) -> int:
@@ -112,6 +127,13 @@ class EncoderConfig:
         for name in ("dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"model.{name}: expected a probability in [0, 1), got {getattr(self, name)}")
+        if self.attention_kernel not in ATTENTION_KERNELS:
+            raise ValueError(f"model.attention_kernel: expected one of {ATTENTION_KERNELS}, "
+                             f"got {self.attention_kernel!r}")
+        if self.attention_kernel == "flex" and self.attention_dropout > 0:
+            raise ValueError(f"model.attention_kernel: flex has no attention dropout, so it expects "
+                             f"model.attention_dropout 0, got {self.attention_dropout} (auto: flex only while "
+                             f"the dropout is off)")
         if self.pad_token_id < 0 or (check_vocab and self.pad_token_id >= self.vocab_size):
             raise ValueError(f"model.pad_token_id: expected an id in [0, vocab_size={self.vocab_size}), "
                              f"got {self.pad_token_id}")
@@ -265,6 +287,72 @@ def attention_bias(key_mask: Tensor | None, position_bias: Tensor | None, dtype:
     return bias if key_mask is None else bias.masked_fill(~key_mask, torch.finfo(dtype).min)
 
 
+def attention_kernel(config: EncoderConfig, training: bool, flex_compiles: bool) -> str:
+    """"flex" or "sdpa": the config's choice, or under "auto" flex for T5 relative positions where flex compiles
+    (`flex_compiles`: CUDA with Triton) unless attention dropout is on (training with attention_dropout > 0):
+    flex_attention has no dropout. The memory model (megakd/bench/memory.py) asks with flex_compiles=True."""
+    if config.attention_kernel != "auto":
+        return config.attention_kernel
+    dropout_on = training and config.attention_dropout > 0
+    return "flex" if flex_compiles and config.position_encoding == "t5_relative" and not dropout_on else "sdpa"
+
+
+def runs_flex(config: EncoderConfig, x: Tensor, training: bool) -> bool:
+    """Whether attention over `x` runs through flex_attention on this device."""
+    return attention_kernel(config, training, x.device.type == "cuda" and has_triton()) == "flex"
+
+
+@functools.cache
+def compiled_flex_attention():
+    """flex_attention under torch.compile, built at the first flex call; torch.compile compiles it at the first
+    call with each new shape (dynamic in the length after the first change). Eager flex_attention is a
+    reference that materialises the [B, heads, L, L] scores, and it has no backward on CPU in torch 2.13."""
+    return torch.compile(flex_attention)
+
+
+def flex_padded(t: Tensor, dims: int) -> Tensor:
+    """`t` padded with zeros (False) in its last `dims` dimensions, of the sequence length, to a multiple of
+    FLEX_BLOCK: flex_attention's compiled kernels may index what score_mod and mask_mod capture for every lane
+    of the last block, past the length, before masking it (and write the bias gradient there), so that every
+    such index stays inside the tensor."""
+    pad = -t.shape[-1] % FLEX_BLOCK
+    return F.pad(t, (0, pad) * dims) if pad else t
+
+
+def flex_block_mask(key_mask: Tensor) -> BlockMask:
+    """The bool key mask [B, 1, 1 or L, L] (True = attend) as flex_attention's BlockMask: blocks of 128×128
+    with no visible key are skipped (padding; other documents of a packed row), the rest masked exactly."""
+    batch, _, rows, seq_len = key_mask.shape
+    visible = flex_padded(key_mask[:, 0], 1 if rows == 1 else 2)  # [B, 1 or L', L']
+    visible = visible.expand(batch, visible.shape[-1], visible.shape[-1])
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return visible[b, q_idx, kv_idx]
+
+    return create_block_mask(mask_mod, batch, None, seq_len, seq_len, device=key_mask.device)
+
+
+def flex_bias(position_bias: Tensor, dtype: torch.dtype) -> Tensor:
+    """The relative bias [1, heads, L, L] as flex_attention's score_mod reads it: padded (`flex_padded`), in at
+    least float32 (the kernel's scores are fp32, and the bias gradient is summed over the batch in that dtype).
+    Idempotent: `Encoder.forward` prepares it once for all layers."""
+    return flex_padded(position_bias, 2).to(torch.promote_types(dtype, torch.float32))
+
+
+def flex_relative_attention(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask | None,
+                            position_bias: Tensor | None) -> Tensor:
+    """softmax(q·kᵀ/√d + position_bias, masked by `block_mask`)·v through compiled flex_attention: the bias
+    [1, heads, L, L] is read inside the kernel per (head, query, key), and its gradient summed there."""
+    score_mod = None
+    if position_bias is not None:
+        bias = flex_bias(position_bias, q.dtype)
+
+        def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            return score + bias[0, h, q_idx, kv_idx]
+
+    return compiled_flex_attention()(q, k, v, score_mod=score_mod, block_mask=block_mask)
+
+
 def compute_dtype(x: Tensor) -> torch.dtype:
     """The dtype the layers' projections of `x` come out in (autocast's, when it is on)."""
     device = x.device.type
@@ -272,7 +360,7 @@ def compute_dtype(x: Tensor) -> torch.dtype:
 
 
 class SelfAttention(nn.Module):
-    """Multi-head self-attention through `scaled_dot_product_attention`.
+    """Multi-head self-attention through `scaled_dot_product_attention` or flex_attention (`runs_flex`).
 
     query, key and value stay three Linears, so the parameters and state-dict keys are HF's
     (checkpoints of any age, the HF mapping, parameter remapping and per-Linear regularisers see
@@ -286,6 +374,7 @@ class SelfAttention(nn.Module):
     def __init__(self, config: EncoderConfig):
         super().__init__()
         hidden = config.hidden_size
+        self.config = config
         self.num_heads = config.num_heads
         self.head_dim = hidden // config.num_heads
         self.dropout_p = config.attention_dropout
@@ -310,12 +399,20 @@ class SelfAttention(nn.Module):
 
         return heads(self.query(x)), heads(self.key(x)), heads(self.value(x))
 
-    def forward(self, x: Tensor, key_mask: Tensor | None, position_bias: Tensor | None) -> Tensor:
+    def forward(self, x: Tensor, key_mask: Tensor | BlockMask | None, position_bias: Tensor | None) -> Tensor:
         """`key_mask` [B, 1, 1 or L, L] is True where a query may attend; `position_bias` [1, heads, L, L] or None,
-        or [B, heads, L, L] with the key mask already applied (`attention_bias`, as `Encoder.forward` passes it)."""
+        or [B, heads, L, L] with the key mask already applied (`attention_bias`, as `Encoder.forward` passes it
+        to SDPA). A BlockMask key mask (`Encoder.forward` on the flex path) means flex with that mask; a tensor
+        one is made a BlockMask here when flex runs (once per layer: pipeline stages pass tensors)."""
         batch, seq_len, hidden = x.shape
         q, k, v = self.project(x)
-        out = attention(q, k, v, attention_bias(key_mask, position_bias, q.dtype), self.dropout_p, self.training)
+        if isinstance(key_mask, BlockMask) or runs_flex(self.config, x, self.training):
+            if isinstance(key_mask, Tensor):
+                key_mask = flex_block_mask(key_mask)
+            out = flex_relative_attention(q, k, v, key_mask, position_bias)
+        else:
+            out = attention(q, k, v, attention_bias(key_mask, position_bias, q.dtype), self.dropout_p,
+                            self.training)
         return self.output(out.transpose(1, 2).reshape(batch, seq_len, hidden))
 
 
@@ -424,7 +521,11 @@ class Encoder(nn.Module):
     ) -> Tensor:
         x, key_mask, position_bias = self.prepare(input_ids, attention_mask, token_type_ids, inputs_embeds,
                                                   segment_ids)
-        if position_bias is not None and key_mask is not None:
+        if runs_flex(self.config, x, self.training):
+            # Once for all layers: the BlockMask, and the bias in the dtype flex reads (shared, as below).
+            key_mask = None if key_mask is None else flex_block_mask(key_mask)
+            position_bias = None if position_bias is None else flex_bias(position_bias, compute_dtype(x))
+        elif position_bias is not None and key_mask is not None:
             # Every layer would mask the same relative bias the same way: do it once, shared by all
             # (one [B, heads, L, L] tensor per forward instead of one per layer, and one backward).
             position_bias, key_mask = attention_bias(key_mask, position_bias, compute_dtype(x)), None

@@ -54,7 +54,7 @@ STEERING = ("run.", "train.max_steps", "train.log_every", "train.save_every", "t
             "data.num_workers", "data.cache_dir", "kernels.", "backend.dist_backend")
 # Model fields (under any model's section) that change how, not what, a model computes: the same
 # parameters either way, and absent from the configs of runs started before they existed.
-STEERING_FIELDS = ("fused_qkv",)
+STEERING_FIELDS = ("fused_qkv", "attention_kernel")
 # State-bearing keys that cannot change within a run even when named: the saved tensors, data
 # cursors or engine layout would not fit the new value. Start a new run from a model directory
 # or HF export instead.

@@ -101,3 +101,43 @@ def test_layer_activations_match_saved_tensors(dropout, fused_qkv, zero3, monkey
         encoder.layers[0](x, key_mask, bias)
     # CPU dropout keeps its mask as float32 (CUDA keeps bool: mask_bytes=1).
     assert sum(saved.values()) == layer_activation_bytes(cfg, 128, 4, elem=4, mask_bytes=4, zero3=zero3)
+
+
+@pytest.mark.parametrize("seq_len", [128, 100])  # 100: the bias and masks padded to flex's 128 blocks
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_flex_layer_activations_match_saved_tensors(dropout, seq_len, monkeypatch):
+    """The flex path for T5 relative positions (what `auto` runs on CUDA with attention dropout off): every
+    tensor the compiled flex_attention's autograd saves for one layer, counted as in the test above. On CPU
+    it is compiled with the aot_eager backend: AOTAutograd's partition (what a compiled backward gets
+    saved) with eager kernels, since torch 2.13's inductor has no CPU flex backward; eager flex_attention
+    keeps its row maxima and lengths too, which the compiled backward does not read."""
+    import torch.nn.attention.flex_attention as flex_module
+
+    from megakd.models import encoder as encoder_module
+    from megakd.models.encoder import flex_bias, flex_block_mask
+
+    compiled = torch.compile(flex_module.flex_attention, backend="aot_eager")
+    monkeypatch.setattr(encoder_module, "compiled_flex_attention", lambda: compiled)
+    monkeypatch.setattr(flex_module, "_validate_device", lambda *tensors: None)  # its CPU no-backward check
+    cfg = EncoderConfig(vocab_size=512, hidden_size=64, num_layers=1, num_heads=4, intermediate_size=256,
+                        dropout=dropout, attention_dropout=0.0, max_position_embeddings=128,
+                        position_encoding="t5_relative")
+    encoder = Encoder(cfg).train()
+    ids = torch.randint(5, 500, (4, seq_len))
+    mask = torch.ones_like(ids)
+    mask[1, seq_len // 2:] = 0
+    x, key_mask, bias = encoder.prepare(ids, mask)
+    x = x.detach().requires_grad_()
+    key_mask, bias = flex_block_mask(key_mask), flex_bias(bias, x.dtype)  # as Encoder.forward makes them
+    params = {p.untyped_storage().data_ptr() for p in encoder.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        encoder.layers[0](x, key_mask, bias)
+    assert sum(saved.values()) == layer_activation_bytes(cfg, seq_len, 4, elem=4, mask_bytes=4)

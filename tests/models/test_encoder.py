@@ -279,6 +279,8 @@ def test_normal_init_matches_hf_convention() -> None:
         (dict(dropout=1.5), "model.dropout"),
         (dict(embedding_size=0), "model.embedding_size"),
         (dict(pad_token_id=61), "model.pad_token_id"),
+        (dict(attention_kernel="flash"), "model.attention_kernel"),
+        (dict(attention_kernel="flex", attention_dropout=0.1), "model.attention_kernel"),
     ],
 )
 def test_config_validation_names_the_field(overrides: dict, field: str) -> None:

@@ -27,7 +27,8 @@ from .megakd_heads import ClassificationHead, MLMHead, RTDHead
 
 
 def encoder_config(config):
-    return EncoderConfig(**{name: getattr(config, name) for name in ENCODER_FIELDS})
+    """The exported model's encoder; on SDPA, so that an HF user's GPU never compiles flex_attention."""
+    return EncoderConfig(**{name: getattr(config, name) for name in ENCODER_FIELDS}, attention_kernel="sdpa")
 
 
 def attention_probabilities(attention, x, key_mask, position_bias):

@@ -77,6 +77,10 @@ def collate(
 ) -> dict[str, torch.Tensor]:
     """Pad to the longest sample and mask; returns the batch dict the trainer consumes.
 
+    ``mlm_positions`` holds the flat indices of the masked slots (`masked_positions`), computed here on
+    the host: on a GPU the sparse generator head would otherwise wait for the device to count them
+    (`megakd.objectives.electra.batch_positions`).
+
     Packed samples (several documents, each starting with `segment_start_id`, i.e. [CLS]) also get
     ``segment_ids`` [B, L]: 1, 2, ... per document, 0 on padding. Masking is the same either way.
     """
@@ -98,6 +102,7 @@ def collate(
         "attention_mask": torch.from_numpy(attn),
         "masked_input_ids": torch.from_numpy(masked),
         "mlm_mask": torch.from_numpy(mask),
+        "mlm_positions": torch.from_numpy(np.flatnonzero(mask).astype(np.int64)),
         "index": torch.from_numpy(idx),
         "epoch": torch.from_numpy(ep),
         **extra,

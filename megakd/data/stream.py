@@ -892,7 +892,7 @@ WAIT_POLL_S = 1.0  # how often a loader with workers asks `stop_waiting` while i
 class PretrainingLoader:
     """Endless micro-batches for one rank, with ``state_dict``/``load_state_dict`` for exact resume.
 
-    Batch keys: ``input_ids``, ``attention_mask``, ``masked_input_ids``, ``mlm_mask``, ``index``,
+    Batch keys: ``input_ids``, ``attention_mask``, ``masked_input_ids``, ``mlm_mask``, ``mlm_positions``, ``index``,
     ``epoch``, and ``segment_ids`` for packed shards (see :func:`megakd.data.masking.collate`).
     The state counts only batches this object has handed out, so DataLoader prefetching never
     leaks into a checkpoint.

@@ -11,13 +11,22 @@ from megakd.engine.backends import DDPBackend, TrainingBackend, require_launcher
 from megakd.finish import finish_backend
 
 
-def build_backend(backend: BackendConfig, precision: str, micro_batch_size: int) -> TrainingBackend:
+def build_backend(backend: BackendConfig, precision: str, micro_batch_size: int, tf32: bool = True
+                  ) -> TrainingBackend:
     """The backend `backend.name` names, `backend.pipeline_stages > 1` making deepspeed the pipeline.
 
     `auto` is replaced in `backend` first (`finish_backend`, as a finished config has it already), so
     the run's config records the choice. `micro_batch_size` is what one rank's DeepSpeed engine takes
-    per micro-batch; DeepSpeed is imported only when named.
+    per micro-batch; DeepSpeed is imported only when named. `tf32` (`train.tf32`, `finetune.tf32`):
+    whether fp32 matmuls on a CUDA device run in TF32 while the backend is open
+    (`TrainingBackend.use_device_settings`).
     """
+    built = _build(backend, precision, micro_batch_size)
+    built.tf32 = tf32
+    return built
+
+
+def _build(backend: BackendConfig, precision: str, micro_batch_size: int) -> TrainingBackend:
     name = finish_backend(backend)
     if name == "single":
         return single_process_backend(precision)

@@ -155,6 +155,43 @@ def default_device(local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
+def resolve_precision(precision: str, device: torch.device, bf16_allowed: bool = True,
+                      bf16_supported: bool | None = None) -> str:
+    """What precision `auto` (fine-tuning's default) means on `device`; any other value stays as it is.
+
+    bf16 autocast on a CUDA device that computes in bf16 natively (Ampere on: IEEE fp32 matmuls run at
+    a fraction of its bf16 rate) and a backend that allows it (`bf16_allowed`); otherwise fp32, whose
+    matmuls on CUDA run in TF32 (`cuda_tf32`). On the CPU `auto` is fp32, so CPU runs are what they
+    were. `bf16_supported` None asks torch about the current CUDA device.
+    """
+    if precision != "auto":
+        return precision
+    if device.type != "cuda" or not bf16_allowed:
+        return "fp32"
+    if bf16_supported is None:
+        bf16_supported = torch.cuda.is_bf16_supported(including_emulation=False)
+    return "bf16" if bf16_supported else "fp32"
+
+
+def cuda_tf32(enabled: bool) -> Callable[[], None]:
+    """Let fp32 matmuls (cuBLAS) and convolutions (cuDNN) on CUDA run in TF32 (`enabled`) or IEEE fp32;
+    returns what puts every switch back exactly as it was. CPU matmuls do not read these switches.
+
+    Set through the `allow_tf32` switches: torch refuses to read those once `fp32_precision` has set
+    the same thing (tests/global_state.py reads both). Setting cuBLAS's `allow_tf32` also turns its
+    `fp32_precision` from "none" to "tf32" or "ieee", so putting back restores that too.
+    """
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    saved = matmul.allow_tf32, matmul.fp32_precision, cudnn.allow_tf32
+    matmul.allow_tf32 = cudnn.allow_tf32 = enabled
+
+    def put_back() -> None:
+        matmul.allow_tf32, cudnn.allow_tf32 = saved[0], saved[2]
+        matmul.fp32_precision = saved[1]
+
+    return put_back
+
+
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     """A CPU batch on `device`; the copies do not block the host (the loader pins its batches on CUDA)."""
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
@@ -184,12 +221,14 @@ class TrainingBackend:
     name = "base"
     holds_steps = False
     holds_whole_model = True
+    tf32 = True  # fp32 matmuls and convolutions on a CUDA device run in TF32 (`use_device_settings`)
 
     def __init__(self, precision: str = "fp32", device: torch.device | None = None):
         self.rank, self.world_size, self.local_rank = 0, 1, 0
         self.device = device if device is not None else torch.device("cpu")
         self.precision = precision
         self.accumulation_steps = 1
+        self._put_back_tf32: Callable[[], None] | None = None
 
     @property
     def is_main(self) -> bool:
@@ -203,6 +242,12 @@ class TrainingBackend:
     @property
     def data_world_size(self) -> int:
         return self.world_size
+
+    def use_device_settings(self) -> None:
+        """Set `tf32` (`cuda_tf32`) while the backend is open, on a CUDA device only: `prepare` calls this,
+        once the device is final (fine-tuning picks its own), and `close` puts the settings back."""
+        if self.device.type == "cuda" and self._put_back_tf32 is None:
+            self._put_back_tf32 = cuda_tf32(self.tf32)
 
     # -- the contract ----------------------------------------------------------------------------
     def prepare(self, layout: Layout, accumulation_steps: int) -> None:
@@ -248,7 +293,10 @@ class TrainingBackend:
             dist.barrier()
 
     def close(self) -> None:
-        pass
+        """Put back what `use_device_settings` set (a subclass that overrides this calls it too)."""
+        if self._put_back_tf32 is not None:
+            self._put_back_tf32()
+            self._put_back_tf32 = None
 
 
 class MicroBatch:
@@ -316,6 +364,7 @@ class MicroBatchLoopBackend(TrainingBackend):
 
     # -- setup -------------------------------------------------------------------------------
     def prepare(self, layout: Layout, accumulation_steps: int) -> None:
+        self.use_device_settings()
         self.wrap_units(list(layout.units.values()), accumulation_steps)
 
     def wrap_units(self, units: list[Unit], accumulation_steps: int) -> None:
@@ -485,6 +534,7 @@ class ProcessGroupBackend(MicroBatchLoopBackend):
         return init_distributed(dist_backend)
 
     def close(self) -> None:
+        super().close()
         leave_process_group()
 
 

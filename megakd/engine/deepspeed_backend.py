@@ -335,12 +335,11 @@ class DeepSpeedBackend(ProcessGroupBackend):
         if self.precision == "fp32" and self.zero_stage == 0:
             # the engine steps the bare torch optimizer (a wrapper's `_global_grad_norm` cannot tell:
             # BF16_Optimizer sets it only in its first step)
-            norms = [_grad_norm(u.wrapped.module) for u in units]
+            norms = _on_host([_grad_norm(u.wrapped.module) for u in units])
             return step_all_or_none(units, norms, lambda unit, _norm: unit.wrapped.step(), self.skip_step)
-        norms = []
         for unit in units:
             unit.wrapped.step()
-            norms.append(float(unit.wrapped.get_global_grad_norm()))
+        norms = _on_host([unit.wrapped.get_global_grad_norm() for unit in units])
         # (fp16: an overflow is the dynamic loss scaler's business, as in `MicroBatchLoopBackend.step`)
         return step_all_or_none(units, norms, _stepped_already, _stepped_anyway,
                                 scaler_owns_overflow=self.precision == "fp16")
@@ -467,6 +466,15 @@ def _stepped_anyway(unit: Unit) -> None:
                     "but %s stepped (finite norm)", unit.name)
 
 
-def _grad_norm(module: torch.nn.Module) -> float:
+def _grad_norm(module: torch.nn.Module) -> torch.Tensor | float:
+    """The norm of the module's gradients, left on the device (`_on_host` reads all units' at once)."""
     grads = [p.grad for p in module.parameters() if p.grad is not None]
-    return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+    return torch.nn.utils.get_total_norm(grads) if grads else 0.0
+
+
+def _on_host(values: list) -> list[float]:
+    """Each value (a float, or a 0-dim tensor on the device) as a float: one host-device sync for all the
+    tensors, not one per unit."""
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    read = iter(torch.stack([t.detach().float().reshape(()) for t in tensors]).tolist() if tensors else ())
+    return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]

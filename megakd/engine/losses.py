@@ -18,8 +18,8 @@ from megakd.models.electra import Discriminator, ElectraPair, MaskedLM
 from megakd.objectives.distill import alpha_schedule, kd_loss
 from megakd.objectives.electra import (
     SamplingTemperature,
+    batch_positions,
     corrupt,
-    masked_positions,
     mlm_loss_and_replacements,
     precision_recall_f1,
     rtd_counts,
@@ -75,7 +75,7 @@ class GeneratorLoss(nn.Module):
     def forward(self, batch: dict[str, torch.Tensor], rng: torch.Generator | None = None, step: int = 0) -> dict:
         """`rng` draws the replacements; `step` (the 0-based optimizer step) sets DWT's α_s(t) and
         the sampling temperature."""
-        positions = masked_positions(batch["mlm_mask"])  # the micro-batch's one sync for the sparse head
+        positions = batch_positions(batch)  # the collate's, copied with the batch: no host sync
         segment_ids = batch.get("segment_ids")  # packed samples only
         hidden = self.model(batch["masked_input_ids"], batch["attention_mask"], segment_ids=segment_ids)
         masked_hidden = self.model.hidden_at(hidden, positions)

@@ -27,6 +27,10 @@ DeepSpeed's `train_batch` has no way to hand a middle stage anything per call, s
 computed (its index and sampling generator) is bound to the stage for the duration of that one
 call (`PipelineStage.running`) and unbound after it.
 
+Precision: fp32 weights, gradients and optimizer state (`train.precision=fp32`, which the config
+requires: per-model clipping runs on fp32 gradients), with the matmuls in TF32 on a CUDA device
+unless `train.tf32=false` (`TrainingBackend.use_device_settings`).
+
 The client optimizer (`PipelineOptimizer`) keeps each unit's own AdamW, LR schedule and clip
 threshold: DeepSpeed's `gradient_clipping` is 0 and the per-unit norm is all-reduced over the
 pipe group (squared norms), after summing the gradient of a weight held by two stages (the
@@ -427,6 +431,7 @@ class PipelineBackend(TrainingBackend):
         import deepspeed
         from deepspeed.pipe import PipelineModule
 
+        self.use_device_settings()
         self.accumulation_steps = accumulation_steps
         units = list(layout.units.values())
         for unit in units:
@@ -535,5 +540,6 @@ class PipelineBackend(TrainingBackend):
                         f"(init.generator / init.discriminator = the checkpoint)")
 
     def close(self) -> None:
+        super().close()
         leave_process_group()
         self.found.put_back()

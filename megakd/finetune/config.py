@@ -116,7 +116,10 @@ class OptimConfig:
     max_seq_len: int = 256  # tokens per example, [CLS] and [SEP] included; longer ones are truncated
     seeds: list[int] = field(default_factory=lambda: [0])  # one run per seed; summary.json pools them
     log_every: int = 50  # write metrics every N optimizer steps
-    precision: Literal["fp32", "bf16"] = "fp32"  # bf16 = torch.autocast on the device (CPU or CUDA)
+    # auto: bf16 on a CUDA device that supports it (fp32 with backend.name=deepspeed), fp32 on the CPU; the
+    # run's config.yaml records the choice. bf16 = torch.autocast on the device (CPU or CUDA)
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    tf32: bool = True  # fp32 matmuls and convolutions on a CUDA device run in TF32; false = IEEE fp32
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: the rank's GPU if there is one
 
     def validate(self) -> None:
@@ -266,7 +269,8 @@ class FinetuneConfig:
         return self
 
     def _validate_backend(self) -> None:
-        """What fine-tuning runs on: single, ddp, or DeepSpeed ZeRO 0-2 (fp32) for plain and label-reg runs."""
+        """What fine-tuning runs on: single, ddp, or DeepSpeed ZeRO 0-2 (fp32; `auto` precision is fp32 there)
+        for plain and label-reg runs."""
         b = self.backend
         if b.pipeline_stages != 1:
             raise ConfigError(f"backend.pipeline_stages: fine-tuning has no pipeline parallelism, "
@@ -282,7 +286,7 @@ class FinetuneConfig:
         if b.deepspeed_config:
             raise ConfigError("backend.deepspeed_config: not supported by megakd finetune (its AdaMax has no "
                               "DeepSpeed offload counterpart); remove it")
-        if self.finetune.precision != "fp32":
+        if self.finetune.precision == "bf16":
             raise ConfigError("finetune.precision=bf16 with backend.name=deepspeed: not supported; "
                               "use backend.name=ddp (bf16 autocast) or finetune.precision=fp32")
         if self.soteacher.enabled or self.tgt.enabled:

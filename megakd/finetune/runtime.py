@@ -26,7 +26,7 @@ from torch import Tensor
 from megakd.config import ConfigError
 from megakd.configio import config_to_dict, read_yaml_file, save_config
 from megakd.engine import backend_factory
-from megakd.engine.backends import MicroBatchLoopBackend, SingleProcessBackend
+from megakd.engine.backends import MicroBatchLoopBackend, SingleProcessBackend, resolve_precision
 from megakd.engine.session import RunSession
 from megakd.errors import UserError
 from megakd.finetune.config import FinetuneConfig
@@ -52,9 +52,14 @@ class Stopped(Exception):
 
 def build_backend(cfg: FinetuneConfig) -> MicroBatchLoopBackend:
     """The run's backend (`megakd.engine.backend_factory`) on the device `finetune.device` asks for; a
-    DeepSpeed engine takes one micro-batch per step, this rank's share of the global batch."""
+    DeepSpeed engine takes one micro-batch per step, this rank's share of the global batch.
+
+    `finetune.precision: auto` is replaced in `cfg` by what it means on that device (`resolve_precision`:
+    bf16 on a CUDA device that supports it, fp32 on the CPU and under DeepSpeed, which refuses bf16
+    here), so the run's config records the choice, as it does `backend.name: auto`."""
     f = cfg.finetune
-    backend = backend_factory.build_backend(cfg.backend, f.precision, f.batch_size // launched_world_size())
+    f.precision = resolve_precision(f.precision, _device(f.device, 0), bf16_allowed=cfg.backend.name != "deepspeed")
+    backend = backend_factory.build_backend(cfg.backend, f.precision, f.batch_size // launched_world_size(), f.tf32)
     backend.device = _device(f.device, backend.local_rank)
     return backend
 
@@ -187,9 +192,9 @@ class Runtime:
 def describe(runtime: Runtime) -> str:
     b = runtime.backend
     zero = f" ZeRO-{runtime.cfg.backend.zero_stage}" if b.name == "deepspeed" else ""
-    return f"{b.name}{zero}, {runtime.world_size} process(es), {runtime.device}, {runtime.cfg.finetune.precision}"
+    return f"{b.name}{zero}, {runtime.world_size} process(es), {runtime.device}, {b.precision}"
 
 
 def single_process(cfg: FinetuneConfig) -> Runtime:
     """A one-process CPU runtime that owns no run directory (for calling `train_seed` directly)."""
-    return Runtime(cfg, backend=SingleProcessBackend(cfg.finetune.precision))
+    return Runtime(cfg, backend=SingleProcessBackend(resolve_precision(cfg.finetune.precision, torch.device("cpu"))))

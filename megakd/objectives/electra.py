@@ -82,10 +82,17 @@ def sample_replacements(
 def masked_positions(mlm_mask: torch.Tensor) -> torch.Tensor:
     """Flat row-major indices of the masked slots of a [B, L] mask.
 
-    The sparse generator head's one host-device sync per micro-batch (its row count depends on
-    the data); the gathers and the scatter that use it need none.
+    On the host (the collate's `mlm_positions`) this is free; on a GPU it is a host-device sync
+    (its row count depends on the data). The gathers and the scatter that use it need none.
     """
     return mlm_mask.reshape(-1).nonzero().squeeze(1)
+
+
+def batch_positions(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The micro-batch's masked positions: `mlm_positions` where the collate computed them on the host
+    (copied to the device with the batch, so no sync), else `masked_positions` of its `mlm_mask`."""
+    positions = batch.get("mlm_positions")
+    return masked_positions(batch["mlm_mask"]) if positions is None else positions
 
 
 def corrupt(input_ids: torch.Tensor, mlm_mask: torch.Tensor, samples: torch.Tensor,

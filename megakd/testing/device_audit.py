@@ -15,9 +15,11 @@ Why not a wrapper that is a CUDA tensor to C++ too: on a CPU-only torch, autogra
 device guard of every tensor it records and aborts the process for `cuda`, and factories reach
 the CUDA lazy-init before any dispatch mode sees them. So C++ sees CPU, the Python-visible
 `device` says cuda, a `TorchFunctionMode` moves factories and copies, and the wrapper's
-`__torch_dispatch__` checks and counts. Nothing that calls the CUDA runtime itself (torch.cuda.*,
-a cuda `torch.Generator`, autocast on cuda, pinned memory) can run under it: keep simulated runs
-to fp32 and `kernels.backend=torch`.
+`__torch_dispatch__` checks and counts. Autocast on `cuda` becomes CPU autocast (same dtype), so bf16
+runs for real (C++ sees CPU tensors; CPU autocast's op lists are close to CUDA's, not identical), and
+an op CUDA has and the CPU lacks runs as its host equivalent (`_CUDA_ONLY`). Nothing else that calls
+the CUDA runtime itself (torch.cuda.*, a cuda `torch.Generator`, fp16's `GradScaler`, pinned memory)
+can run under it: keep simulated runs to fp32 or bf16 and `kernels.backend=torch`.
 """
 
 from __future__ import annotations
@@ -47,6 +49,16 @@ _DATA_DEPENDENT = {_aten.nonzero.default, _aten.masked_select.default, _aten._un
 _INDEXING = {_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.default,
              _aten._index_put_impl_.default}
 _COPIES = {_aten.copy_.default, _aten._to_copy.default}
+
+
+def _mm_into(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """CUDA's `torch.mm(a, b, out_dtype=)` on the host: 16-bit products accumulated in `out_dtype` (exact
+    products in fp32, as cuBLAS accumulates them), where the CPU has no such GEMM."""
+    return _aten.mm.default(_aten._to_copy.default(a, dtype=out_dtype), _aten._to_copy.default(b, dtype=out_dtype))
+
+
+# Ops CUDA has and the CPU lacks, with their host equivalents.
+_CUDA_ONLY = {_aten.mm.dtype: _mm_into}
 
 
 class MixedDeviceError(RuntimeError):
@@ -149,7 +161,7 @@ class SimulatedTensor(torch.Tensor):
             return func(args[0].inner)
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, SimulatedTensor)]
         wrappers = {id(t.inner): t for t in tensors}  # an in-place op returns its argument, not a new wrapper
-        out = func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
+        out = _CUDA_ONLY.get(func, func)(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
         return tree_map(lambda t: _rewrap(t, wrappers), out)
 
 
@@ -255,6 +267,19 @@ def _move(func, args, kwargs):
     return _Move.apply(src, to_device)
 
 
+class _CpuAutocast(torch.autocast):
+    """`torch.autocast("cuda", ...)` as CPU autocast: what C++ sees of a simulated tensor is a CPU tensor."""
+
+    def __init__(self, device_type: str, *args, **kwargs):
+        super().__init__("cpu" if device_type == "cuda" else device_type, *args, **kwargs)
+
+
+def _on_cpu_for_cuda(query):
+    """An autocast query (`torch.is_autocast_enabled`, `torch.get_autocast_dtype`) that asks CPU autocast
+    about `cuda`, which `_CpuAutocast` turned on."""
+    return lambda device_type="cuda": query("cpu" if device_type == "cuda" else device_type)
+
+
 def _grouped_on_simulated(group):
     """torch's foreach grouping keyed by the device Python sees (C++ would say cpu for a simulated tensor)."""
 
@@ -290,6 +315,9 @@ def simulated_cuda() -> Iterator[SyncCounter]:
             stack.enter_context(mock.patch("torch.cuda.get_rng_state",
                                            lambda device="cuda": torch.get_rng_state()))
             stack.enter_context(mock.patch("torch.cuda.set_rng_state", lambda new_state, device="cuda": None))
+            stack.enter_context(mock.patch("torch.autocast", _CpuAutocast))
+            for query in ("is_autocast_enabled", "get_autocast_dtype"):
+                stack.enter_context(mock.patch(f"torch.{query}", _on_cpu_for_cuda(getattr(torch, query))))
             stack.enter_context(_SimulateCuda())
             yield _counter
     finally:

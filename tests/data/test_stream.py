@@ -26,7 +26,7 @@ from .test_shards import all_samples
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 
-KEYS = ("input_ids", "attention_mask", "masked_input_ids", "mlm_mask", "index", "epoch")
+KEYS = ("input_ids", "attention_mask", "masked_input_ids", "mlm_mask", "mlm_positions", "index", "epoch")
 
 
 def take(loader, n):

@@ -36,6 +36,9 @@ class Hook:
     """One piece of run-wide work; a subclass overrides what it needs. Hooks run on every rank (they
     may use collectives), in the order they were added."""
 
+    def start(self, step: int) -> None:
+        """Once, before the loop's first step (`step`: the one the run continues from), with run.dir the run's."""
+
     def after_step(self, end: StepEnd) -> None:
         """After a step the loop counted."""
 
@@ -75,6 +78,13 @@ class Hooks:
         """Run `hook` after the ones already added (None: nothing to add, e.g. rank 0's writer elsewhere)."""
         if hook is not None:
             self._hooks.append(hook)
+
+    def start(self, step: int) -> None:
+        """Every hook's `start` (a job's hook need not subclass `Hook`: one without `start` is skipped)."""
+        for hook in self._hooks:
+            start = getattr(hook, "start", None)
+            if start is not None:
+                start(step)
 
     def after_step(self, step: int, stopping: bool = False, values: dict | None = None) -> None:
         """Run every hook for `step` (the metrics file among them writes the lines the others made)."""

@@ -451,6 +451,7 @@ class TrainingLoop:
         end, finished = LoopEnd(), False
         try:
             self.layout.train()
+            hooks.start(self.progress.step)
             self._clock = Clock(hooks)
             # A held step is rewound to where it began; only a source and backend that can hold one need to know.
             rewindable = self.source.can_hold and self.backend.holds_steps

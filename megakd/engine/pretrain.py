@@ -16,17 +16,21 @@ from megakd.data.stream import PretrainingLoader
 from megakd.data.tokenizer import Tokenizer
 from megakd.engine import backend_factory
 from megakd.engine.backends import TrainingBackend
+from megakd.engine.hooks import Hook
 from megakd.engine.layouts import Layout, build_layout
 from megakd.engine.losses import TeacherKD
 from megakd.engine.trainer import Trainer, TrainResult
 from megakd.engine.validation import VALID_SEED, Validator
 from megakd.engine.warm_start import warm_start
 from megakd.finish import bundled_vocab_size, finish_config
-from megakd.models.admin import admin_initialize
+from megakd.kernels import head_backward
+from megakd.models.admin import admin_initialize, set_omegas
 from megakd.models.electra import Discriminator, MaskedLM
+from megakd.models.encoder import EncoderConfig
 from megakd.models.remap import remap_masked_lm
-from megakd.store import check_same_tokenizer, checkpoint, freeze, load_model
-from megakd.store.files import about
+from megakd.store import StoreError, check_same_tokenizer, checkpoint, freeze, load_model, rundir
+from megakd.store.admin_profile import PROFILE_FILE, profile_record, read_profile, write_profile
+from megakd.store.files import about, first_line
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +41,8 @@ PROFILE_FLOPS_PER_THREAD = 20e9
 
 def build_backend(cfg: Config) -> TrainingBackend:
     """The run's backend (`megakd.engine.backend_factory`); a DeepSpeed engine takes `train.micro_batch_size`."""
-    return backend_factory.build_backend(cfg.backend, cfg.train.precision, cfg.train.micro_batch_size)
+    return backend_factory.build_backend(cfg.backend, cfg.train.precision, cfg.train.micro_batch_size,
+                                         tf32=cfg.train.tf32)
 
 
 def cache_root(cfg: Config) -> Path:
@@ -76,30 +81,117 @@ def build_models(cfg: Config) -> tuple[MaskedLM, Discriminator | None]:
 
 
 def admin_profile(cfg: Config, models: list[MaskedLM | Discriminator | None], shards_dir: ShardStore,
-                  tokenizer: Tokenizer) -> None:
-    """Admin's one-batch profiling pass for models with `init: admin`.
+                  tokenizer: Tokenizer, backend: TrainingBackend, resume: str | None = None) -> Hook | None:
+    """Admin's one-batch profiling pass for models with `init: admin`, once per run.
 
-    Every rank profiles the same batch (the first one a one-rank loader yields), so ω, like the
-    weights, is identical everywhere. The generator sees masked input, the discriminator clean.
-    The pass runs on the CPU, before the backend places the models: at electra-base's size minutes on
-    a few cores, so it is announced with its matmul work (2 FLOPs per layer weight and token).
+    A resume from a checkpoint skips it: the checkpoint holds the trained ω. A restart of a run that
+    died before its first checkpoint (`--resume auto`, none saved) reads the ω its first start saved
+    in run.dir (`megakd.store.admin_profile`). Otherwise rank 0 profiles the first batch a one-rank
+    loader yields (the generator sees masked input, the discriminator clean) on the backend's device:
+    on CUDA a copy of each encoder runs there and only the ω come back to the CPU models. Every rank
+    gets rank 0's ω through one all-reduce, so ω, like the weights, is identical everywhere and no
+    other rank touches the file. On the CPU the pass takes minutes at electra-base's size on a few
+    cores, so it is announced with its matmul work (2 FLOPs per layer weight and token).
+
+    Returns, on rank 0 after a fresh pass with a run.dir, the hook that saves the profile there once
+    the run owns the directory (`SaveAdminProfile`); else None.
     """
-    admin = [m for m in models if m is not None and m.config.init == "admin"]
-    if not admin:
-        return
+    admin = {_section(m): m for m in models if m is not None and m.config.init == "admin"}
+    if not admin or resumes_from_checkpoint(cfg, resume):
+        return None
+    path = Path(cfg.run.dir) / PROFILE_FILE if cfg.run.dir else None
+    configs = {name: m.config for name, m in admin.items()}
+    omegas: dict[str, list[float]] = {}
+    reused, error = False, None
+    if backend.is_main:
+        try:
+            if resume == "auto" and path is not None and path.exists():
+                saved = read_profile(path, cfg.train.seed, configs)
+                omegas = {name: saved["models"][name]["omegas"] for name in admin}
+                reused = True
+                log.info("Admin init: ω of the %s read from %s (profiled on %s at the run's first start)",
+                         " and ".join(admin), path, saved["device"])
+            else:
+                omegas = _profile_first_batch(cfg, admin, shards_dir, tokenizer, backend.device)
+        except Exception as err:  # every rank waits for rank 0's ω below: all of them must learn it failed
+            error = err
+    omegas = _from_main(backend, error, configs, omegas)
+    for name, model in admin.items():
+        set_omegas(model.encoder, omegas[name])
+    if reused or path is None or not backend.is_main:
+        return None
+    return SaveAdminProfile(path, profile_record(cfg.train.seed, backend.device.type,
+                                                 {name: (configs[name], omegas[name]) for name in admin}))
+
+
+def _section(model: MaskedLM | Discriminator) -> str:
+    """The model's config section, which names it in the profile file."""
+    return "generator" if isinstance(model, MaskedLM) else "discriminator"
+
+
+def _profile_first_batch(cfg: Config, admin: dict[str, MaskedLM | Discriminator], shards_dir: ShardStore,
+                         tokenizer: Tokenizer, device: torch.device) -> dict[str, list[float]]:
+    """Rank 0's pass, announced first; {model name: ω}."""
     micro_batch = cfg.train.micro_batch_size
     loader = PretrainingLoader(shards_dir, tokenizer, micro_batch_size=micro_batch, seed=cfg.train.seed,
                                mask_prob=cfg.data.mask_prob, shuffle_shards=cfg.data.shuffle_shards)
-    flops = sum(2 * sum(p.numel() for p in m.encoder.layers.parameters()) for m in admin) * micro_batch * loader.seq_len
-    threads = torch.get_num_threads()
-    shapes = " and ".join(f"{m.config.num_layers} x {m.config.hidden_size}" for m in admin)
-    log.info("Admin init: profiling the %s encoder(s) in one forward pass over %d x %d tokens on the CPU "
-             "(~%.3g TFLOP): %s on %d threads", shapes, micro_batch, loader.seq_len, flops / 1e12,
-             about(flops / (PROFILE_FLOPS_PER_THREAD * threads)), threads)
+    flops = sum(2 * sum(p.numel() for p in m.encoder.layers.parameters()) for m in admin.values()) \
+        * micro_batch * loader.seq_len
+    shapes = " and ".join(f"{m.config.num_layers} x {m.config.hidden_size}" for m in admin.values())
+    work = f"the {shapes} encoder(s) in one forward pass over {micro_batch} x {loader.seq_len} tokens"
+    if device.type == "cpu":
+        threads = torch.get_num_threads()
+        log.info("Admin init: profiling %s on the CPU (~%.3g TFLOP): %s on %d threads", work, flops / 1e12,
+                 about(flops / (PROFILE_FLOPS_PER_THREAD * threads)), threads)
+    else:
+        log.info("Admin init: profiling %s on %s (~%.3g TFLOP)", work, device, flops / 1e12)
     batch = next(iter(loader))
-    for model in admin:
-        ids = batch["masked_input_ids"] if isinstance(model, MaskedLM) else batch["input_ids"]
-        admin_initialize(model.encoder, ids, batch["attention_mask"], seed=cfg.train.seed)
+    return {name: admin_initialize(model.encoder, batch["masked_input_ids" if name == "generator" else "input_ids"],
+                                   batch["attention_mask"], seed=cfg.train.seed, device=device)
+            for name, model in admin.items()}
+
+
+def _from_main(backend: TrainingBackend, error: BaseException | None, configs: dict[str, EncoderConfig],
+               omegas: dict[str, list[float]]) -> dict[str, list[float]]:
+    """Rank 0's ω on every rank (one float64 all-reduce: the other ranks add zeros, which is exact), or
+    rank 0's failure raised on every rank."""
+    sizes = {name: 2 * config.num_layers for name, config in configs.items()}
+    flat = torch.zeros(1 + sum(sizes.values()), dtype=torch.float64)
+    if backend.is_main:
+        flat[0] = float(error is not None)
+        if error is None:
+            flat[1:] = torch.tensor([w for name in sizes for w in omegas[name]], dtype=torch.float64)
+    flat = backend.all_reduce_sum(flat).cpu()
+    if flat[0] > 0:
+        raise error if error is not None else StoreError("Admin init: failed on rank 0 (see its message)")
+    values = iter(flat[1:].tolist())
+    return {name: [next(values) for _ in range(n)] for name, n in sizes.items()}
+
+
+class SaveAdminProfile(Hook):
+    """Rank 0 saves a fresh profile as run.dir/admin_profile.json once the run owns the directory.
+
+    The models are built before `Trainer.open_run` claims run.dir (a new run must find it unused), so
+    the file is written when the loop starts, before the first step. One that is already there is left
+    alone. Failing to save only costs a later restart's pass, so it is a warning, not the run's end.
+    """
+
+    def __init__(self, path: Path, record: dict):
+        self.path, self.record = path, record
+
+    def start(self, step: int) -> None:
+        self.save()
+
+    def save(self) -> None:
+        try:
+            rundir.check_owner(self.path)
+            if not self.path.exists():
+                write_profile(self.path, self.record)
+                log.info("Admin init: saved the profile to %s (a restart before the first checkpoint reads it)",
+                         self.path)
+        except (OSError, StoreError) as err:
+            log.warning("Admin init: could not save the profile to %s (%s); a restart before the first "
+                        "checkpoint profiles again", self.path, first_line(err))
 
 
 def compile_encoders(models: list[MaskedLM | Discriminator | None]) -> None:
@@ -170,7 +262,7 @@ def _build_trainer(cfg: Config, backend: TrainingBackend, tokenizer: Tokenizer, 
         log.info("data: %s (%d samples, seq_len %d), tokenizer %s", shards_dir, manifest["num_samples"],
                  manifest["seq_len"], tokenizer_dir)
     generator, discriminator = build_models(cfg)
-    admin_profile(cfg, [generator, discriminator], shards_dir, tokenizer)
+    save_profile = admin_profile(cfg, [generator, discriminator], shards_dir, tokenizer, backend, resume)
     if not resumes_from_checkpoint(cfg, resume):
         warm_start(cfg, tokenizer, generator, discriminator)
     if cfg.train.compile:
@@ -180,7 +272,10 @@ def _build_trainer(cfg: Config, backend: TrainingBackend, tokenizer: Tokenizer, 
     backend.prepare(layout, accumulation)
     loader = build_loader(cfg, tokenizer, shards_dir, micro_batch, backend.data_rank, backend.data_world_size)
     validator = build_validator(cfg, tokenizer, shards_dir, micro_batch, backend, layout)
-    return Trainer(cfg, backend, layout, loader, tokenizer_dir=tokenizer_dir, validator=validator)
+    trainer = Trainer(cfg, backend, layout, loader, tokenizer_dir=tokenizer_dir, validator=validator)
+    if save_profile is not None:
+        trainer.add_hook(save_profile)
+    return trainer
 
 
 def valid_shards_dir(cfg: Config, shards: ShardStore) -> ShardStore | None:
@@ -235,8 +330,9 @@ def run_pretraining(cfg: Config, resume: str | None = None, allow_change: tuple[
     (the command's HuggingFace export, `megakd.convert.export_run`) into run.dir/hf, under the run's lock."""
     trainer = build_trainer(cfg, resume=resume)
     try:
-        trainer.open_run(resume, allow_change)
-        return trainer.train(export=export)
+        with head_backward(cfg.kernels.head_backward):  # read by the fused head's loss (kernels/dispatch.py)
+            trainer.open_run(resume, allow_change)
+            return trainer.train(export=export)
     finally:
         trainer.close()
 

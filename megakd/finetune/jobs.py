@@ -10,6 +10,7 @@ from megakd.finetune.runtime import Runtime
 from megakd.finetune.soteacher import run_soteacher
 from megakd.finetune.tgt import run_tgt
 from megakd.finetune.trainer import run_finetune
+from megakd.kernels import head_backward
 from megakd.objectives.labelreg import TEACHER_TARGETS
 from megakd.store import check_source
 
@@ -47,6 +48,7 @@ def run_job(cfg: FinetuneConfig) -> dict:
     runtime = Runtime(cfg)
     try:
         runtime.open()
-        return job_for(cfg)(cfg, runtime)
+        with head_backward(cfg.kernels.head_backward):  # read by the fused head's loss (kernels/dispatch.py)
+            return job_for(cfg)(cfg, runtime)
     finally:
         runtime.close()

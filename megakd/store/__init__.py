@@ -5,6 +5,8 @@
 - `model_dir`: megakd model directories, fine-tuned classifier directories, HF directories read in.
 - `load`: `load_model(src)`, the one entry point for reading a trained model; tokenizer checks; freezing.
 - `rundir`: run-directory ownership (refuse reuse, move aside, lock) and the config history.
+- `admin_profile`: run.dir/admin_profile.json, Admin's ω from a run's first start (checksummed, checked against the
+  run's models and seed).
 - `files`: safetensors / weights-only formats, fsync, sha256.
 """
 

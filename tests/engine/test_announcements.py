@@ -143,6 +143,8 @@ def test_admin_profiling_is_announced_with_its_work(tiny_data, tmp_path, monkeyp
     `init: admin` has no pass and no line."""
     from torch.utils.flop_counter import FlopCounterMode
 
+    from megakd.engine.backends import SingleProcessBackend
+
     tokenizer_dir, shards_dir = tiny_data
     tokenizer = Tokenizer.load(tokenizer_dir)
     store = pretrain.shard_store(load_config(TINY, tiny_overrides(tiny_data, tmp_path)), shards_dir)
@@ -152,13 +154,14 @@ def test_admin_profiling_is_announced_with_its_work(tiny_data, tmp_path, monkeyp
     def admin_initialize(encoder, *args, **kwargs):
         seen.append(lines(caplog, "Admin init: profiling"))
         with FlopCounterMode(display=False) as counter:
-            real(encoder, *args, **kwargs)
+            omegas = real(encoder, *args, **kwargs)
         counted.append(counter.get_total_flops())
+        return omegas
 
     monkeypatch.setattr(pretrain, "admin_initialize", admin_initialize)
     cfg = load_config(TINY, tiny_overrides(tiny_data, tmp_path, **{"model.discriminator.init": "admin"}))
     with caplog.at_level(logging.INFO, logger="megakd.engine.pretrain"):
-        pretrain.admin_profile(cfg, list(pretrain.build_models(cfg)), store, tokenizer)
+        pretrain.admin_profile(cfg, list(pretrain.build_models(cfg)), store, tokenizer, SingleProcessBackend())
     [announced] = seen
     assert len(announced) == 1
     line = announced[0]
@@ -169,7 +172,7 @@ def test_admin_profiling_is_announced_with_its_work(tiny_data, tmp_path, monkeyp
     caplog.clear()
     plain = load_config(TINY, tiny_overrides(tiny_data, tmp_path))
     with caplog.at_level(logging.INFO, logger="megakd.engine.pretrain"):
-        pretrain.admin_profile(plain, list(pretrain.build_models(plain)), store, tokenizer)
+        pretrain.admin_profile(plain, list(pretrain.build_models(plain)), store, tokenizer, SingleProcessBackend())
     assert len(seen) == 1 and lines(caplog, "Admin init") == []
 
 

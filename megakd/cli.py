@@ -512,20 +512,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     import json
 
+    from megakd.bench.hardware import GPUS, hardware_from_bench
     from megakd.bench.memory import parameter_counts
-    from megakd.bench.planner import GPUS, hardware_from_bench, model_flops, plan, storage_io
+    from megakd.bench.planner import GEMM_EFFICIENCY, model_flops, plan, storage_io
     from megakd.bench.report import format_plan
     from megakd.finish import finish_config
 
     cfg = finish_config(load_config(args.config, [*args.overrides, *args.set_overrides]))
-    hw = hardware_from_bench(args.bench) if args.bench else GPUS[args.gpu]
+    hw = hardware_from_bench(args.bench, GPUS[args.gpu]) if args.bench else GPUS[args.gpu]
     storage = storage_io(cfg, hw, args.gpus, storage_gbps=args.storage_gbps,
                          corpus_samples=args.corpus_samples)
+    efficiency = GEMM_EFFICIENCY if args.efficiency is None else args.efficiency
     plans = plan(cfg, hw, args.gpus, args.gpu_mem, zero=args.zero, pp=args.pp, micro_batches=args.micro_batch,
-                 efficiency=args.efficiency, overlap=args.overlap, reserve_gib=args.reserve_gb)
+                 efficiency=efficiency, overlap=args.overlap, reserve_gib=args.reserve_gb)
     counts = parameter_counts(cfg)
     table = format_plan(cfg, hw, args.gpus, args.gpu_mem, counts, model_flops(cfg), plans, args.top,
-                        args.efficiency, storage)
+                        efficiency, storage)
     if args.emit_overrides:  # stdout: only the words, for $(megakd plan ... --emit-overrides) in a launcher line
         print(table.split("\n\n")[0], file=sys.stderr)
         emit(" ".join(_runnable_overrides(args, cfg, plans)))
@@ -840,7 +842,10 @@ def _add_plan(sub, command: _Command) -> None:
     pl.add_argument("--zero", type=int, help="only this ZeRO stage (default: 0-3)")
     pl.add_argument("--pp", type=int, help="only this many pipeline stages (default: every divisor of --gpus)")
     pl.add_argument("--micro-batch", type=int, nargs="+", help="only these micro-batch sizes")
-    pl.add_argument("--efficiency", type=float, default=0.45, help="fraction of peak the model FLOPs reach")
+    pl.add_argument("--efficiency", type=float,
+                    help="fraction of the dense matmul peak the large GEMMs reach (default 0.7; attention, "
+                         "elementwise work, the vocabulary head and the optimizer are modelled part by part: "
+                         "docs/performance.md)")
     pl.add_argument("--overlap", type=float, default=0.0, help="fraction of communication hidden by compute")
     pl.add_argument("--reserve-gb", type=float, default=2.0, help="memory kept free (CUDA context, fragmentation)")
     pl.add_argument("--top", type=int, default=10, help="layouts printed")

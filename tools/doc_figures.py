@@ -40,7 +40,8 @@ def _config(recipe: str, *overrides: str):
 
 
 def _best(recipe: str, gpus: int, mem: float, preset: str = PRESET, *overrides: str):
-    from megakd.bench.planner import GPUS, plan
+    from megakd.bench.hardware import GPUS
+    from megakd.bench.planner import plan
 
     return next(p for p in plan(_config(recipe, *overrides), GPUS[preset], gpus, mem) if p.fits)
 
@@ -90,7 +91,8 @@ def plan_table() -> str:
 
 def storage_sentence() -> str:
     """docs/distributed.md's storage example: electra-base on 64 A100s."""
-    from megakd.bench.planner import GPUS, storage_io
+    from megakd.bench.hardware import GPUS
+    from megakd.bench.planner import storage_io
 
     cfg = _config("electra-base.yaml")
     best = _best("electra-base.yaml", 64, 80)
@@ -101,6 +103,24 @@ def storage_sentence() -> str:
             "`warning: storage-bound: N.Nx the compute step time` and times the run at the storage step. The "
             f"whole-shard loader (unindexed shards, or megakd before indexes; {max(cfg.data.num_workers, 1)} "
             f"workers × 64 ranks each reading the whole corpus) read {whole_shard:.0f} times as much")
+
+
+def computed_step() -> str:
+    """docs/performance.md's computed electra-base step on one node of 8 A100s and of 8 H100s."""
+    from megakd.bench.hardware import GPUS
+    from megakd.bench.memory import parameter_counts
+    from megakd.bench.planner import ParallelPlan, evaluate
+    from megakd.bench.step_time import predict_step, prediction_table
+
+    cfg = _config("electra-base.yaml")
+    micro, gpus = cfg.train.micro_batch_size, 8
+    accumulation = cfg.train.global_batch_size // (micro * gpus)
+    params = parameter_counts(cfg)["total"]
+    predictions = {}
+    for name in ("a100", "h100"):
+        comm = evaluate(cfg, GPUS[name], gpus, 80, ParallelPlan(cfg.backend.zero_stage, 1, micro, False)).comm_s
+        predictions[GPUS[name].name] = predict_step(cfg, GPUS[name], micro, accumulation, params / gpus, comm)
+    return "\n" + prediction_table(predictions) + "\n"
 
 
 CLUSTER_RECIPES = ("electra-base.yaml", "electra-large.yaml", "rtd-generator-base.yaml", "dwt-base-weak.yaml",
@@ -230,6 +250,7 @@ FIGURES: dict[str, tuple[str, Callable[[], str]]] = {
     "plan-table": ("docs/distributed.md", plan_table),
     "storage": ("docs/distributed.md", storage_sentence),
     "recipe-data": ("docs/cluster.md", recipe_data),
+    "step-computed": ("docs/performance.md", computed_step),
     "reads-bound": ("README.md", reads_bound),
     "reads-at-64": ("README.md", reads_at_64),
     "reads-table": ("docs/data.md", reads_table),

@@ -24,16 +24,30 @@ from megakd.config import Config
 from megakd.models.encoder import EncoderConfig
 
 
+def projection_flops_per_token(cfg: EncoderConfig) -> float:
+    """Forward FLOPs of one encoder layer's weight matmuls per position: Q/K/V/output projections, FFN."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    return 8 * h * h + 4 * h * i
+
+
+def attention_flops_per_token(cfg: EncoderConfig, seq_len: int) -> float:
+    """Forward FLOPs of one encoder layer's QKᵀ and PV per position."""
+    return 4 * seq_len * cfg.hidden_size
+
+
 def layer_flops_per_token(cfg: EncoderConfig, seq_len: int) -> float:
     """Forward FLOPs of one encoder layer per position: Q/K/V/output projections, QKᵀ and PV, FFN."""
-    h, i = cfg.hidden_size, cfg.intermediate_size
-    return 8 * h * h + 4 * seq_len * h + 4 * h * i
+    return projection_flops_per_token(cfg) + attention_flops_per_token(cfg, seq_len)
+
+
+def embedding_projection_flops_per_token(cfg: EncoderConfig) -> float:
+    """Forward FLOPs of the embedding-to-hidden projection per position (0 when the widths agree)."""
+    return 2 * cfg.embed_dim * cfg.hidden_size if cfg.embed_dim != cfg.hidden_size else 0
 
 
 def encoder_flops_per_token(cfg: EncoderConfig, seq_len: int) -> float:
     """Forward FLOPs of the whole encoder per position (the embedding projection included)."""
-    project = 2 * cfg.embed_dim * cfg.hidden_size if cfg.embed_dim != cfg.hidden_size else 0
-    return project + cfg.num_layers * layer_flops_per_token(cfg, seq_len)
+    return embedding_projection_flops_per_token(cfg) + cfg.num_layers * layer_flops_per_token(cfg, seq_len)
 
 
 @dataclass

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from megakd.bench.flops import StepFlops, step_flops
+from megakd.bench.hardware import Hardware
 from megakd.bench.memory import (
     Block,
     GiB,
@@ -34,48 +35,10 @@ from megakd.bench.memory import (
     model_blocks,
     model_state_bytes,
 )
+from megakd.bench.step_time import Assumptions, matmul_class, micro_batch_parts, optimizer_seconds
 from megakd.config import Config, ConfigError
 
-
-@dataclass
-class Hardware:
-    """One accelerator type and its interconnect, as the planner needs it."""
-
-    name: str
-    peak_tflops: dict[str, float]  # dense matmul peak per precision (fp32, bf16, fp16)
-    busbw_intra: float  # GB/s all-reduce bus bandwidth within a node
-    busbw_inter: float  # GB/s all-reduce bus bandwidth across nodes
-    gpus_per_node: int = 8
-    source: str = ""
-
-
-# Peaks: NVIDIA datasheets, dense tensor-core math (no sparsity); fp32 is plain FP32 (torch's
-# default matmul precision, TF32 off). Bus bandwidths: typical nccl-tests all_reduce_perf results
-# for standard 8-GPU servers with a full set of NICs (DGX-1 V100: NVLink2, 4x EDR; DGX A100:
-# NVLink3, 8x HDR; DGX H100: NVLink4, 8x NDR). Measure yours with `megakd bench` and pass --bench.
-GPUS: dict[str, Hardware] = {
-    "v100": Hardware("V100-SXM2", {"fp32": 15.7, "fp16": 125.0}, 130.0, 45.0,
-                     source="V100 datasheet; DGX-1 NVLink2 + 4x100Gb/s EDR"),
-    "a100": Hardware("A100-SXM4", {"fp32": 19.5, "bf16": 312.0, "fp16": 312.0}, 230.0, 180.0,
-                     source="A100 datasheet; DGX A100 NVLink3 + 8x200Gb/s HDR"),
-    "h100": Hardware("H100-SXM5", {"fp32": 67.0, "bf16": 989.0, "fp16": 989.0}, 370.0, 360.0,
-                     source="H100 datasheet; DGX H100 NVLink4 + 8x400Gb/s NDR"),
-}
-
-
-def hardware_from_bench(path: str | Path) -> Hardware:
-    """Peak and bandwidth measured by `megakd bench` (its JSON): matmul TFLOP/s, largest all-reduce busbw."""
-    try:
-        data = json.loads(Path(path).read_text())
-        peaks = {p: r["tflops"] for p, r in data["matmul"].items()}
-        busbw = max(r["busbw_GBps"] for r in data["collectives"]["all_reduce"])
-        world = data["world_size"]
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise ConfigError(f"--bench {path}: expected a JSON written by `megakd bench` "
-                          f"with matmul and all_reduce results ({type(err).__name__}: {err})") from None
-    # One measurement, at the world size it ran at, stands for both levels of the network.
-    return Hardware(f"measured ({data.get('device', '?')} x{world})", peaks, busbw, busbw, max(world, 1),
-                    source=str(path))
+GEMM_EFFICIENCY = Assumptions().gemm_efficiency  # --efficiency's default
 
 
 @dataclass
@@ -152,13 +115,13 @@ def partition(costs: list[float], stages: int) -> list[tuple[int, int]]:
 
 
 def evaluate(cfg: Config, hw: Hardware, gpus: int, gpu_mem_gib: float, parallel: ParallelPlan, *,
-             efficiency: float = 0.45, overlap: float = 0.0, reserve_gib: float = 2.0,
-             blocks: list[Block] | None = None) -> Plan:
+             efficiency: float = GEMM_EFFICIENCY, overlap: float = 0.0, reserve_gib: float = 2.0,
+             tf32: bool = True, blocks: list[Block] | None = None) -> Plan:
     """Memory per device and estimated step time of one parallel plan (`blocks`: model_blocks(cfg), reused)."""
     precision = cfg.train.precision
-    peak = hw.peak_tflops.get(precision)
-    if peak is None:
-        raise ConfigError(f"train.precision={precision}: {hw.name} has no {precision} peak "
+    matmul = matmul_class(precision, tf32, hw)
+    if matmul not in hw.peak_tflops:
+        raise ConfigError(f"train.precision={precision}: {hw.name} has no {matmul} peak "
                           f"(known: {', '.join(hw.peak_tflops)})")
     P, b = parallel.pipeline_stages, parallel.micro_batch
     dp = gpus // P
@@ -185,8 +148,14 @@ def evaluate(cfg: Config, hw: Hardware, gpus: int, gpu_mem_gib: float, parallel:
         mem["total"] = sum(mem.values())
         if mem["total"] > worst["total"]:
             worst = mem | {"params_on_stage": float(params)}
-    slowest = max(sum(flops[lo:hi]) for lo, hi in ranges)
-    compute = (micro_batches + P - 1) * slowest / (peak * 1e12 * efficiency)
+    # One micro-batch part by part (step_time.py), the pipeline's slowest stage taking its share of the
+    # FLOPs, stretched by the 1F1B bubble; then the optimizer over the stage's local partition.
+    assume = Assumptions(gemm_efficiency=efficiency)
+    micro = sum(micro_batch_parts(cfg, hw, b, matmul, assume,
+                                  checkpointing=parallel.checkpointing).values())
+    slowest = max(sum(flops[lo:hi]) for lo, hi in ranges) / sum(flops)
+    local = worst["params_on_stage"] / (dp if parallel.zero_stage else 1)
+    compute = (micro_batches + P - 1) * micro * slowest + optimizer_seconds(cfg, hw, local, assume)
     comm = _dp_comm_seconds(cfg, hw, gpus, dp, micro_batches, parallel, worst["params_on_stage"])
     if P > 1:  # activations to the next stage forward, their gradients back, per micro-batch and cut
         comm += 2 * micro_batches * (P - 1) / P * seq * b * cfg.model.discriminator.hidden_size * elem / (

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from megakd.bench.flops import StepFlops
+from megakd.bench.hardware import Hardware
 from megakd.bench.memory import GiB, mlm_head_bytes
-from megakd.bench.planner import Hardware, Plan, StorageIO
+from megakd.bench.planner import Plan, StorageIO
 from megakd.bench.roofline import format_phases
+from megakd.bench.step_time import matmul_class
 from megakd.config import Config
 
 
@@ -94,14 +96,16 @@ def format_plan(cfg: Config, hw: Hardware, gpus: int, gpu_mem_gib: float, counts
                 storage: StorageIO | None = None) -> str:
     steps = cfg.train.max_steps
     precision = cfg.train.precision
+    matmul = matmul_class(precision, True, hw)
     fitting = [p for p in plans if p.fits]
     lines = [
         "model: " + " + ".join(f"{k} {v / 1e6:.1f}M" for k, v in counts.items() if k != "total")
         + f" = {counts['total'] / 1e6:.1f}M trainable parameters (real modules, meta device)",
         f"step: batch {cfg.train.global_batch_size} x seq {cfg.data.seq_len}, "
         f"{flops.model / 1e15:.3f} PFLOP model ({flops.per_token / 1e9:.3f} GFLOP/token), {steps} steps",
-        f"hardware: {gpus} x {hw.name}, {gpu_mem_gib:g} GB, peak {hw.peak_tflops[precision]:g} TFLOP/s "
-        f"{precision} at {efficiency:.0%}, all-reduce busbw {hw.busbw_intra:g} GB/s in a node / "
+        f"hardware: {gpus} x {hw.name}, {gpu_mem_gib:g} GB, peak {hw.peak_tflops[matmul]:g} TFLOP/s "
+        f"{matmul}, GEMMs at {efficiency:.0%}, {hw.hbm_gbps:g} GB/s memory, "
+        f"all-reduce busbw {hw.busbw_intra:g} GB/s in a node / "
         f"{hw.busbw_inter:g} GB/s across ({hw.source})",
     ]
     if storage is not None:

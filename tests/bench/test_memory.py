@@ -72,6 +72,22 @@ def test_parameter_counts_match_spec(size, expected):
     assert counts["total"] == counts["generator"] + counts["discriminator"]
 
 
+def _saved_bytes(encoder, x, key_mask, bias) -> int:
+    """Bytes of every distinct storage autograd saves for the encoder's first layer, its parameters aside."""
+    params = {p.untyped_storage().data_ptr() for p in encoder.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        encoder.layers[0](x, key_mask, bias)
+    return sum(saved.values())
+
+
 @pytest.mark.parametrize("zero3", [False, True], ids=["torch_linear", "zero3_linear"])
 @pytest.mark.parametrize("fused_qkv", [True, False])
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
@@ -88,19 +104,9 @@ def test_layer_activations_match_saved_tensors(dropout, fused_qkv, zero3, monkey
     ids = torch.randint(5, 500, (4, 128))
     x, key_mask, bias = encoder.prepare(ids, torch.ones_like(ids))
     x = x.detach().requires_grad_()
-    params = {p.untyped_storage().data_ptr() for p in encoder.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        encoder.layers[0](x, key_mask, bias)
+    saved = _saved_bytes(encoder, x, key_mask, bias)
     # CPU dropout keeps its mask as float32 (CUDA keeps bool: mask_bytes=1).
-    assert sum(saved.values()) == layer_activation_bytes(cfg, 128, 4, elem=4, mask_bytes=4, zero3=zero3)
+    assert saved == layer_activation_bytes(cfg, 128, 4, elem=4, mask_bytes=4, zero3=zero3)
 
 
 @pytest.mark.parametrize("seq_len", [128, 100])  # 100: the bias and masks padded to flex's 128 blocks
@@ -129,15 +135,5 @@ def test_flex_layer_activations_match_saved_tensors(dropout, seq_len, monkeypatc
     x, key_mask, bias = encoder.prepare(ids, mask)
     x = x.detach().requires_grad_()
     key_mask, bias = flex_block_mask(key_mask), flex_bias(bias, x.dtype)  # as Encoder.forward makes them
-    params = {p.untyped_storage().data_ptr() for p in encoder.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        encoder.layers[0](x, key_mask, bias)
-    assert sum(saved.values()) == layer_activation_bytes(cfg, seq_len, 4, elem=4, mask_bytes=4)
+    saved = _saved_bytes(encoder, x, key_mask, bias)
+    assert saved == layer_activation_bytes(cfg, seq_len, 4, elem=4, mask_bytes=4)

@@ -1,8 +1,9 @@
 """The first hour on one GPU: does megakd's GPU path compute what its CPU path computes?
 
 Each step runs as a subprocess with its own timeout (one failure never stops the rest), logs to
-``--out/<step>.log``, and prints PASS/FAIL with its time; the end is a markdown table (also written
-to ``--out/summary.md``) to paste into the README. Exit status 1 when any step failed.
+``--out/<step>.log``, and prints PASS/FAIL (or SKIP and why) with its time beside its --quick budget;
+the end is a markdown table (also written to ``--out/summary.md``) to paste into the README. Exit
+status 1 when any step failed.
 
     python tools/gpu_check.py --out /tmp/gpu-check            # everything, < 1 hour on one H100
     python tools/gpu_check.py --quick --out "$OUT/check"      # ~8 minutes: fewer shapes, steps, dtypes
@@ -16,13 +17,22 @@ shapes under the interpreter); tiny (electra-tiny on the GPU vs the CPU: with
 dropout 0 the generator never sees the sampled replacements, so its loss must agree although the
 GPU samples by Gumbel-max and the CPU by inverse CDF); zero3 (ZeRO-3 vs ZeRO-1, then a resume from
 the middle checkpoint that must reach the same metrics); base (electra-base's model shape, 20
-steps, fp32 and bf16, bundled 8K vocabulary: the 128K head is covered by parity); syncs (host-device
-syncs in one optimizer step, counted by torch.cuda.set_sync_debug_mode("warn")).
+steps, fp32 and bf16, bundled 8K vocabulary: the 128K head is covered by parity and timed by bench, both
+backwards at N=2458, H=768, V=128000); syncs (host-device syncs in one bf16 optimizer step under ZeRO-1,
+as a cluster run trains, counted by torch.cuda.set_sync_debug_mode("warn")); profile (a torch.profiler
+trace of one bf16 ZeRO-1 optimizer step of electra-base's shape: ``--out/profile-bf16.json``, for
+chrome://tracing or Perfetto, and the top kernels in its log); nccl (with two GPUs or more: `megakd
+bench`'s collectives and electra-tiny under ZeRO-1 on two ranks; skipped with one GPU).
+
+The --quick budget on one H100, planned, not yet timed (the table prints each step's time beside it):
+env 15 s, parity 90 s, bench 60 s, tiny 75 s, zero3 90 s, base-bf16 60 s, syncs 40 s, profile 50 s:
+480 s; nccl (two GPUs) 90 s more. Each step's timeout is several times its budget.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.metadata
 import json
@@ -31,14 +41,14 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 COMMON = ["train.probe_every=0", "run.export_hf=false", "run.plots=false", "run.progress_bar=false",
           "run.tensorboard=false", "run.overwrite=true"]
-STEPS = ("env", "parity", "bench", "tiny", "zero3", "base", "syncs")
+STEPS = ("env", "parity", "bench", "tiny", "zero3", "base", "syncs", "profile", "nccl")
 
 
 class Failure(Exception):
@@ -51,6 +61,8 @@ class Step:
     commands: list[list[str]]  # run in order; the first non-zero exit fails the step
     timeout: float  # seconds for all of the step's commands together
     check: Callable[[], str] | None = None  # after the commands: the detail, or raises Failure
+    budget: float = 0.0  # its planned seconds under --quick on one H100 (the module docstring)
+    skip: str = ""  # why it cannot run on this machine (its commands are not run)
 
 
 def summary_line(log: Path) -> str:
@@ -64,7 +76,9 @@ def summary_line(log: Path) -> str:
 
 
 def run_step(step: Step, out: Path) -> tuple[str, float, str]:
-    """(PASS|FAIL, seconds, detail) of one step; its commands' output goes to out/<name>.log."""
+    """(PASS|FAIL|SKIP, seconds, detail) of one step; its commands' output goes to out/<name>.log."""
+    if step.skip:
+        return "SKIP", 0.0, step.skip
     log = out / f"{step.name}.log"
     start = time.monotonic()
     with log.open("w") as sink:
@@ -159,24 +173,29 @@ def finite_run(run: Path, steps: int, computed: bool = False) -> Callable[[], st
 
 def build_steps(args: argparse.Namespace) -> list[Step]:
     out, py, quick = args.out, sys.executable, args.quick
-    # launch/torchrun.sh's command, with this interpreter (the GPU image may have python3 only)
-    torchrun = [py, "-m", "torch.distributed.run", "--nproc_per_node=1", "--rdzv-backend=c10d",
+
+    def torchrun(ranks: int = 1) -> list[str]:
+        """launch/torchrun.sh's command, with this interpreter (the GPU image may have python3 only)."""
+        return [py, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "--rdzv-backend=c10d",
                 "--rdzv-endpoint=localhost:0"]
-    pretrain = [*torchrun, "-m", "megakd.cli", "pretrain"]
-    steps = [Step("env", [[py, __file__, "--internal", "env", args.device]], 120)]
+
+    pretrain = [*torchrun(), "-m", "megakd.cli", "pretrain"]
+    zero1 = ["backend.name=deepspeed", "backend.zero_stage=1"]
+    steps = [Step("env", [[py, __file__, "--internal", "env", args.device]], 120, budget=15)]
 
     dtypes = args.dtypes or ("fp32,bf16" if quick else "fp32,bf16,fp16,bf16-w32")
     parity = [py, "-m", "megakd.bench.kernel_parity", "--device", args.device, "--dtypes", dtypes,
               "--tol-scale", str(args.tol_scale)]
-    steps.append(Step("parity", [parity + (["--small"] if args.small else [])], 300 if quick else 1200))
+    steps.append(Step("parity", [parity + (["--small"] if args.small else [])], 300 if quick else 1200, budget=90))
 
     if args.device == "cpu":  # the head backwards' section alone, interpreted: shapes that take seconds
         steps.append(Step("bench", [[py, "tools/bench_kernels_cuda.py", "--device", "cpu", "--tokens", "40",
-                                     "--hidden", "24", "--vocab", "300", "--dtype", "float32", "--repeat", "1"]], 300))
+                                     "--hidden", "24", "--vocab", "300", "--dtype", "float32", "--repeat", "1"]], 300,
+                          budget=60))
     else:
         bench = [py, "tools/bench_kernels_cuda.py", "--tokens", "2458", "--repeat", "3" if quick else "10"]
         bench_dtypes = ["bfloat16"] if quick else ["bfloat16", "float32", "float16"]
-        steps.append(Step("bench", [[*bench, "--dtype", d] for d in bench_dtypes], 180 if quick else 900))
+        steps.append(Step("bench", [[*bench, "--dtype", d] for d in bench_dtypes], 180 if quick else 900, budget=60))
 
     n = 30 if quick else 60
     tiny = ["-c", "configs/electra-tiny.yaml", "train.log_every=10", f"train.max_steps={n}", *COMMON]
@@ -184,8 +203,8 @@ def build_steps(args: argparse.Namespace) -> list[Step]:
     steps.append(Step("tiny", [
         # the reference hides the GPU, so nothing in it can reach CUDA
         ["env", "CUDA_VISIBLE_DEVICES=", py, "-m", "megakd.cli", "pretrain", *tiny, f"run.dir={cpu}"],
-        [*pretrain, *tiny, "backend.name=deepspeed", "backend.zero_stage=1", f"run.dir={gpu}"],
-    ], 420 if quick else 900, compare_runs(gpu, cpu, 1e-3)))
+        [*pretrain, *tiny, *zero1, f"run.dir={gpu}"],
+    ], 420 if quick else 900, compare_runs(gpu, cpu, 1e-3), budget=75))
 
     z3, resumed = out / "tiny-zero3", out / "tiny-zero3-resumed"
     zero3 = [*pretrain, *tiny, "backend.name=deepspeed", "backend.zero_stage=3"]
@@ -193,21 +212,42 @@ def build_steps(args: argparse.Namespace) -> list[Step]:
         [*zero3, f"train.save_every={n // 2}", f"run.dir={z3}"],
         [*zero3, f"run.dir={resumed}", "--resume", f"{z3}/checkpoints/step_{n // 2:08d}"],
     ], 420 if quick else 900, lambda: "; ".join([
-        "vs ZeRO-1: " + compare_runs(z3, gpu, 1e-3)(), "resumed: " + compare_runs(resumed, z3, 1e-4)()])))
+        "vs ZeRO-1: " + compare_runs(z3, gpu, 1e-3)(), "resumed: " + compare_runs(resumed, z3, 1e-4)()]), budget=90))
 
     base_steps = 10 if quick else 20
-    base = [*pretrain, "-c", "configs/electra-base.yaml", "data.vocab_size=8000", "train.global_batch_size=64",
-            "train.micro_batch_size=32", f"train.max_steps={base_steps}", "train.log_every=5", *COMMON]
+    base_shape = ["configs/electra-base.yaml", "data.vocab_size=8000", "train.global_batch_size=64",
+                  "train.micro_batch_size=32", *COMMON]
+    base = [*pretrain, "-c", *base_shape, f"train.max_steps={base_steps}", "train.log_every=5"]
     for precision in ["bf16"] if quick else ["fp32", "bf16"]:
         run = out / f"base-{precision}"
         steps.append(Step(f"base-{precision}", [
             [py, __file__, "--internal", "peak-memory", f"{run}.mem", *base, f"train.precision={precision}",
              f"run.dir={run}"],
-        ], 360 if quick else 900, finite_run(run, base_steps, computed=True)))
+        ], 360 if quick else 900, finite_run(run, base_steps, computed=True), budget=60))
 
-    steps.append(Step("syncs", [[*torchrun, __file__, "--internal", "syncs", "backend.name=deepspeed",
-                                 "backend.zero_stage=1", f"run.dir={out / 'syncs-run'}", *COMMON]], 300))
+    steps.append(Step("syncs", [[*torchrun(), __file__, "--internal", "syncs", "configs/electra-tiny.yaml", *zero1,
+                                 "train.precision=bf16", f"run.dir={out / 'syncs-run'}", *COMMON]], 300, budget=40))
+    steps.append(Step("profile", [[*torchrun(), __file__, "--internal", "profile", str(out / "profile-bf16.json"),
+                                   *base_shape, *zero1, "train.precision=bf16", f"run.dir={out / 'profile-run'}"]],
+                      300, budget=50))
+
+    two = out / "tiny-2gpu"
+    steps.append(Step("nccl", [
+        [*torchrun(2), "-m", "megakd.cli", "bench", "-c",
+         "configs/electra-tiny.yaml", "--parts", "collectives", "--out", str(out / "nccl-bench")],
+        [*torchrun(2), "-m", "megakd.cli", "pretrain", *tiny, *zero1, "train.micro_batch_size=16",
+         f"run.dir={two}"],
+    ], 600, lambda: f"{all_reduce_bandwidth(out / 'nccl-bench' / 'bench_w2.json')}; {finite_run(two, n)()}",
+        budget=90, skip="" if args.gpus >= 2 else f"two ranks over NCCL need two GPUs ({args.gpus} visible)"))
     return [s for s in steps if s.name.split("-")[0] in args.only]
+
+
+def all_reduce_bandwidth(report: Path) -> str:
+    """The largest all-reduce's bus bandwidth in a `megakd bench` report."""
+    if not report.is_file():
+        raise Failure(f"no {report}")
+    largest = max(json.loads(report.read_text())["collectives"]["all_reduce"], key=lambda row: row["bytes"])
+    return f"all-reduce {largest['bytes'] / 2**20:.0f} MiB: bus {largest['busbw_GBps']:.0f} GB/s"
 
 
 # -- the parts that run inside a step's subprocess -----------------------------------------------
@@ -252,23 +292,43 @@ def internal_peak_memory(report: str, cmd: list[str]) -> int:
     return proc.returncode
 
 
-def internal_syncs(overrides: list[str]) -> int:
-    """Host-device syncs of one optimizer step of electra-tiny on the GPU, after two warm-up steps."""
-    import collections
-    import warnings
-
+@contextlib.contextmanager
+def warm_trainer(config: str, overrides: list[str]) -> Iterator[tuple]:
+    """(trainer, its batches) after two optimizer steps (the Triton kernels compiled, the allocator warm),
+    with the device idle; the backend is closed after."""
     import torch
 
     from megakd.config import load_config
     from megakd.engine.pretrain import build_trainer
 
-    trainer = build_trainer(load_config(REPO / "configs" / "electra-tiny.yaml", overrides))
+    trainer = build_trainer(load_config(REPO / config, overrides))
     try:
         trainer.layout.train()
         batches = iter(trainer.loader)
-        for _ in range(2):  # compile the Triton kernels, warm the allocator
+        for _ in range(2):
             trainer.train_step(batches)
-        torch.cuda.synchronize()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        yield trainer, batches
+    finally:
+        trainer.backend.close()
+
+
+def step_label(trainer) -> str:
+    """What the step trained with, e.g. "ZeRO-1, bf16"."""
+    backend = trainer.cfg.backend
+    layout = f"ZeRO-{backend.zero_stage}" if backend.name == "deepspeed" else backend.name
+    return f"{layout}, {trainer.cfg.train.precision}"
+
+
+def internal_syncs(config: str, overrides: list[str]) -> int:
+    """Host-device syncs of one optimizer step on the GPU, after two warm-up steps."""
+    import collections
+    import warnings
+
+    import torch
+
+    with warm_trainer(config, overrides) as (trainer, batches):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
@@ -277,18 +337,39 @@ def internal_syncs(overrides: list[str]) -> int:
         where = collections.Counter(f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
         for key, count in where.most_common():
             print(f"{count:4d}  {key}")
-        print(f"SUMMARY: {sum(where.values())} host-device syncs in one optimizer step (ZeRO-1, fp32, "
+        print(f"SUMMARY: {sum(where.values())} host-device syncs in one optimizer step ({step_label(trainer)}, "
               f"{len(where)} call sites)")
-    finally:
-        trainer.backend.close()
     return 0
 
 
-def table(rows: list[tuple[str, str, float, str]], device: str) -> str:
+def internal_profile(trace: str, config: str, overrides: list[str]) -> int:
+    """A torch.profiler trace of one optimizer step after two warm-up steps (chrome trace JSON at `trace`),
+    and its ten most expensive ops by their own time on the device (the CPU's without a GPU)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with warm_trainer(config, overrides) as (trainer, batches):
+        with profile(activities=activities) as prof:
+            trainer.train_step(batches)
+            if cuda:
+                torch.cuda.synchronize()
+        prof.export_chrome_trace(trace)
+        key = "self_device_time_total" if cuda else "self_cpu_time_total"
+        ops = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)
+        print(prof.key_averages().table(sort_by=key, row_limit=10))
+        top = ", ".join(f"{e.key} {getattr(e, key) / 1e3:.1f} ms" for e in ops[:3])
+        print(f"SUMMARY: {Path(trace).name}: one optimizer step ({step_label(trainer)}), {len(prof.events())} "
+              f"events; most {'device' if cuda else 'CPU'} time: {top}")
+    return 0
+
+
+def table(rows: list[tuple[str, str, float, float, str]], device: str) -> str:
     lines = [f"GPU check ({device}, {time.strftime('%Y-%m-%d')})", "",
-             "| step | result | time | detail |", "|---|---|---|---|"]
-    lines += [f"| {name} | {status} | {seconds:.0f} s | {detail.replace('|', '/')} |"
-              for name, status, seconds, detail in rows]
+             "| step | result | time | --quick budget | detail |", "|---|---|---|---|---|"]
+    lines += [f"| {name} | {status} | {seconds:.0f} s | {budget:.0f} s | {detail.replace('|', '/')} |"
+              for name, status, seconds, budget, detail in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -301,19 +382,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--small", action="store_true", help="parity at small shapes (the Triton interpreter on CPU)")
     p.add_argument("--dtypes", help="parity dtypes (default: all four; --quick: fp32,bf16)")
     p.add_argument("--tol-scale", type=float, default=1.0, help="parity tolerances x this (0 plants a failure)")
+    p.add_argument("--gpus", type=int, help="GPUs to use (default: all visible on --device cuda; nccl needs two)")
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--internal"]:  # a step's subprocess: env DEVICE | peak-memory FILE CMD... | syncs KEY=VALUE...
+    if argv[:1] == ["--internal"]:
+        # a step's subprocess: env DEVICE | peak-memory FILE CMD... | syncs CONFIG KEY=VALUE...
+        # | profile TRACE CONFIG KEY=VALUE...
         what, rest = argv[1], argv[2:]
         if what == "env":
             return internal_env(rest[0])
         if what == "peak-memory":
             return internal_peak_memory(rest[0], rest[1:])
-        return internal_syncs(rest)
+        if what == "profile":
+            return internal_profile(rest[0], rest[1], rest[2:])
+        return internal_syncs(rest[0], rest[1:])
     args = p.parse_args(argv)
     args.only = [s for s in args.only.split(",") if s]
     unknown = sorted(set(args.only) - set(STEPS))
     if unknown:
         p.error(f"--only: unknown steps {unknown}, expected some of {list(STEPS)}")
+    if args.gpus is None and args.device == "cpu":
+        args.gpus = 0
+    elif args.gpus is None:
+        import torch
+
+        args.gpus = torch.cuda.device_count()
     args.out.mkdir(parents=True, exist_ok=True)
     args.out = args.out.resolve()
     os.environ.setdefault("MEGAKD_CACHE", str(args.out / "cache"))  # the bundled corpus, built once
@@ -323,12 +415,12 @@ def main(argv: list[str] | None = None) -> int:
     for step in build_steps(args):
         print(f"=== {step.name}: {' && '.join(' '.join(c) for c in step.commands)}", flush=True)
         status, seconds, detail = run_step(step, args.out)
-        rows.append((step.name, status, seconds, detail))
-        print(f"{status} {step.name} ({seconds:.0f} s) {detail}", flush=True)
+        rows.append((step.name, status, seconds, step.budget, detail))
+        print(f"{status} {step.name} ({seconds:.0f} s, budget {step.budget:.0f} s) {detail}", flush=True)
         summary = table(rows, args.device)
         (args.out / "summary.md").write_text(summary)  # after every step: a killed run keeps its table
     print("\n" + summary, flush=True)
-    return 1 if any(status != "PASS" for _, status, _, _ in rows) else 0
+    return 1 if any(row[1] == "FAIL" for row in rows) else 0
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from megakd.bench.flops import step_flops
 from megakd.bench.roofline import matmul_seconds, phase_seconds
 from megakd.config import Config
-from megakd.engine.backends import init_distributed
+from megakd.engine.backends import default_device, init_distributed
 from megakd.engine.units import StepContext, untimed
 
 log = logging.getLogger(__name__)
@@ -250,7 +250,7 @@ def run_bench(cfg: Config, *, parts: tuple[str, ...], sizes: list[int], iters: i
               loader_batches: int, train_steps: int, train_warmup: int, peak_tflops: float | None) -> dict:
     """Every requested measurement, as one JSON-able dict (identical on all ranks)."""
     rank, world, local_rank = init_distributed(cfg.backend.dist_backend)
-    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    device = default_device(local_rank)
     out: dict = {"world_size": world, "device": torch.cuda.get_device_name(device) if device.type == "cuda"
                  else "cpu", "dist_backend": dist.get_backend() if _distributed() else None,
                  "torch_threads": torch.get_num_threads()}

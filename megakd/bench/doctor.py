@@ -3,7 +3,8 @@
 A first step on a cluster node (or a laptop) before any run: versions of the stack against the
 installed package's own requirements (its metadata, so the floors cannot drift from pyproject.toml),
 the GPUs and their compute capability, NCCL, a compiler for DeepSpeed's JIT ops, the launcher
-variables this process sees and the caches it will write. Imports nothing heavy beyond torch
+variables this process sees and the caches it will write, and what the first Triton launch builds
+(a C compiler, Python.h, a writable Triton cache). Imports nothing heavy beyond torch
 (DeepSpeed and Triton are read from their package metadata, not imported).
 """
 
@@ -13,8 +14,10 @@ import os
 import re
 import shutil
 import sys
+import sysconfig
 from dataclasses import dataclass
 from importlib import metadata
+from pathlib import Path
 
 from packaging.requirements import Requirement
 
@@ -119,6 +122,59 @@ def toolchain_checks() -> list[Check]:
     return checks
 
 
+TRITON_LAUNCH = "Triton kernels on the GPU: their first launch builds a small C launcher"
+
+
+def python_include() -> Path:
+    """Where Python.h is for Triton's build (triton/runtime/build.py: the default install scheme, Debian's
+    `posix_local` read as `posix_prefix`)."""
+    scheme = sysconfig.get_default_scheme()
+    return Path(sysconfig.get_paths(scheme="posix_prefix" if scheme == "posix_local" else scheme)["include"])
+
+
+def writable_dir(path: Path) -> str:
+    """"" when `path` is, or can be made, a directory this process writes into; else why not. Triton
+    creates its cache directory itself, so the nearest existing ancestor is what must be writable."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable"
+    return ""
+
+
+def triton_build_checks(environ: dict[str, str]) -> list[Check]:
+    """What the first launch of a Triton kernel needs besides the GPU: it compiles a C module (the kernel
+    launcher, CUDA utilities) with the host C compiler against Python.h and caches it, with the compiled
+    kernels, in Triton's cache directory. Triton picks the compiler and the cache as triton/runtime/build.py
+    and triton/knobs.py do: CC, else gcc, else clang on PATH; TRITON_CACHE_DIR, else
+    $TRITON_HOME/.triton/cache, else ~/.triton/cache. Without one of them the first launch raises and
+    nothing trains on the Triton path (kernels.backend=torch avoids it)."""
+    path = environ.get("PATH", "")
+    cc = environ.get("CC")
+    if cc is not None:
+        compiler = shutil.which(cc, path=path)
+        found = f"CC={cc}" + ("" if compiler else " (no such program)")
+    else:
+        compiler = shutil.which("gcc", path=path) or shutil.which("clang", path=path)
+        found = compiler or "no gcc or clang on PATH"
+    checks = [Check("C compiler (Triton)", found, "CC, else gcc or clang on PATH", bool(compiler),
+                    f"{TRITON_LAUNCH} with it (install gcc, or set CC)")]
+    header = python_include() / "Python.h"
+    checks.append(Check("Python.h", str(header) if header.is_file() else f"none in {header.parent}",
+                        "Python's development headers", header.is_file(),
+                        f"{TRITON_LAUNCH} against it (install python3-dev, python3.X-devel or a Python with headers)"))
+    cache = Path(environ.get("TRITON_CACHE_DIR")
+                 or Path(environ.get("TRITON_HOME") or Path.home()) / ".triton" / "cache")
+    why = writable_dir(cache)
+    checks.append(Check("Triton cache", f"{cache}" + (f" ({why})" if why else ""), "a writable directory",
+                        not why, "Triton kernels on the GPU: the launcher their first launch builds and the compiled "
+                                 "kernels are written there (set TRITON_CACHE_DIR to a writable node-local directory)"))
+    return checks
+
+
 def launcher_lines(environ: dict[str, str]) -> tuple[list[str], list[str]]:
     """(the launcher and cache variables set here, what they leave broken)."""
     seen = [f"{k}={environ[k]}" for k in (*LAUNCH_VARIABLES, *CACHE_VARIABLES) if k in environ]
@@ -139,7 +195,8 @@ def launcher_lines(environ: dict[str, str]) -> tuple[list[str], list[str]]:
 def doctor_report(environ: dict[str, str] | None = None) -> tuple[str, bool]:
     """The report as text, and whether the base install is complete (every non-optional check passed)."""
     environ = dict(os.environ if environ is None else environ)
-    packages, devices, tools = package_checks(), device_checks(), toolchain_checks()
+    packages, devices = package_checks(), device_checks()
+    tools = [*toolchain_checks(), *triton_build_checks(environ)]
     rows = [Check("python", sys.version.split()[0], ">=3.10", sys.version_info >= (3, 10), "megakd itself"),
             *packages, *devices, *tools]
     width = [max(len(getattr(c, f)) for c in rows) for f in ("what", "found", "needed")]

@@ -63,7 +63,7 @@ def init_distributed(dist_backend: str = "auto") -> tuple[int, int, int]:
         if dist_backend == "auto":
             dist_backend = "nccl" if torch.cuda.is_available() else "gloo"
         if dist_backend == "nccl":
-            torch.cuda.set_device(local_rank)
+            torch.cuda.set_device(local_cuda_index(local_rank))
         if rank == 0:  # a rank that never started (a node down, a bad host list) makes this wait for all
             log.info("joining the %s process group of %d ranks at %s:%s: waits until every rank has joined",
                      dist_backend, world, os.environ.get("MASTER_ADDR", "?"), os.environ.get("MASTER_PORT", "?"))
@@ -147,12 +147,33 @@ class StepResult:
     interrupted: bool = False  # that signal was SIGINT on some rank
 
 
+def local_cuda_index(local_rank: int) -> int:
+    """The CUDA ordinal local rank `local_rank` trains on, among the devices this process sees.
+
+    A launcher that shows each task all of its node's GPUs (torchrun, the deepspeed launcher, srun
+    without GPU binding) leaves local rank r on device r. A site that binds one GPU per task
+    (`--gpus-per-task=1`, `--gpu-bind=single:1`, device cgroups) shows each task one device, its 0,
+    whatever its LOCAL_RANK: asking for device r there fails with "invalid device ordinal".
+    """
+    visible = torch.cuda.device_count()
+    if local_rank < visible:
+        return local_rank
+    if visible == 1:
+        return 0
+    raise UserError(f"LOCAL_RANK={local_rank} (SLURM_LOCALID={os.environ.get('SLURM_LOCALID', 'unset')}) but this "
+                    f"task sees {visible} CUDA devices (CUDA_VISIBLE_DEVICES="
+                    f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): expected every GPU of the node or exactly "
+                    "one per task (docs/cluster.md)")
+
+
 def default_device(local_rank: int) -> torch.device:
-    """cuda:`local_rank` (made the current device, where Triton launches) when CUDA is available, else cpu."""
+    """This rank's GPU (`local_cuda_index`, made the current device, where Triton launches) when CUDA is
+    available, else cpu."""
     if not torch.cuda.is_available():
         return torch.device("cpu")
-    torch.cuda.set_device(local_rank)
-    return torch.device("cuda", local_rank)
+    index = local_cuda_index(local_rank)
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 def resolve_precision(precision: str, device: torch.device, bf16_allowed: bool = True,
@@ -549,7 +570,7 @@ class DDPBackend(ProcessGroupBackend):
             return
         for unit in units:
             unit.wrapped = nn.parallel.DistributedDataParallel(
-                unit.loss_module, device_ids=[self.local_rank] if self.device.type == "cuda" else None
+                unit.loss_module, device_ids=[self.device.index] if self.device.type == "cuda" else None
             )
 
     def no_sync(self, unit: Unit, last_micro_batch: bool):

@@ -26,7 +26,12 @@ from torch import Tensor
 from megakd.config import ConfigError
 from megakd.configio import config_to_dict, read_yaml_file, save_config
 from megakd.engine import backend_factory
-from megakd.engine.backends import MicroBatchLoopBackend, SingleProcessBackend, resolve_precision
+from megakd.engine.backends import (
+    MicroBatchLoopBackend,
+    SingleProcessBackend,
+    default_device,
+    resolve_precision,
+)
 from megakd.engine.session import RunSession
 from megakd.errors import UserError
 from megakd.finetune.config import FinetuneConfig
@@ -69,7 +74,7 @@ def _device(setting: str, local_rank: int) -> torch.device:
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise ConfigError("finetune.device=cuda: no CUDA device is visible to this process")
-    return torch.device("cuda", local_rank)
+    return default_device(local_rank)  # one GPU bound per task: its device 0
 
 
 class Runtime:

@@ -20,6 +20,10 @@ runs for real (C++ sees CPU tensors; CPU autocast's op lists are close to CUDA's
 an op CUDA has and the CPU lacks runs as its host equivalent (`_CUDA_ONLY`). Nothing else that calls
 the CUDA runtime itself (torch.cuda.*, a cuda `torch.Generator`, fp16's `GradScaler`, pinned memory)
 can run under it: keep simulated runs to fp32 or bf16 and `kernels.backend=torch`.
+
+`simulated_cuda(devices=N)` also answers the device queries that choose a rank's GPU (`is_available`,
+`device_count`, `set_device`, `current_device`) as a process that sees N GPUs: `set_device` past them
+fails as CUDA does ("invalid device ordinal"). The tensors stay on the one simulated `cuda:0`.
 """
 
 from __future__ import annotations
@@ -297,9 +301,29 @@ _GROUPING_USERS = (torch.utils._foreach_utils, torch.nn.utils.clip_grad,
                    importlib.import_module("torch.optim.optimizer"))
 
 
+class _VisibleDevices:
+    """The device queries of a process that sees `count` GPUs (`simulated_cuda(devices=)`)."""
+
+    def __init__(self, count: int):
+        self.count, self.current = count, 0
+
+    def set_device(self, device) -> None:
+        index = device if isinstance(device, int) else torch.device(device).index or 0
+        if not 0 <= index < self.count:
+            raise RuntimeError(f"CUDA error: invalid device ordinal (device {index}, {self.count} visible)")
+        self.current = index
+
+    def patches(self) -> list:
+        return [mock.patch("torch.cuda.is_available", lambda: self.count > 0),
+                mock.patch("torch.cuda.device_count", lambda: self.count),
+                mock.patch("torch.cuda.set_device", self.set_device),
+                mock.patch("torch.cuda.current_device", lambda: self.current)]
+
+
 @contextlib.contextmanager
-def simulated_cuda() -> Iterator[SyncCounter]:
-    """Run the block as if on `cuda:0` (see the module docstring); yields the block's sync counter."""
+def simulated_cuda(devices: int | None = None) -> Iterator[SyncCounter]:
+    """Run the block as if on `cuda:0` (see the module docstring); yields the block's sync counter.
+    `devices`: answer the device queries as a process that sees that many GPUs (None leaves them alone)."""
     global _counter
     if _counter is not None:
         raise RuntimeError("simulated_cuda() is already active")
@@ -318,6 +342,8 @@ def simulated_cuda() -> Iterator[SyncCounter]:
             stack.enter_context(mock.patch("torch.autocast", _CpuAutocast))
             for query in ("is_autocast_enabled", "get_autocast_dtype"):
                 stack.enter_context(mock.patch(f"torch.{query}", _on_cpu_for_cuda(getattr(torch, query))))
+            for patch in _VisibleDevices(devices).patches() if devices is not None else []:
+                stack.enter_context(patch)
             stack.enter_context(_SimulateCuda())
             yield _counter
     finally:

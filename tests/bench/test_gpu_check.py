@@ -1,8 +1,12 @@
 """tools/gpu_check.py's CPU rehearsal: the kernel-parity step under the Triton interpreter at small shapes,
-and the bench step's head-backward section (chunked vs atomic, measured beside computed) at tiny ones."""
+the bench step's head-backward section (chunked vs atomic, measured beside computed) at tiny ones, the
+profile step's trace at test size, and the step list on one GPU and on two."""
 
 from __future__ import annotations
 
+import argparse
+import collections
+import json
 import os
 import subprocess
 import sys
@@ -14,6 +18,7 @@ from megakd.kernels import fused_linear_cross_entropy, fused_linear_cross_entrop
 from megakd.kernels.dispatch import triton_available
 
 from megakd.bench.kernel_parity import Mismatch, check_against_reference
+from tests.helpers import tiny_overrides
 
 REPO = Path(__file__).parents[2]
 OPS = ("ce", "kl", "sample", "rtd", "lip1")
@@ -91,11 +96,7 @@ def test_a_wrong_reference_is_a_mismatch():
 
 def test_the_base_step_reports_its_measured_step_beside_the_computed_one(tmp_path, monkeypatch):
     """On an H100 the base run's check prints docs/performance.md's computed step for the run's own config."""
-    sys.path.insert(0, str(REPO / "tools"))
-    try:
-        import gpu_check
-    finally:
-        sys.path.remove(str(REPO / "tools"))
+    gpu_check = _import_gpu_check()
     from megakd.bench.hardware import GPUS
     from megakd.bench.memory import parameter_counts
     from megakd.bench.step_time import predict_step
@@ -113,3 +114,65 @@ def test_the_base_step_reports_its_measured_step_beside_the_computed_one(tmp_pat
     assert f"step 250 ms measured, {computed * 1e3:,.0f} ms computed for H100-SXM5" in text
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla T4")
     assert gpu_check.computed_step(tmp_path, 1e5) == ""  # no preset: nothing claimed
+
+
+def _import_gpu_check():
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.remove(str(REPO / "tools"))
+    return gpu_check
+
+
+def _steps(gpus: int, tmp_path: Path) -> dict:
+    gpu_check = _import_gpu_check()
+    args = argparse.Namespace(out=tmp_path, quick=True, device="cuda", dtypes=None, tol_scale=1.0, small=False,
+                              only=list(gpu_check.STEPS), gpus=gpus)
+    return {step.name: step for step in gpu_check.build_steps(args)}
+
+
+def test_the_two_rank_nccl_step_runs_with_two_gpus_and_says_why_not_with_one(tmp_path):
+    """One GPU: every step but nccl, which is skipped with its reason and within the --quick budget of 8
+    minutes; two: nccl runs `megakd bench`'s collectives and electra-tiny under ZeRO-1 on two ranks. The
+    syncs and profile steps train in bf16 under ZeRO-1, as a cluster run does."""
+    one, two = _steps(1, tmp_path), _steps(2, tmp_path)
+    assert list(one) == ["env", "parity", "bench", "tiny", "zero3", "base-bf16", "syncs", "profile", "nccl"]
+    assert one["nccl"].skip == "two ranks over NCCL need two GPUs (1 visible)" and not two["nccl"].skip
+    assert sum(s.budget for s in one.values() if not s.skip) <= 8 * 60
+    assert sum(s.budget for s in two.values()) <= 8 * 60 + 90
+    bench, train = two["nccl"].commands
+    for cmd in (bench, train):
+        assert cmd[1:4] == ["-m", "torch.distributed.run", "--nproc_per_node=2"]
+    assert bench[bench.index("--parts") + 1] == "collectives"
+    assert {"backend.name=deepspeed", "backend.zero_stage=1", "train.micro_batch_size=16"} <= set(train)
+    for name in ("syncs", "profile"):
+        cmd, = one[name].commands
+        assert {"backend.name=deepspeed", "backend.zero_stage=1", "train.precision=bf16"} <= set(cmd), cmd
+    assert str(tmp_path / "profile-bf16.json") in one["profile"].commands[0]
+
+
+def test_a_skipped_step_runs_nothing_and_fails_nothing(tmp_path, monkeypatch):
+    gpu_check = _import_gpu_check()
+    for key in ("MEGAKD_CACHE", "HF_HUB_OFFLINE", "WANDB_MODE", "OMP_NUM_THREADS"):  # main sets them
+        monkeypatch.setenv(key, os.environ.get(key, ""))
+    assert gpu_check.main(["--only", "nccl", "--gpus", "1", "--out", str(tmp_path)]) == 0
+    assert "| nccl | SKIP | 0 s | 90 s | two ranks over NCCL need two GPUs (1 visible) |" in \
+        (tmp_path / "summary.md").read_text()
+    assert not (tmp_path / "nccl.log").exists()
+
+
+@pytest.mark.slow  # three electra-tiny steps, one under the profiler: 4-10 s on 2 shared cores
+def test_the_profile_step_traces_exactly_one_bf16_optimizer_step(tiny_data, tmp_path, capsys):
+    """The profile step's CPU rehearsal: a chrome trace of the third optimizer step alone (two micro-batches,
+    each unit's optimizer stepped once), on electra-tiny at test size in bf16 autocast."""
+    gpu_check = _import_gpu_check()
+    trace = tmp_path / "profile-bf16.json"
+    overrides = tiny_overrides(tiny_data, tmp_path / "run", **{"train.precision": "bf16", "backend.name": "single",
+                                                                "kernels.backend": "torch", "train.max_steps": 3})
+    assert gpu_check.internal_profile(str(trace), "configs/electra-tiny.yaml", overrides) == 0
+    ranges = collections.Counter(e["name"] for e in json.loads(trace.read_text())["traceEvents"]
+                                 if e.get("cat") == "user_annotation")
+    assert ranges["megakd.optimizer"] == 1 and ranges["Optimizer.step#AdamW.step"] == 2  # generator, discriminator
+    assert ranges["megakd.generator"] == ranges["megakd.discriminator"] == 2  # global batch 8 / micro-batch 4
+    assert "SUMMARY: profile-bf16.json: one optimizer step (single, bf16)" in capsys.readouterr().out

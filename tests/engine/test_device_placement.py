@@ -11,10 +11,12 @@ from megakd.config import load_config
 from megakd.convert.export import save_hf_model
 from megakd.data.stream import PretrainingLoader
 from megakd.data.tokenizer import Tokenizer
+from megakd.engine import backends
 from megakd.engine.backends import DDPBackend, SingleProcessBackend, free_local_port
 from megakd.engine.pretrain import build_trainer
 from megakd.engine.probe import Probe
 from megakd.engine.validation import Validator
+from megakd.errors import UserError
 from megakd.objectives.electra import masked_positions
 from megakd.testing.device_audit import SIMULATED, MixedDeviceError, SimulatedTensor, simulated_cuda
 from tests.helpers import tiny_overrides
@@ -202,3 +204,46 @@ def test_hf_export_of_the_trained_model(simulated, tiny_data, tmp_path):
     with simulated_cuda():
         architecture = save_hf_model(model, "electra_discriminator", tmp_path, tiny_data[0])
     assert architecture == "MegakdForPreTraining" and (tmp_path / "model.safetensors").is_file()
+
+
+def _srun_task(monkeypatch, local_rank: int, tasks: int = 8) -> None:
+    """The environment srun gives task `local_rank` of one node: SLURM_* only; RANK/WORLD_SIZE/LOCAL_RANK are
+    what `init_distributed` derives (registered with monkeypatch first, so that they are removed after)."""
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
+    for key, value in {"SLURM_PROCID": local_rank, "SLURM_LOCALID": local_rank, "SLURM_NTASKS": tasks}.items():
+        monkeypatch.setenv(key, str(value))
+
+
+@pytest.mark.parametrize("visible", [1, 8])
+def test_eight_tasks_of_a_node_each_train_on_a_gpu_they_see(monkeypatch, visible):
+    """Eight srun tasks on a node that binds one GPU per task (`--gpus-per-task=1`: each sees one, its 0) or
+    shows each all eight: the nccl group is joined on, and the model placed on, device LOCAL_RANK where
+    that many are visible, else the one device. The simulated `set_device` fails past the visible devices as
+    CUDA does, so asking for `cuda:<LOCAL_RANK>` with one visible would fail here."""
+    joined = []
+    monkeypatch.setattr(backends, "create_process_group", lambda name, **kwargs: joined.append(name))
+    for local_rank in range(8):
+        _srun_task(monkeypatch, local_rank)
+        with simulated_cuda(devices=visible):
+            assert backends.init_distributed("auto") == (local_rank, 8, local_rank)
+            expected = local_rank if visible == 8 else 0
+            assert torch.cuda.current_device() == expected  # where NCCL binds its communicator
+            torch.cuda.set_device(visible - 1 - expected)  # moved away, so default_device must set it back
+            assert backends.default_device(local_rank) == torch.device("cuda", expected)
+            assert torch.cuda.current_device() == expected
+    assert joined == ["nccl"] * 8
+    with simulated_cuda(devices=1), pytest.raises(RuntimeError, match="invalid device ordinal"):
+        torch.cuda.set_device(1)
+
+
+def test_a_rank_without_a_gpu_of_its_own_names_the_variables(monkeypatch):
+    """Two GPUs visible to each of eight tasks (neither one per task nor the node's all): task 5 has no device,
+    and says which variables disagree."""
+    _srun_task(monkeypatch, 5)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    with simulated_cuda(devices=2), pytest.raises(UserError) as err:
+        backends.default_device(5)
+    assert str(err.value).startswith("LOCAL_RANK=5 (SLURM_LOCALID=5) but this task sees 2 CUDA devices "
+                                     "(CUDA_VISIBLE_DEVICES=4,5): expected every GPU of the node or exactly one")

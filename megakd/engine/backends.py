@@ -284,6 +284,10 @@ class TrainingBackend:
         raise NotImplementedError
 
     def save_units(self, units: list[Unit], directory: Path) -> None:
+        """Write every unit's state into `directory`. A backend whose save holds collectives reaches all of
+        them on every rank even when this rank's writes fail, and raises the first error after
+        (`RunSession.save` agrees on failures only after the writes: a rank that left early would hang
+        its peers)."""
         raise NotImplementedError
 
     def load_units(self, units: list[Unit], directory: Path) -> None:

@@ -227,17 +227,20 @@ class Checkpointer:
         b = self.backend
 
         def write(tmp: Path) -> None:
+            # The units first: their save may hold collectives (DeepSpeed's barriers), which every rank
+            # must reach; a failure of the rank-local writes after them cannot keep a peer waiting.
+            b.save_units(self.units, tmp)
             if b.is_main and self.files is not None:
                 self.files(tmp)
-            b.save_units(self.units, tmp)
             checkpoint.save_rank_state(tmp, b.rank, self.state_dict())
 
         size = checkpoint_bytes(self.units)
-        if b.is_main and size / self.bytes_per_s >= LONG_WAIT_S:
+        expected_s = size / self.bytes_per_s
+        if b.is_main and expected_s >= LONG_WAIT_S:
             log.info("saving checkpoint step %d (~%s) to %s: %s", step, human_bytes(size),
-                     checkpoint.step_dir(self.root, step), about(size / self.bytes_per_s))
+                     checkpoint.step_dir(self.root, step), about(expected_s))
         started = monotonic()
-        path = self.session.save(self.root, step, write, self.keep_last)
+        path = self.session.save(self.root, step, write, self.keep_last, expected_s)
         self.bytes_per_s = size / max(monotonic() - started, 1e-3)
         return path
 

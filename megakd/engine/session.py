@@ -9,7 +9,8 @@ What the loop and the commands around it share with the run directory and the pr
   second SIGINT aborts at once; each step's agreement all-reduce carries `stop_flags()`;
 - **saving**: every rank writes its part into a temporary step directory, all ranks agree on
   any failure before rank 0 publishes it, and again after (a full disk on one rank ends every
-  rank with one line instead of a hang);
+  rank with one line instead of a hang; a rank that dies or stops answering mid-save ends the
+  others within a bounded time, also with one line);
 - **random streams**: every stream a rank draws from, captured and restored as one state;
 - **non-finite steps**: a skipped update is counted, `limit` in a row stop the run;
 - **the end-of-run export**: written by rank 0 under the lock, published whole or not at all, and
@@ -26,12 +27,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import random
+import re
 import signal
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from megakd.data.stream import StoppedWaitingForData
 from megakd.engine.backends import TrainingBackend
@@ -41,6 +46,11 @@ from megakd.store import checkpoint, rundir
 from megakd.store.files import StoreError, first_line, human_bytes, is_disk_full, tree_bytes
 
 log = logging.getLogger(__name__)
+
+# How long a save's collectives wait for a rank that stopped answering, beyond four times the save's
+# expected duration (docs/reliability.md § A failure during a save, across ranks).
+SAVE_TIMEOUT_S = 300.0
+
 
 class TooManyBadSteps(UserError):
     """Too many non-finite steps in a row: the run stops, its last checkpoint intact."""
@@ -165,42 +175,53 @@ class RunSession:
         return self._stop_signal is not None, self._stop_signal == signal.SIGINT
 
     # -- saving ------------------------------------------------------------------------------------
-    def save(self, root: Path, step: int, write: Callable[[Path], None], keep_last: int) -> Path:
+    def save(self, root: Path, step: int, write: Callable[[Path], None], keep_last: int, expected_s: float) -> Path:
         """Checkpoint `step` into `root/checkpoints/`: every rank's `write(tmp)`, then rank 0 publishes
         atomically (megakd.store.checkpoint). A failed save leaves no trace and raises on every rank.
 
-        Every rank reaches the same collectives whether or not its own writes failed, so a failure on
-        one rank ends every rank with its error instead of a hang.
+        Every rank reaches the same collectives whether or not its own writes failed (`write` must too:
+        `TrainingBackend.save_units` keeps going through its collectives after a failed write), so a
+        failure on one rank ends every rank with its error instead of a hang. A rank that died or stopped
+        answering is the one case left: the save's collectives give up after `SAVE_TIMEOUT_S` plus four
+        times the save's `expected_s`, and a collective that fails ends this rank with one line.
         """
-        main = self.backend.is_main
-        error: BaseException | None = None
-        tmp, final = checkpoint.temp_dir(root, step), checkpoint.step_dir(root, step)
-        try:
-            tmp, final = checkpoint.begin(root, step, main)  # checks run-dir ownership on rank 0
-        except (OSError, StoreError) as err:
-            error = err
-        self.backend.barrier()
-        if error is None:
+        with _collectives_bounded(self.backend, SAVE_TIMEOUT_S + 4 * expected_s):
+            state = _SaveState(checkpoint.temp_dir(root, step), checkpoint.step_dir(root, step))
             try:
-                write(tmp)
+                return self._save(root, step, write, keep_last, state)
+            except _PeersLost as lost:
+                raise self._lost(lost, step, state) from None
+
+    def _save(self, root: Path, step: int, write: Callable[[Path], None], keep_last: int, state: _SaveState) -> Path:
+        main = self.backend.is_main
+        try:
+            state.tmp, state.final = checkpoint.begin(root, step, main)  # checks run-dir ownership on rank 0
+        except (OSError, StoreError) as err:
+            state.error = err
+        _together(self.backend.barrier)
+        if state.error is None:
+            try:
+                write(state.tmp)
             except (OSError, RuntimeError) as err:
-                error = err
-        self._agree_or_abort(error, tmp, step)
+                state.error = err
+        self._agree_or_abort(state, step)
         if main:
             try:
-                checkpoint.commit(tmp, final, step, keep_last)  # checks run-dir ownership
+                checkpoint.commit(state.tmp, state.final, step, keep_last)  # checks run-dir ownership
+                state.published = True
             except (OSError, RuntimeError, StoreError) as err:
-                error = err
-        self._agree_or_abort(error, tmp, step)
-        return final
+                state.error = err
+        self._agree_or_abort(state, step)
+        return state.final
 
-    def _agree_or_abort(self, error: BaseException | None, tmp: Path, step: int) -> None:
+    def _agree_or_abort(self, state: _SaveState, step: int) -> None:
         """All ranks learn whether any rank failed; then rank 0 removes the temp dir and all raise."""
-        failed = self.backend.all_reduce_sum(torch.tensor(float(error is not None))).item() > 0
+        error, tmp = state.error, state.tmp
+        failed = _together(self.backend.all_reduce_sum, torch.tensor(float(error is not None))).item() > 0
         if not failed:
             return
         written = tree_bytes(tmp) if tmp.is_dir() else 0
-        self.backend.barrier()  # every rank has measured the partial checkpoint before it goes
+        _together(self.backend.barrier)  # every rank has measured the partial checkpoint before it goes
         if self.backend.is_main:
             checkpoint.abort(tmp)
             # A lost run directory explains any failure (another job may have removed the temp dir).
@@ -215,6 +236,72 @@ class RunSession:
         what = "no space left on device" if is_disk_full(error) else first_line(error)
         raise StoreError(f"{tmp.parent}: {what} while saving step {step} ({human_bytes(written)} written"
                          f"{needed}); the partial checkpoint was removed, older checkpoints are intact") from None
+
+    def _lost(self, lost: _PeersLost, step: int, state: _SaveState) -> StoreError:
+        """The one-line error of a save whose collective failed: a rank died, or stopped answering.
+
+        No further collective can run. Rank 0 removes the unpublished temp dir (`--resume auto` takes the
+        newest published checkpoint; the next start removes any temp dir left by another rank's death).
+        """
+        where = state.tmp.parent
+        why = _reason(state.error if state.error is not None else lost.error)  # the first thing that failed here
+        if state.published:
+            return StoreError(f"{where}: step {step} was saved, then another rank ended or stopped answering ({why})")
+        if self.backend.is_main:
+            checkpoint.abort(state.tmp)
+        return StoreError(f"{where}: saving step {step}: another rank ended or stopped answering ({why}); step "
+                          f"{step} was not published, older checkpoints are intact")
+
+
+@dataclass
+class _SaveState:
+    """Where one save stands on this rank: its directories, this rank's first error, and whether rank 0
+    published it (what a failed collective's message says)."""
+
+    tmp: Path
+    final: Path
+    error: BaseException | None = None
+    published: bool = False
+
+
+class _PeersLost(Exception):
+    """A collective of a save failed: another rank died, or did not reach it within the save's timeout."""
+
+    def __init__(self, error: RuntimeError):
+        super().__init__(str(error))
+        self.error = error
+
+
+def _reason(err: BaseException) -> str:
+    """An error's first line without the C++ source location gloo puts first, cut after its first sentence
+    (gloo adds advice and an emoji to a lost connection)."""
+    return re.sub(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", first_line(err)).split(". ")[0]
+
+
+def _together(collective: Callable, *args):
+    """`collective(*args)`; its failure (gloo and NCCL raise RuntimeError: a peer's connection closed, or
+    the timeout passed) as `_PeersLost`."""
+    try:
+        return collective(*args)
+    except RuntimeError as err:
+        raise _PeersLost(err) from None
+
+
+@contextlib.contextmanager
+def _collectives_bounded(backend: TrainingBackend, seconds: float) -> Iterator[None]:
+    """Within: the default process group's collectives give up after `seconds` (megakd creates it with 30
+    minutes, `backends.create_process_group`), so a save whose peer stopped answering ends in bounded time.
+    The group's own timeout is put back after."""
+    if backend.world_size == 1 or not dist.is_initialized():
+        yield
+        return
+    group = dist.distributed_c10d._get_default_group()
+    before = group._get_backend(group._device_types[0]).options._timeout
+    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
+    try:
+        yield
+    finally:
+        dist.distributed_c10d._set_pg_timeout(before, group)
 
 
 class _StoppedDuringExport(BaseException):

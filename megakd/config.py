@@ -317,6 +317,11 @@ class BackendConfig:
     pipeline_stages: int = 1  # DeepSpeed pipeline stages (> 1 needs backend.name=deepspeed)
     dist_backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on CUDA, gloo otherwise
     deepspeed_config: str = ""  # JSON merged into megakd's DeepSpeed config ("auto" = megakd's value)
+    # DeepSpeed's gradient all-reduce / reduce-scatter dtype (backend.name=deepspeed). auto: fp32 under
+    # bf16/fp16 with backend.zero_stage >= 1 (the fp32 sums grad accumulation promises), else the model's
+    # dtype. bf16|fp16 (= train.precision) halves the bytes on the wire but rounds to 8 (bf16) or 11 (fp16)
+    # significant bits at every add: up to world size - 1 roundings per element (docs/distributed.md)
+    grad_comm_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
 
     def validate(self) -> None:
         """The pretraining checks; `megakd finetune` runs on fewer backends and checks them itself."""
@@ -325,6 +330,9 @@ class BackendConfig:
         check_count("backend.pipeline_stages", self.pipeline_stages)
         if self.deepspeed_config and self.name != "deepspeed":
             raise ConfigError(f"backend.deepspeed_config needs backend.name=deepspeed, got {self.name!r}")
+        if self.grad_comm_dtype != "auto" and self.name != "deepspeed":
+            raise ConfigError(f"backend.grad_comm_dtype={self.grad_comm_dtype} needs backend.name=deepspeed, "
+                              f"got {self.name!r}")
 
 
 @dataclass

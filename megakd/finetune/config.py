@@ -276,9 +276,9 @@ class FinetuneConfig:
             raise ConfigError(f"backend.pipeline_stages: fine-tuning has no pipeline parallelism, "
                               f"got {b.pipeline_stages}")
         if b.name != "deepspeed":
-            if b.zero_stage or b.deepspeed_config:
-                raise ConfigError(f"backend.zero_stage and backend.deepspeed_config need backend.name=deepspeed, "
-                                  f"got {b.name!r}")
+            if b.zero_stage or b.deepspeed_config or b.grad_comm_dtype != "auto":
+                raise ConfigError(f"backend.zero_stage, backend.deepspeed_config and backend.grad_comm_dtype need "
+                                  f"backend.name=deepspeed, got {b.name!r}")
             return
         if b.zero_stage not in (0, 1, 2):
             raise ConfigError(f"backend.zero_stage: fine-tuning supports DeepSpeed ZeRO 0, 1 or 2 (evaluation and "

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megakd.cli import main
-from megakd.config import ConfigError, load_config
+from megakd.config import BackendConfig, ConfigError, load_config
 from megakd.engine.deepspeed_backend import EngineConfigs, cpu_adam_like, merge_user_config
 from megakd.engine.pretrain import build_trainer
 from tests.distributed.harness import (
@@ -110,6 +110,43 @@ def test_low_precision_accumulates_in_fp32_unless_the_user_says_otherwise(tiny_d
     cfg = load_config(CONFIG, tiny_overrides(tiny_data, tmp_path / "run", **overrides,
                                              **{"backend.deepspeed_config": str(user)}))
     assert _engine_configs(cfg).for_engine(1.0, 8, 1)["data_types"] == {"grad_accum_dtype": "bf16"}
+
+
+@pytest.mark.parametrize("precision, stage, chosen, sent_as", [
+    ("bf16", 1, "auto", "fp32"), ("bf16", 2, "auto", "fp32"), ("fp16", 3, "auto", "fp32"),
+    ("bf16", 0, "auto", "bf16"),  # without ZeRO the gradients accumulate in bf16: sent as they are
+    ("fp32", 2, "auto", "fp32"), ("bf16", 2, "bf16", "bf16"), ("fp16", 1, "fp16", "fp16"), ("bf16", 0, "fp32", "fp32"),
+])
+def test_gradients_are_sent_in_fp32_where_they_accumulate_in_fp32(precision, stage, chosen, sent_as):
+    backend = BackendConfig(name="deepspeed", zero_stage=stage, grad_comm_dtype=chosen)
+    assert EngineConfigs(backend, precision, 4).for_engine(1.0, 2, 2)["communication_data_type"] == sent_as
+
+
+def test_a_16_bit_reduction_other_than_the_models_dtype_is_refused():
+    with pytest.raises(ConfigError, match="backend.grad_comm_dtype=bf16: expected auto, fp32 or the model's own "
+                                          "16-bit dtype, and this run trains in fp16"):
+        EngineConfigs(BackendConfig(name="deepspeed", zero_stage=2, grad_comm_dtype="bf16"), "fp16", 4)
+    with pytest.raises(ConfigError, match="backend.grad_comm_dtype=fp32 needs backend.name=deepspeed, got 'ddp'"):
+        BackendConfig(name="ddp", grad_comm_dtype="fp32").validate()
+
+
+def test_zero2_reduces_in_eight_overlapped_buckets_unless_the_user_file_says_otherwise(tmp_path):
+    def zero(stage: int, user: dict | None = None) -> dict:
+        path = tmp_path / "ds.json"
+        path.write_text(json.dumps(user or {}))
+        backend = BackendConfig(name="deepspeed", zero_stage=stage, deepspeed_config=str(path))
+        return EngineConfigs(backend, "bf16", 4).for_engine(1.0, 2, 2, parameters=184_000_001)["zero_optimization"]
+
+    assert zero(2) == {"stage": 2, "overlap_comm": True, "contiguous_gradients": True,
+                       "reduce_bucket_size": 23_000_001}  # ceil(184_000_001 / 8)
+    for stage in (1, 3):  # BF16_Optimizer reduces after backward at any setting; ZeRO-3 has its own defaults
+        assert zero(stage) == {"stage": stage}
+    user = {"zero_optimization": {"stage": "auto", "overlap_comm": False, "reduce_bucket_size": 5e8}}
+    assert zero(2, user) == {"stage": 2, "overlap_comm": False, "contiguous_gradients": True,
+                             "reduce_bucket_size": 5e8}
+    with pytest.raises(ConfigError, match="'communication_data_type'='bf16' contradicts backend.grad_comm_dtype "
+                                          "\\(megakd derives 'fp32'; use \"auto\"\\)"):
+        zero(2, {"communication_data_type": "bf16"})
 
 
 def test_fp32_accumulation_without_zero_is_refused_in_one_line(tiny_data, tmp_path):

@@ -4,6 +4,7 @@ Every public kernel takes ``backend="auto" | "triton" | "torch"``; see :mod:`.di
 ``auto`` resolves. This package imports nothing from megakd and imports Triton only lazily.
 """
 
+from .attention import attention_keep_mask, relative_attention, relative_attention_reference
 from .dispatch import BACKENDS, HEAD_BACKWARDS, head_backward, resolve_backend
 from .linear_head import (
     fused_linear_cross_entropy,
@@ -20,6 +21,7 @@ from .rtd_loss import fused_rtd_loss, fused_rtd_loss_reference
 __all__ = [
     "BACKENDS",
     "HEAD_BACKWARDS",
+    "attention_keep_mask",
     "fused_linear_cross_entropy",
     "fused_linear_cross_entropy_and_sample",
     "fused_linear_cross_entropy_reference",
@@ -32,5 +34,7 @@ __all__ = [
     "head_backward",
     "lipschitz_1norm",
     "lipschitz_1norm_reference",
+    "relative_attention",
+    "relative_attention_reference",
     "resolve_backend",
 ]

@@ -84,6 +84,8 @@ QUICK_DTYPES = ("fp32", "tf32", "bf16")
 TOKENS, HIDDEN, VOCAB, STUDENT = 2458, 768, 128_000, 256
 SAMPLED_ROWS = 8192
 RTD_ROWS, RTD_WIDTHS = 16_384, (768, 128, 8192)
+# electra-base's attention: batch, heads, length, head dim; T5's 32 buckets
+ATTENTION_SHAPE, ATTENTION_BUCKETS = (32, 12, 512, 64), 32
 
 
 def _empty(*shape: int, dtype: torch.dtype, grad: bool = False) -> torch.Tensor:
@@ -155,13 +157,27 @@ def _lipschitz(act: torch.dtype, wdt: torch.dtype) -> None:
     column_sign_grads_triton(weights, argmax, torch.ones((), dtype=torch.float32))
 
 
+def _attention(act: torch.dtype, wdt: torch.dtype) -> None:
+    """electra-base's self-attention with T5 relative positions, padding and attention dropout 0.1."""
+    from megakd.kernels.attention_triton import relative_attention_triton
+
+    batch, heads, length, dim = ATTENTION_SHAPE
+    q, k, v = (_empty(batch, heads, length, dim, dtype=act, grad=True) for _ in range(3))
+    table = _empty(ATTENTION_BUCKETS, heads, dtype=wdt, grad=True)
+    buckets = torch.zeros(2 * length - 1, dtype=torch.long)
+    key_mask = torch.ones(batch, length, dtype=torch.bool)
+    relative_attention_triton(q, k, v, table, buckets, key_mask, None, 0.1, 0).backward(
+        torch.empty(batch, heads, length, dim, dtype=act))
+
+
 # Workloads that do not depend on the activations' dtype run once per weight dtype.
 WORKLOADS: dict[str, Callable[[torch.dtype, torch.dtype], None]] = {
     "head_ce": _head_ce, "head_ce_sample": _head_ce_sample, "head_kl": _head_kl, "sample": _sample, "rtd": _rtd,
-    "lipschitz": _lipschitz, "noise": _noise,
+    "lipschitz": _lipschitz, "noise": _noise, "attention": _attention,
 }
 ONE_DTYPE = {"noise"}  # its launch takes no tensor of the head's dtypes
-TF32_BLIND = {"rtd", "lipschitz", "noise"}  # no tl.dot: torch's TF32 flag changes nothing
+# torch's TF32 flag changes nothing: no tl.dot, or (attention) IEEE fp32 dots whatever it says
+TF32_BLIND = {"rtd", "lipschitz", "noise", "attention"}
 
 
 @dataclass
@@ -222,6 +238,11 @@ def _bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+# attention kernel -> (matmuls per score, [B, heads, L, d] tensors written, more of them read)
+ATTENTION_MATMULS = {"_attention_forward_kernel": (2, 1, 0), "_attention_dq_kernel": (3, 1, 2),
+                     "_attention_dkdv_kernel": (4, 2, 1)}
+
+
 def cost(launch: Launch) -> tuple[float, float, float, str] | None:
     """(FLOPs, compulsory bytes, tile traffic bytes, peak class) of one launch at its shapes, computed;
     None for a kernel this function has no model of (its row says so, and nothing is predicted for it).
@@ -276,6 +297,19 @@ def cost(launch: Launch) -> tuple[float, float, float, str] | None:
     if name == "_noise_kernel":
         moved = a["N"] * a["V"] * 4.0  # fp32 Gumbel noise written
         return 0.0, moved, moved, "fp32"
+    if name in ATTENTION_MATMULS:
+        # [B, heads, L, d] tensors: q, k, v read; the forward writes o, the dQ kernel reads o and dO and writes
+        # dQ, the dK/dV kernel reads dO and writes dK and dV. Each program reloads the other side's two tensors
+        # (k and v; or q and dO) once per block of its own side.
+        q = a["q_ptr"]
+        heads_rows, length, dim = q.shape[0] * q.shape[1], q.shape[2], q.shape[3]
+        matmuls, written, read = ATTENTION_MATMULS[name]
+        flops = 2.0 * matmuls * heads_rows * length * length * dim
+        own = "BLOCK_N" if name == "_attention_dkdv_kernel" else "BLOCK_M"
+        tensor = _bytes(q)
+        compulsory = (3 + read + written) * tensor
+        tiles = (1 + read + written) * tensor + -(-length // kw[own]) * 2 * tensor
+        return flops, compulsory, tiles, peak
     return None
 
 
@@ -506,7 +540,7 @@ def listed(launch: Launch, target_name: str) -> Row:
     options = {k: v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in launch.kwargs.items()}
     sms = GPUS[target_name].target.multiprocessors
     programs, _, use = grid_use(tuple(launch.grid), sms, None)
-    head = launch.kernel.fn.__module__.rsplit(".", 1)[-1] == "linear_head_triton"
+    head = launch.kernel.fn.__module__.rsplit(".", 1)[-1] in ("linear_head_triton", "attention_triton")
     row = Row(launch.kernel.fn.__name__, variant(launch), "", target_name, tuple(launch.grid), options,
               programs=programs, sms=sms, grid_use=use, fp32_head=head and options.get("ACC") != "fp64")
     computed = launch_roofline(launch, target_name)

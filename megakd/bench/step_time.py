@@ -12,9 +12,10 @@ The parts:
 - **encoder matmuls**: the Q/K/V/output projections and the FFN, forward and both gradients
   (plus one more forward per layer under activation checkpointing), at `gemm_efficiency`;
 - **attention**: QKᵀ and PV on a flash-class kernel: 2 forward matmuls, 5 in backward (it
-  recomputes the scores), at `attention_efficiency`; with relative positions on the SDPA path
-  (`attention_kernel: sdpa`), the [B, heads, L, L] bias with the key mask folded in is also
-  written, read, and its gradient written and reduced in every layer;
+  recomputes the scores; 7 in megakd's Triton kernel for relative positions with dropout), at
+  `attention_efficiency`; with relative positions on the SDPA path (`attention_kernel: sdpa`), the
+  [B, heads, L, L] bias with the key mask folded in is also written, read, and its gradient written
+  and reduced in every layer;
 - **elementwise**: layer norms, dropouts, residual adds, GELU and the head reshapes, counted in
   [tokens, hidden] tensors read and written (`ELEMENTWISE_PASSES`), at `bandwidth_efficiency`;
 - **generator head**: the MLM transform's matmuls at the masked positions, the fused vocabulary
@@ -126,22 +127,31 @@ class _Machine:
         return moved / self.bandwidth
 
 
+# Matmuls of a flash-class attention backward, per forward's 2 (QKᵀ, PV): FlashAttention-2's one kernel
+# recomputes the scores (5); megakd's Triton kernel for relative positions with dropout splits dK/dV from
+# dQ without atomics, each recomputing QKᵀ and dO·Vᵀ (7: kernels/attention_triton.py).
+BACKWARD_MATMULS = {"triton": 7}
+FLASH_BACKWARD_MATMULS = 5
+
+
 def _encoder_parts(m: _Machine, enc: EncoderConfig, sequences: int, seq_len: int, elem: int,
-                   relative_sdpa: bool, checkpointing: bool) -> dict[str, float]:
+                   kernel: str, checkpointing: bool) -> dict[str, float]:
     tokens = sequences * seq_len
     h = enc.hidden_size
     passes = 4 if checkpointing else 3  # forward + two gradients (+ the recomputed forward)
     projections = tokens * (enc.num_layers * projection_flops_per_token(enc)
                             + embedding_projection_flops_per_token(enc))
     scores = tokens * enc.num_layers * attention_flops_per_token(enc, seq_len)  # QKᵀ and PV, forward
-    attention_passes = 3.5 + (1 if checkpointing else 0)  # flash backward: 5 matmuls of 2
+    backward = BACKWARD_MATMULS.get(kernel, FLASH_BACKWARD_MATMULS)
+    attention_passes = (2 + backward) / 2 + (1 if checkpointing else 0)  # in forwards' worth of QKᵀ and PV
     moved = (ELEMENTWISE_PASSES * elem + MASK_BYTES_PER_HIDDEN) * tokens * h * enc.num_layers
     parts = {
         "encoder matmuls": m.gemm_s(passes * projections),
         "attention": m.fused_s(attention_passes * scores, 4 * tokens * h * elem * enc.num_layers),
         "elementwise": m.bytes_s(moved),
     }
-    if relative_sdpa:  # written (masked), read in forward and backward, gradient written, then reduced
+    if kernel == "sdpa" and enc.position_encoding == "t5_relative":
+        # the [B, heads, L, L] bias: written (masked), read in forward and backward, gradient written, reduced
         parts["relative bias"] = m.bytes_s(5 * sequences * enc.num_heads * seq_len**2 * elem * enc.num_layers)
     return parts
 
@@ -175,11 +185,9 @@ def micro_batch_parts(cfg: Config, hw, sequences: int, matmul: str, assume: Assu
     models = [cfg.model.generator] + ([cfg.model.discriminator] if cfg.model.objective == "electra" else [])
     parts: dict[str, float] = {}
     for enc in models:
-        # the kernel a CUDA training step uses (megakd/models/encoder.py)
-        relative_sdpa = (enc.position_encoding == "t5_relative"
-                         and attention_kernel(enc, training=True, flex_compiles=True) == "sdpa")
+        kernel = attention_kernel(enc, training=True, flex_compiles=True)  # what a CUDA training step runs
         recompute = enc.activation_checkpointing if checkpointing is None else checkpointing
-        for name, seconds in _encoder_parts(m, enc, sequences, seq_len, elem, relative_sdpa, recompute).items():
+        for name, seconds in _encoder_parts(m, enc, sequences, seq_len, elem, kernel, recompute).items():
             parts[name] = parts.get(name, 0.0) + seconds
     flops = step_flops(cfg, sequences).parts  # the heads: forward FLOPs as megakd runs them
     masked = round(cfg.data.mask_prob * sequences * seq_len)

@@ -7,12 +7,15 @@ T5 relative position buckets (one bias table shared by all layers), Admin initia
 packed samples: with `segment_ids` (several documents per row, 0 = padding) every document gets
 its own positions from 0 and attends only to itself, so it computes exactly what it would alone.
 
-Attention runs through one of two kernels (`attention_kernel`). SDPA takes the relative bias and the
+Attention runs through one of three kernels (`attention_kernel`). SDPA takes the relative bias and the
 key mask as one additive [B, heads, L, L] `attn_mask`, which needs a gradient: no flash kernel takes it,
 and that tensor and its gradient are materialised. flex_attention (torch.nn.attention.flex_attention)
 adds the [1, heads, L, L] bias inside its fused kernel (`score_mod`) and skips masked blocks
 (`BlockMask`), keeping only the log-sum-exp; it has no attention dropout, so `auto` uses it only
-while that dropout is off (docs/performance.md).
+while that dropout is off (docs/performance.md). "triton" is megakd's flash kernel
+(`megakd.kernels.attention.relative_attention`): it reads the [buckets, heads] table through the
+[2L - 1] offset buckets, takes the key mask as a [B, L] row or packed rows as segment labels, and has
+attention dropout, so `auto` uses it for T5 relative positions while that dropout is on.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ POSITION_ENCODINGS = ("absolute", "t5_relative")
 RELATIVE_INITS = ("normal", "local")
 INITS = ("normal", "admin")
 ADMIN_PROFILES = ("reference", "bert")
-ATTENTION_KERNELS = ("auto", "sdpa", "flex")
+ATTENTION_KERNELS = ("auto", "sdpa", "flex", "triton")
 FLEX_BLOCK = 128  # flex_attention's BlockMask block (and its kernels' largest tile) along queries and keys
 
 # EncoderConfig fields that say how to compute, not what: left out of exported model configs
@@ -76,8 +79,10 @@ class EncoderConfig:
     activation_checkpointing: bool = False  # recompute each layer in backward: less memory, more compute
     fused_qkv: bool = True  # one [H → 3H] matmul for query, key and value (same parameters; SelfAttention)
     pad_token_id: int = 0  # the padding id, whose embedding row never trains (pretraining: the tokenizer's)
-    # "auto" (flex on CUDA for t5_relative while attention dropout is off: eval, or attention_dropout 0;
-    # else sdpa) | "sdpa" | "flex" (torch flex_attention: no [B, heads, L, L] bias; needs attention_dropout 0)
+    # "auto" (on CUDA for t5_relative: flex while attention dropout is off: eval, or attention_dropout 0; triton
+    # while it is on; else sdpa) | "sdpa" | "flex" (torch flex_attention: no [B, heads, L, L] bias; needs
+    # attention_dropout 0) | "triton" (megakd's flash kernel: no [B, heads, L, L] bias, with attention dropout;
+    # on CPU only under TRITON_INTERPRET=1)
     attention_kernel: str = "auto"
 
     @property
@@ -270,6 +275,12 @@ class RelativePositionBias(nn.Module):
         slopes = 2.0 ** -torch.arange(self.relative_attention_bias.embedding_dim, dtype=torch.float)
         self.relative_attention_bias.weight.copy_(-nearest[:, None] * slopes[None, :])
 
+    def table(self) -> Tensor:
+        """The [buckets, heads] table as the Triton kernel reads it: a lookup of every row (through the embedding's
+        forward, so the table is read inside this module, as ZeRO-3 gathers it, and its gradient flows back)."""
+        weight = self.relative_attention_bias.weight
+        return self.relative_attention_bias(torch.arange(self.num_buckets, device=weight.device))
+
     def forward(self, seq_len: int) -> Tensor:
         device = self.relative_attention_bias.weight.device
         positions = torch.arange(seq_len, device=device)
@@ -288,18 +299,58 @@ def attention_bias(key_mask: Tensor | None, position_bias: Tensor | None, dtype:
 
 
 def attention_kernel(config: EncoderConfig, training: bool, flex_compiles: bool) -> str:
-    """"flex" or "sdpa": the config's choice, or under "auto" flex for T5 relative positions where flex compiles
-    (`flex_compiles`: CUDA with Triton) unless attention dropout is on (training with attention_dropout > 0):
-    flex_attention has no dropout. The memory model (megakd/bench/memory.py) asks with flex_compiles=True."""
+    """"flex", "triton" or "sdpa": the config's choice, or under "auto" for T5 relative positions where Triton
+    kernels compile (`flex_compiles`: CUDA with Triton) flex while attention dropout is off and megakd's triton
+    kernel while it is on (training with attention_dropout > 0: flex_attention has no dropout); sdpa otherwise.
+    The memory and step-time models (megakd/bench/) ask with flex_compiles=True."""
     if config.attention_kernel != "auto":
         return config.attention_kernel
-    dropout_on = training and config.attention_dropout > 0
-    return "flex" if flex_compiles and config.position_encoding == "t5_relative" and not dropout_on else "sdpa"
+    if not flex_compiles or config.position_encoding != "t5_relative":
+        return "sdpa"
+    return "triton" if training and config.attention_dropout > 0 else "flex"
 
 
 def runs_flex(config: EncoderConfig, x: Tensor, training: bool) -> bool:
     """Whether attention over `x` runs through flex_attention on this device."""
     return attention_kernel(config, training, x.device.type == "cuda" and has_triton()) == "flex"
+
+
+def runs_triton(config: EncoderConfig, x: Tensor, training: bool) -> bool:
+    """Whether attention over `x` runs through megakd's Triton kernel (`triton_relative_attention`)."""
+    return attention_kernel(config, training, x.device.type == "cuda" and has_triton()) == "triton"
+
+
+@functools.lru_cache(maxsize=16)
+def offset_buckets(seq_len: int, num_buckets: int, max_distance: int, device: torch.device) -> Tensor:
+    """The bucket of every offset k − q as the Triton kernel reads it: [2L − 1] int32, offset o at o + L − 1.
+    Cached per device (one copy per length); T5's buckets are intervals of offsets, as the kernel's backward needs
+    (`relative_attention` checks buckets on the CPU)."""
+    buckets = relative_position_bucket(torch.arange(1 - seq_len, seq_len), num_buckets, max_distance)
+    return buckets.to(device=device, dtype=torch.int32)
+
+
+def triton_masks(key_mask: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+    """(key row [B, L], segment labels [B, L]) for the Triton kernel from the bool key mask [B, 1, 1 or L, L]:
+    a [B, 1, 1, L] mask is its row; a per-query one (`segment_mask`: block-diagonal) becomes each query's first
+    visible key, equal exactly for the queries of one block."""
+    if key_mask is None:
+        return None, None
+    if key_mask.shape[2] == 1:
+        return key_mask[:, 0, 0], None
+    return None, key_mask[:, 0].to(torch.uint8).argmax(-1).to(torch.int32)
+
+
+def triton_relative_attention(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None, table: Tensor | None,
+                              config: EncoderConfig, dropout_p: float) -> Tensor:
+    """softmax(q·kᵀ/√d + table[bucket(k − q)], masked)·v with attention dropout `dropout_p`, through megakd's
+    flash kernel: `table` is the [buckets, heads] relative table (`RelativePositionBias.table`) or None."""
+    from megakd.kernels.attention import relative_attention
+
+    buckets = None
+    if table is not None:
+        buckets = offset_buckets(q.shape[2], config.relative_buckets, config.relative_max_distance, q.device)
+    key_row, segments = triton_masks(key_mask)
+    return relative_attention(q, k, v, table, buckets, key_row, segments, dropout_p)
 
 
 @functools.cache
@@ -403,10 +454,17 @@ class SelfAttention(nn.Module):
         """`key_mask` [B, 1, 1 or L, L] is True where a query may attend; `position_bias` [1, heads, L, L] or None,
         or [B, heads, L, L] with the key mask already applied (`attention_bias`, as `Encoder.forward` passes it
         to SDPA). A BlockMask key mask (`Encoder.forward` on the flex path) means flex with that mask; a tensor
-        one is made a BlockMask here when flex runs (once per layer: pipeline stages pass tensors)."""
+        one is made a BlockMask here when flex runs (once per layer: pipeline stages pass tensors). On the
+        triton path `position_bias` is the [buckets, heads] table (`Encoder.prepare` gives it there)."""
         batch, seq_len, hidden = x.shape
         q, k, v = self.project(x)
-        if isinstance(key_mask, BlockMask) or runs_flex(self.config, x, self.training):
+        if runs_triton(self.config, x, self.training):
+            if position_bias is not None and position_bias.dim() != 2:
+                raise ValueError(f"SelfAttention: the triton kernel takes the [buckets, heads] relative table "
+                                 f"(Encoder.prepare), got a position bias of shape {tuple(position_bias.shape)}")
+            out = triton_relative_attention(q, k, v, key_mask, position_bias, self.config,
+                                            self.dropout_p if self.training else 0.0)
+        elif isinstance(key_mask, BlockMask) or runs_flex(self.config, x, self.training):
             if isinstance(key_mask, Tensor):
                 key_mask = flex_block_mask(key_mask)
             out = flex_relative_attention(q, k, v, key_mask, position_bias)
@@ -508,7 +566,12 @@ class Encoder(nn.Module):
         else:
             x = self.embeddings(word_vectors, token_type_ids, segment_positions(segment_ids))
             key_mask = segment_mask(segment_ids)
-        position_bias = None if self.relative_bias is None else self.relative_bias(x.shape[1])
+        if self.relative_bias is None:
+            position_bias = None
+        elif runs_triton(self.config, x, self.training):
+            position_bias = self.relative_bias.table()  # [buckets, heads]: the kernel gathers it per offset
+        else:
+            position_bias = self.relative_bias(x.shape[1])
         return x, key_mask, position_bias
 
     def forward(
@@ -525,7 +588,7 @@ class Encoder(nn.Module):
             # Once for all layers: the BlockMask, and the bias in the dtype flex reads (shared, as below).
             key_mask = None if key_mask is None else flex_block_mask(key_mask)
             position_bias = None if position_bias is None else flex_bias(position_bias, compute_dtype(x))
-        elif position_bias is not None and key_mask is not None:
+        elif position_bias is not None and key_mask is not None and not runs_triton(self.config, x, self.training):
             # Every layer would mask the same relative bias the same way: do it once, shared by all
             # (one [B, heads, L, L] tensor per forward instead of one per layer, and one backward).
             position_bias, key_mask = attention_bias(key_mask, position_bias, compute_dtype(x)), None

@@ -12,6 +12,7 @@ from megakd.finish import finish_config
 
 # A machine of round numbers at full efficiency: 1 TFLOP/s in every class, 1 GB/s.
 ROUND = Hardware("round", {"fp32": 1.0, "bf16": 1.0}, 1.0, 1.0, hbm_gbps=1.0)
+FAST = Hardware("fast memory", {"fp32": 1.0, "bf16": 1.0}, 1.0, 1.0, hbm_gbps=1e9)  # attention compute-bound
 FULL = Assumptions(gemm_efficiency=1.0, attention_efficiency={}, bandwidth_efficiency=1.0,
                    default_attention_efficiency=1.0)
 
@@ -25,8 +26,10 @@ def base():
     return _base()
 
 
-def test_the_encoder_parts_are_the_hand_counted_work(base):
-    """electra-base, one sequence of 512, bf16: every number below is counted by hand from the shapes."""
+def test_the_encoder_parts_are_the_hand_counted_work():
+    """electra-base on a flash-class SDPA path (absolute positions), one sequence of 512, bf16: every number
+    below is counted by hand from the shapes."""
+    base = _base("model.generator.position_encoding=absolute", "model.discriminator.position_encoding=absolute")
     parts = micro_batch_parts(base, ROUND, 1, "bf16", FULL)
     tokens, layers, models = 512, 12, 2
     projections = 8 * 768 * 768 + 4 * 768 * 3072  # Q, K, V, output; FFN in and out: 14,155,776 per token
@@ -40,10 +43,16 @@ def test_the_encoder_parts_are_the_hand_counted_work(base):
 
 def test_relative_positions_on_sdpa_pay_for_the_bias(base):
     """T5 relative positions through SDPA's float mask move the [heads, L, L] bias (5 passes per layer)."""
-    parts = micro_batch_parts(base, ROUND, 2, "bf16", FULL)
+    sdpa = _base(*(f"model.{m}.attention_kernel=sdpa" for m in ("generator", "discriminator")))
+    parts = micro_batch_parts(sdpa, ROUND, 2, "bf16", FULL)
     assert parts["relative bias"] == pytest.approx(5 * 2 * 12 * 512**2 * 2 * 12 * 2 / 1e9)
     absolute = _base("model.generator.position_encoding=absolute", "model.discriminator.position_encoding=absolute")
     assert "relative bias" not in micro_batch_parts(absolute, ROUND, 2, "bf16", FULL)
+    # on CUDA electra-base's relative positions run megakd's Triton kernel (attention dropout on): no bias
+    # moved, 7 backward matmuls instead of flash's 5 (its dK/dV and dQ kernels both recompute QKᵀ, dO·Vᵀ)
+    triton, sdpa_fast = micro_batch_parts(base, FAST, 2, "bf16", FULL), micro_batch_parts(sdpa, FAST, 2, "bf16", FULL)
+    assert "relative bias" not in triton
+    assert triton["attention"] == pytest.approx(sdpa_fast["attention"] * 4.5 / 3.5)
     # without attention dropout a CUDA step runs flex_attention, which adds the bias inside its kernel
     flex = _base(*(f"model.{m}.attention_dropout=0" for m in ("generator", "discriminator")))
     assert "relative bias" not in micro_batch_parts(flex, ROUND, 2, "bf16", FULL)
@@ -54,10 +63,9 @@ def test_checkpointing_adds_one_forward_of_the_encoder(base):
     ckpt = _base(*(f"model.{m}.activation_checkpointing=true" for m in ("generator", "discriminator")))
     again = micro_batch_parts(ckpt, ROUND, 1, "bf16", FULL)
     assert again["encoder matmuls"] == pytest.approx(plain["encoder matmuls"] * 4 / 3)
-    fast = Hardware("fast memory", {"fp32": 1.0, "bf16": 1.0}, 1.0, 1.0, hbm_gbps=1e9)  # attention compute-bound
-    ratio = micro_batch_parts(ckpt, fast, 1, "bf16", FULL)["attention"] / micro_batch_parts(
-        base, fast, 1, "bf16", FULL)["attention"]
-    assert ratio == pytest.approx(4.5 / 3.5)
+    ratio = micro_batch_parts(ckpt, FAST, 1, "bf16", FULL)["attention"] / micro_batch_parts(
+        base, FAST, 1, "bf16", FULL)["attention"]
+    assert ratio == pytest.approx(5.5 / 4.5)  # the Triton kernel's 4.5 forwards' worth, plus the recomputed one
 
 
 def test_a_step_is_its_micro_batches_the_optimizer_and_exposed_communication(base):

@@ -1,4 +1,4 @@
-"""The flex_attention path for T5 relative positions against the SDPA path: outputs and gradients.
+"""The flex_attention and Triton-kernel paths for T5 relative positions against the SDPA path: outputs and gradients.
 
 torch 2.13 runs flex_attention on CPU only forward (its public entry refuses inputs that need a
 gradient on CPU, and its compiled backward is CUDA-only), so the gradient tests run the eager flex
@@ -125,13 +125,93 @@ def test_encoder_on_flex_matches_sdpa_and_per_layer_masks(eager_flex, kind: str,
 def test_auto_picks_flex_only_where_it_compiles_and_attention_dropout_is_off() -> None:
     relative, absolute = config("auto", attention_dropout=0.1), config("auto", position_encoding="absolute")
     assert attention_kernel(relative, training=False, flex_compiles=True) == "flex"
-    assert attention_kernel(relative, training=True, flex_compiles=True) == "sdpa"  # flex has no dropout
+    assert attention_kernel(relative, training=True, flex_compiles=True) == "triton"  # flex has no dropout
+    assert attention_kernel(relative, training=True, flex_compiles=False) == "sdpa"
+    assert attention_kernel(config("triton"), training=False, flex_compiles=False) == "triton"
     assert attention_kernel(config("auto"), training=True, flex_compiles=True) == "flex"
     assert attention_kernel(relative, training=False, flex_compiles=False) == "sdpa"  # CPU, or no Triton
     assert attention_kernel(absolute, training=False, flex_compiles=True) == "sdpa"
     assert attention_kernel(config("flex"), training=True, flex_compiles=False) == "flex"
     assert attention_kernel(config("sdpa"), training=False, flex_compiles=True) == "sdpa"
     assert not encoder_module.runs_flex(relative, torch.zeros(1), training=False)  # this CPU machine
+
+
+@pytest.mark.parametrize("kind,dropout", [("padding", 0.0), ("packed", 0.2)])
+def test_encoder_on_triton_matches_sdpa_in_float64(kind: str, dropout: float, monkeypatch) -> None:
+    """A training step of a 2-layer encoder (float64) on megakd's Triton kernel (under the interpreter) against
+    SDPA: outputs and every parameter gradient, the relative table's included. With attention dropout the SDPA
+    path (dropout.py's CPU attention) is handed the kernel's keep mask for each layer's seed, so both drop the
+    same probabilities. One 64 x 64 tile per (batch, head): tests/kernels/test_attention.py covers the tiling,
+    and the interpreter runs a program per tile (its default 16 x 8 tiles make this test 4x slower)."""
+    from megakd.kernels import attention as kernel_attention
+    from megakd.kernels import attention_parts, attention_triton
+    from megakd.kernels.launch import LaunchConfig
+
+    from megakd.models import dropout as dropout_module
+
+    monkeypatch.setattr(attention_triton, "INTERPRETER_CONFIG", LaunchConfig.of(BLOCK_M=64, BLOCK_N=64))
+
+    drawn: list[int] = []
+
+    def layer_seed() -> int:
+        """11, then 22: one per layer, in order, on both paths."""
+        drawn.append(11 * (len(drawn) + 1))
+        return drawn[-1]
+
+    def kernel_keep_mask(shape, p):
+        return (kernel_attention.attention_keep_mask(layer_seed(), p, *shape[:3]),
+                attention_parts.dropout_threshold(p)[1])
+
+    monkeypatch.setattr(kernel_attention, "draw_seed", layer_seed)
+    monkeypatch.setattr(dropout_module, "keep_mask", kernel_keep_mask)
+    attention_mask, segment_ids = masks(kind)
+    input_ids = torch.randint(1, 61, (2, LENGTH), generator=torch.Generator().manual_seed(1))
+    readout = torch.randn(2, LENGTH, 24, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    torch.manual_seed(0)
+    reference = Encoder(config("sdpa", attention_dropout=dropout)).double()
+    with torch.no_grad():
+        reference.relative_bias.relative_attention_bias.weight.normal_(0, 2.0)
+    results = {}
+    for path in ("sdpa", "triton"):
+        drawn.clear()
+        encoder = Encoder(config(path, attention_dropout=dropout)).double().train()
+        encoder.load_state_dict(reference.state_dict())
+        out = encoder(input_ids, attention_mask, segment_ids=segment_ids)
+        (out * readout).sum().backward()
+        results[path] = out.detach(), {n: p.grad for n, p in encoder.named_parameters()}
+        assert len(drawn) == (2 if dropout else 0)  # each layer drew its mask once
+    (out_sdpa, grads_sdpa), (out_triton, grads_triton) = results["sdpa"], results["triton"]
+    assert grads_sdpa["relative_bias.relative_attention_bias.weight"].abs().max() > 1e-1
+    torch.testing.assert_close(out_triton, out_sdpa, rtol=0, atol=1e-12)
+    assert grads_triton.keys() == grads_sdpa.keys()
+    for name, grad in grads_sdpa.items():
+        torch.testing.assert_close(grads_triton[name], grad, rtol=0, atol=1e-11, msg=name)
+
+
+def test_triton_dropout_masks_survive_checkpointing(monkeypatch) -> None:
+    """Activation checkpointing recomputes each layer in backward: the kernel's dropout key comes from torch's
+    CPU generator, whose state checkpointing restores, so the recomputed forward drops the same probabilities and
+    the step is bitwise the one without checkpointing; and another generator state drops others."""
+    from megakd.kernels import attention_triton
+    from megakd.kernels.launch import LaunchConfig
+
+    monkeypatch.setattr(attention_triton, "INTERPRETER_CONFIG", LaunchConfig.of(BLOCK_M=64, BLOCK_N=64))
+    attention_mask, _ = masks("padding")
+    input_ids = torch.randint(1, 61, (2, LENGTH), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    reference = Encoder(config("triton", attention_dropout=0.3)).double()
+    results = []
+    for checkpointing, seed in ((False, 5), (True, 5), (False, 6)):
+        encoder = Encoder(config("triton", attention_dropout=0.3, activation_checkpointing=checkpointing)).double()
+        encoder.load_state_dict(reference.state_dict())
+        torch.manual_seed(seed)
+        out = encoder.train()(input_ids, attention_mask)
+        out.sum().backward()
+        results.append((out.detach(), [p.grad for p in encoder.parameters()]))
+    (out, grads), (out_checkpointed, grads_checkpointed), (out_other, _) = results
+    assert torch.equal(out, out_checkpointed)
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_checkpointed))
+    assert (out - out_other).abs().max() > 1e-2
 
 
 @pytest.mark.slow  # compiles flex_attention for CPU: ~6 s of inductor on one core

@@ -1,17 +1,32 @@
 """Per-device memory of an ELECTRA job: model states (both models, both optimizers) and activations.
 
 Parameter counts come from the real megakd models built on the meta device, so they cannot drift
-from the code (no tensor is allocated, even for the 665M-parameter large pair). Model-state bytes
-use DeepSpeed's own accounting, so they agree with `estimate_zero2/3_model_states_mem_needs`
-(tests check this on real models). With 16-bit training (bf16/fp16) every parameter carries:
+from the code (no tensor is allocated, even for the 665M-parameter large pair). Model states are
+counted per DeepSpeed engine (one per optimized unit: two under DecoupledOptim) as the optimizer
+DeepSpeed 0.19 builds for megakd's derived config holds them (`engine_state_bytes`), checked tensor
+by tensor against real engines on CPU (tests/bench/test_memory.py). With n data-parallel ranks, p
+parameters and 16-bit training (w = 2; fp32 training w = 4):
 
-    16-bit weights 2 B, 16-bit gradients 2 B, fp32 gradient partition 4 B,
-    fp32 master weights + Adam m + v 12 B.
+- ZeRO-0: the 16-bit weights and gradients, fp32 master weights and Adam m, v in full (fp32: no
+  master copy);
+- ZeRO-1 + bf16 (fp32 accumulation: BF16_Optimizer): the bf16 weights and gradients, an fp32
+  gradient buffer of the whole model (4 B per parameter, not partitioned), and 1/n of the fp32
+  master weights and Adam states;
+- ZeRO-1/2 otherwise (DeepSpeedZeroOptimizer): the 16-bit weights and 1/n of fp32 gradients, master
+  weights and states (fp32 training: also the gradients of the parameters that straddle the partition's
+  edges, up to one parameter per group, not counted); ZeRO-1 + fp16 also keeps an fp32 accumulator per
+  parameter (read from its code: DeepSpeed's CPU accelerator builds no fp16 engine to measure); ZeRO-2's
+  reduce buckets
+  (`reduce_bucket_size` elements, twice with `overlap_comm`) exist while backward runs;
+- ZeRO-3: 1/n of everything, plus the parameters of at most `param_persistence_threshold` elements
+  kept whole on every rank, a `reduce_bucket_size` bucket in the communication dtype held for the
+  whole run, and while forward and backward run the gathered weights: the whole model while it is
+  below `max_live_parameters` and `max_reuse_distance` (DeepSpeed's defaults, 1e9: nothing is
+  released between forward and backward), else the largest module.
 
-ZeRO-1 partitions the optimizer side (fp32 gradients, master weights, m, v) over the N
-data-parallel ranks, ZeRO-2 also the 16-bit gradients, ZeRO-3 also the 16-bit weights (plus the
-largest module gathered whole, weights and gradients). fp32 training has no master copy or
-separate gradient partition: 4 B weights, 4 B gradients, 8 B Adam states.
+Flat buffers are padded per parameter group to a multiple of 2n elements (ZeRO-3: each parameter to
+a multiple of n). Transients of the optimizer step itself are not counted: activations are freed
+by then.
 """
 
 from __future__ import annotations
@@ -23,6 +38,7 @@ import torch
 from torch import nn
 
 from megakd.config import Config
+from megakd.engine.optim import param_groups
 from megakd.models.electra import Discriminator, MaskedLM
 from megakd.models.encoder import FLEX_BLOCK, EncoderConfig, attention_kernel
 
@@ -40,6 +56,8 @@ class Block:
     kind: str  # embeddings | layer | head
     params: int
     largest_module: int  # parameters held directly by its largest module (ZeRO-3 gathers it whole)
+    groups: tuple[int, ...] = ()  # elements per optimizer parameter group (megakd.engine.optim.param_groups)
+    sizes: tuple[int, ...] = ()  # elements of each parameter (ZeRO-3 partitions each one)
 
 
 def build_meta_models(cfg: Config) -> dict[str, nn.Module]:
@@ -73,8 +91,11 @@ def model_blocks(cfg: Config) -> list[Block]:
         n_layers = model.config.num_layers
         for key in ["embeddings", *(f"layer{i}" for i in range(n_layers)), "head"]:
             params = groups.get(key, [])
+            optim_groups = tuple(sum(p.numel() for p in g["params"])
+                                 for g in param_groups(((str(i), p) for i, p in enumerate(params)), 0.0))
             blocks.append(Block(name, "layer" if key.startswith("layer") else key,
-                                sum(p.numel() for p in params), max((largest[id(p)] for p in params), default=0)))
+                                sum(p.numel() for p in params), max((largest[id(p)] for p in params), default=0),
+                                optim_groups, tuple(p.numel() for p in params)))
     return blocks
 
 
@@ -87,24 +108,122 @@ def parameter_counts(cfg: Config) -> dict[str, int]:
     return counts
 
 
-def model_state_bytes(params: int, largest_module: int, zero_stage: int, dp: int, precision: str) -> dict[str, float]:
-    """Bytes per device of weights, gradients and optimizer states for `params` parameters."""
-    mixed = precision != "fp32"
-    weights = 2 if mixed else 4  # working copy
-    grads = 2 if mixed else 4  # gradients in the working precision
-    grad_fp32 = 4 if mixed else 0  # the fp32 gradient partition the optimizer reads (fp32: the grads themselves)
-    optim = 12 if mixed else 8  # (fp32 master +) Adam m and v
-    p, n = float(params), dp
-    if zero_stage == 0:
-        return {"params": weights * p, "grads": (grads + grad_fp32) * p, "optimizer": optim * p}
-    if zero_stage == 1:
-        return {"params": weights * p, "grads": grads * p + grad_fp32 * p / n, "optimizer": optim * p / n}
-    if zero_stage == 2:
-        return {"params": weights * p, "grads": (grads + grad_fp32) * p / n, "optimizer": optim * p / n}
+# DeepSpeed 0.19's values for the `zero_optimization` keys that size buffers and collectives, where the
+# engine's config leaves them out (tests/bench/test_memory.py checks them against DeepSpeedZeroConfig).
+DEEPSPEED_ZERO_DEFAULTS = {
+    "reduce_bucket_size": 500_000_000,
+    "contiguous_gradients": True,
+    "use_multi_rank_bucket_allreduce": True,
+    "param_persistence_threshold": 100_000,
+    "max_live_parameters": 1_000_000_000,
+    "max_reuse_distance": 1_000_000_000,
+}
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class ZeroSettings:
+    """What an engine's DeepSpeed config decides about its buffers and gradient collectives."""
+
+    reduce_bucket_size: int
+    overlap_comm: bool
+    contiguous_gradients: bool
+    multi_rank_allreduce: bool  # ZeRO-2 all-reduces each bucket (DeepSpeed's default) instead of reducing to owners
+    param_persistence_threshold: int
+    max_live_parameters: int
+    max_reuse_distance: int
+    comm_bytes: int  # bytes per element of the gradient collectives (communication_data_type)
+
+    @classmethod
+    def from_config(cls, ds: dict, precision: str) -> ZeroSettings:
+        """From a DeepSpeed config dict (DeepSpeed's defaults for what it leaves out: overlap_comm is on
+        at ZeRO-3 only, and gradients travel in the model's dtype)."""
+        zero = {**DEEPSPEED_ZERO_DEFAULTS, **ds.get("zero_optimization", {})}
+        comm = ds.get("communication_data_type") or precision
+        if comm not in DTYPE_BYTES:
+            raise ValueError(f"communication_data_type: expected one of {', '.join(DTYPE_BYTES)}, got {comm!r}")
+        return cls(int(zero["reduce_bucket_size"]), bool(zero.get("overlap_comm", zero.get("stage") == 3)),
+                   bool(zero["contiguous_gradients"]), bool(zero["use_multi_rank_bucket_allreduce"]),
+                   int(zero["param_persistence_threshold"]), int(zero["max_live_parameters"]),
+                   int(zero["max_reuse_distance"]), DTYPE_BYTES[comm])
+
+    def keeps_gathered(self, elements: int) -> bool:
+        """Whether ZeRO-3 keeps `elements` partitioned parameters gathered from forward into backward: it
+        releases none while the live ones fit `max_live_parameters` and their next use is within
+        `max_reuse_distance` elements (at most the model away)."""
+        return elements <= min(self.max_live_parameters, self.max_reuse_distance)
+
+
+@dataclass(frozen=True)
+class EngineShape:
+    """The parameters one DeepSpeed engine's optimizer is built over."""
+
+    groups: tuple[int, ...]  # elements per non-empty parameter group
+    sizes: tuple[int, ...]  # elements of each parameter
+    largest_module: int
+
+    @classmethod
+    def of(cls, blocks: list[Block]) -> EngineShape:
+        """The engine over `blocks` (their parameter groups merged group by group, as one optimizer holds them)."""
+        width = max((len(b.groups) for b in blocks), default=0)
+        groups = tuple(sum(b.groups[i] for b in blocks if i < len(b.groups)) for i in range(width))
+        return cls(tuple(g for g in groups if g), tuple(s for b in blocks for s in b.sizes),
+                   max((b.largest_module for b in blocks), default=0))
+
+    @property
+    def params(self) -> int:
+        return sum(self.sizes)
+
+    def flat(self, dp: int) -> int:
+        """Elements of the flat 16-bit buffer ZeRO-1/2 and BF16_Optimizer build: each group padded to a
+        multiple of 2 x dp (a 4-byte aligned partition per rank)."""
+        return sum(-(-g // (2 * dp)) * 2 * dp for g in self.groups)
+
+    def partition(self, dp: int) -> int:
+        """Elements of one rank's ZeRO-3 partitions: every parameter split into dp equal, padded parts."""
+        return sum(-(-s // dp) for s in self.sizes)
+
+    def persistent(self, dp: int, threshold: int) -> tuple[int, int]:
+        """ZeRO-3's parameters kept whole on every rank (at most `threshold` elements): (elements, elements
+        as gathered, each padded to a multiple of dp)."""
+        small = [s for s in self.sizes if s <= threshold]
+        return sum(small), sum(-(-s // dp) * dp for s in small)
+
+
+def engine_state_bytes(shape: EngineShape, zero_stage: int, dp: int, precision: str,
+                       zero: ZeroSettings) -> dict[str, float]:
+    """Bytes per rank one engine holds (module docstring), by lifetime: `params`, `grads`, `optimizer` and
+    `buffers` for the whole step; `transient` only while forward and backward run (ZeRO-2's reduce buckets,
+    ZeRO-3's gathered weights and the largest module's 16-bit gradients)."""
+    w = DTYPE_BYTES[precision]
+    p, n, c = shape.params, dp, zero.comm_bytes
+    steps = 4 * len(shape.groups)  # Adam's step counter per flat tensor it updates
+    if zero_stage == 0:  # the engine's own DDP-style path: every tensor whole, one Adam step per parameter
+        master = 4 * p if w == 2 else 0
+        return {"params": w * p, "grads": w * p, "optimizer": master + 8 * p + 4 * len(shape.sizes),
+                "buffers": 0.0, "transient": 0.0}
+    if zero_stage in (1, 2):
+        flat = shape.flat(n)
+        part = flat / n
+        out = {"params": w * flat, "grads": 4 * part, "optimizer": 12 * part + steps, "buffers": 0.0,
+               "transient": 0.0}
+        if zero_stage == 1 and precision == "bf16":  # BF16_Optimizer: bf16 grads + a whole fp32 buffer
+            out["grads"] = 2 * p + 4 * flat
+        elif zero_stage == 1 and precision == "fp16":  # fp32 accumulators beside the partition
+            out["grads"] += 4 * p
+        if zero_stage == 2 and zero.contiguous_gradients:
+            bucket = zero.reduce_bucket_size
+            out["transient"] = (2 if zero.overlap_comm else 1) * bucket * w + (bucket * c if c != w else 0)
+        return out
     if zero_stage == 3:
-        return {"params": weights * (p / n + largest_module),
-                "grads": (grad_fp32 or grads) * p / n + grads * largest_module,
-                "optimizer": optim * p / n}
+        part = shape.partition(n)
+        small, small_gathered = shape.persistent(n, zero.param_persistence_threshold)
+        rest = p - small
+        gathered = rest if zero.keeps_gathered(rest) else max(min(zero.max_live_parameters, rest),
+                                                               shape.largest_module)
+        return {"params": w * (part + small_gathered), "grads": 4 * part, "optimizer": 12 * part + steps,
+                "buffers": zero.reduce_bucket_size * c if zero.contiguous_gradients else 0.0,
+                "transient": w * gathered + w * shape.largest_module}
     raise ValueError(f"zero_stage: expected 0, 1, 2 or 3, got {zero_stage}")
 
 
@@ -124,7 +243,10 @@ def layer_activation_bytes(cfg: EncoderConfig, seq_len: int, micro_batch: int, e
     index tables [B, 1, n, n] in int32, n = L'/FLEX_BLOCK; packed rows keep [B, L', L'] bool in
     place of the key row). Those are made once per forward and shared by the layers in
     `Encoder.forward`, once per layer on pipeline stages; counted per layer here (an upper bound
-    outside pipelines).
+    outside pipelines). The triton kernel (megakd/kernels/attention.py) keeps q, k, v, its output and
+    the log-sum-exp like the others, plus the key row [B, L] (bool), and for T5 relative positions the
+    bias of each offset [heads, 2L - 1] (the table's dtype, taken as the activations') and the offsets'
+    buckets [2L - 1] (int32): nothing of [L x L].
     With `fused_qkv` the concatenated [3H, H] projection weight is kept too (a copy, not a parameter).
     Under ZeRO-3 (`zero3`) DeepSpeed runs every linear layer through its own memory-efficient linear,
     which keeps the bias as well: with `fused_qkv` that is the concatenated [3H] bias, a copy (torch's
@@ -134,7 +256,12 @@ def layer_activation_bytes(cfg: EncoderConfig, seq_len: int, micro_batch: int, e
     sbh = s * b * h
     mask = mask_bytes if cfg.dropout > 0 else 0
     attention = 5 * elem * sbh + 4 * b * a * s + mask * sbh
-    if attention_kernel(cfg, training=True, flex_compiles=True) == "flex":
+    kernel = attention_kernel(cfg, training=True, flex_compiles=True)
+    if kernel == "triton":
+        attention += b * s
+        if cfg.position_encoding == "t5_relative":
+            attention += (elem * a + 4) * (2 * s - 1)
+    elif kernel == "flex":
         padded = s + -s % FLEX_BLOCK
         blocks = padded // FLEX_BLOCK
         attention += b * padded + 4 * 4 * b * blocks * (1 + blocks)

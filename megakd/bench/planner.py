@@ -3,11 +3,17 @@ parallel plans fit a GPU, and how long a step will take.
 
 Step time = compute + exposed communication. Compute is the step's hardware FLOPs (flops.py, with
 recomputation) at `efficiency` x peak, stretched by the 1F1B pipeline bubble ((m + P - 1) micro-
-batch slots of the slowest stage). Communication is what the data-parallel collectives move at the
-nccl-tests bus bandwidth: ZeRO-0/1 reduce gradients once per step, ZeRO-2 reduce-scatters them after
-every micro-batch, ZeRO-3 also all-gathers the 16-bit weights for every forward and backward; ZeRO
-1-3 all-gather the updated weights after the step. `overlap` is the share hidden behind compute
-(0 by default: a conservative upper bound).
+batch slots of the slowest stage). Memory and communication are counted per DeepSpeed engine (one per
+optimized unit), from the config megakd derives for it (`EngineConfigs.derived`: bucket sizes, the
+gradient communication dtype) and the optimizer DeepSpeed 0.19 builds for it (bench/memory.py). The
+collectives of one step, as DeepSpeed runs them (`collective_bytes`), at the nccl-tests bus bandwidth:
+ZeRO-0 and ZeRO-1 all-reduce the gradients once per step (BF16_Optimizer: its whole fp32 buffer); ZeRO-2
+all-reduces them bucket by bucket after every micro-batch (`use_multi_rank_bucket_allreduce`, on by
+default; a reduce-scatter's bytes with it off); ZeRO-3 reduce-scatters them after every micro-batch and
+all-gathers the 16-bit weights once per micro-batch while the model fits `max_live_parameters` and
+`max_reuse_distance` (nothing is released between forward and backward), else for forward and again for
+backward; ZeRO 1-2 all-gather the updated 16-bit weights after the step, ZeRO-3 its persistent ones.
+`overlap` is the share hidden behind compute (0 by default: a conservative upper bound).
 
 Storage (`storage_io`): the loader reads WebDataset tars with ranged reads, each reader (DataLoader
 worker, at least one per rank) fetching only the tar members of its own samples, so the job reads
@@ -22,21 +28,25 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from megakd.bench.flops import StepFlops, step_flops
 from megakd.bench.hardware import Hardware
 from megakd.bench.memory import (
+    DTYPE_BYTES,
     Block,
+    EngineShape,
     GiB,
+    ZeroSettings,
     block_activation_bytes,
+    engine_state_bytes,
     layer_activation_bytes,
     model_blocks,
-    model_state_bytes,
 )
 from megakd.bench.step_time import Assumptions, matmul_class, micro_batch_parts, optimizer_seconds
 from megakd.config import Config, ConfigError
+from megakd.engine.deepspeed_backend import EngineConfigs, merge_user_config
 
 GEMM_EFFICIENCY = Assumptions().gemm_efficiency  # --efficiency's default
 
@@ -134,9 +144,16 @@ def evaluate(cfg: Config, hw: Hardware, gpus: int, gpu_mem_gib: float, parallel:
     worst: dict[str, float] = {"total": -1.0}
     for s, (lo, hi) in enumerate(ranges):
         mine = blocks[lo:hi]
-        params = sum(x.params for x in mine)
-        largest = max((x.largest_module for x in mine), default=0)
-        mem = model_state_bytes(params, largest, parallel.zero_stage, dp, precision)
+        engines = [EngineShape.of(unit) for unit in _units(cfg, mine)]
+        mem = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "buffers": 0.0, "transient": 0.0}
+        volumes = {"all_reduce": 0.0, "reduce_scatter": 0.0, "all_gather": 0.0}
+        for shape in engines:
+            zero = engine_settings(cfg, parallel.zero_stage, dp, micro_batches, b, shape.params)
+            for key, value in engine_state_bytes(shape, parallel.zero_stage, dp, precision, zero).items():
+                mem[key] += value
+            for key, value in collective_bytes(shape, parallel.zero_stage, dp, precision, zero,
+                                               micro_batches).items():
+                volumes[key] += value
         zero3 = parallel.zero_stage == 3
         acts = sum(block_activation_bytes(x, getattr(cfg.model, x.model), seq, b, elem, cfg.data.mask_prob,
                                           parallel.checkpointing, zero3) for x in mine)
@@ -147,7 +164,8 @@ def evaluate(cfg: Config, hw: Hardware, gpus: int, gpu_mem_gib: float, parallel:
         mem["activations"] = acts * in_flight
         mem["total"] = sum(mem.values())
         if mem["total"] > worst["total"]:
-            worst = mem | {"params_on_stage": float(params)}
+            worst = mem | {"params_on_stage": float(sum(x.params for x in mine))}
+            worst_volumes = volumes
     # One micro-batch part by part (step_time.py), the pipeline's slowest stage taking its share of the
     # FLOPs, stretched by the 1F1B bubble; then the optimizer over the stage's local partition.
     assume = Assumptions(gemm_efficiency=efficiency)
@@ -156,7 +174,7 @@ def evaluate(cfg: Config, hw: Hardware, gpus: int, gpu_mem_gib: float, parallel:
     slowest = max(sum(flops[lo:hi]) for lo, hi in ranges) / sum(flops)
     local = worst["params_on_stage"] / (dp if parallel.zero_stage else 1)
     compute = (micro_batches + P - 1) * micro * slowest + optimizer_seconds(cfg, hw, local, assume)
-    comm = _dp_comm_seconds(cfg, hw, gpus, dp, micro_batches, parallel, worst["params_on_stage"])
+    comm = _dp_comm_seconds(hw, gpus, dp, worst_volumes)
     if P > 1:  # activations to the next stage forward, their gradients back, per micro-batch and cut
         comm += 2 * micro_batches * (P - 1) / P * seq * b * cfg.model.discriminator.hidden_size * elem / (
             hw.busbw_intra * 1e9)
@@ -165,22 +183,59 @@ def evaluate(cfg: Config, hw: Hardware, gpus: int, gpu_mem_gib: float, parallel:
     return Plan(parallel, dp, micro_batches, worst, compute, comm, step, fits)
 
 
-def _dp_comm_seconds(cfg: Config, hw: Hardware, gpus: int, dp: int, micro_batches: int, parallel: ParallelPlan,
-                     params: float) -> float:
-    """Seconds of data-parallel collectives per step (nccl-tests bus-bandwidth model)."""
+def _units(cfg: Config, blocks: list[Block]) -> list[list[Block]]:
+    """The blocks of each optimized unit (one DeepSpeed engine each): the generator and the discriminator
+    under DecoupledOptim, else one unit."""
+    if cfg.model.objective == "electra" and cfg.electra.decoupled:
+        return [u for u in ([x for x in blocks if x.model == m] for m in ("generator", "discriminator")) if u]
+    return [blocks]
+
+
+def engine_settings(cfg: Config, zero_stage: int, dp: int, accumulation: int, micro_batch: int,
+                    parameters: int) -> ZeroSettings:
+    """The buffer and collective settings of one engine of `parameters` elements: the DeepSpeed config megakd
+    derives for it (`EngineConfigs.derived`) with backend.deepspeed_config merged in, as the backend builds it."""
+    backend = replace(cfg.backend, name="deepspeed", zero_stage=zero_stage)
+    configs = EngineConfigs(backend, cfg.train.precision, micro_batch)
+    derived = configs.derived(0.0, accumulation, dp, parameters)
+    merged = merge_user_config(derived, configs.user_config, f"backend.deepspeed_config={backend.deepspeed_config}")
+    return ZeroSettings.from_config(merged, cfg.train.precision)
+
+
+def collective_bytes(shape: EngineShape, zero_stage: int, dp: int, precision: str, zero: ZeroSettings,
+                     micro_batches: int) -> dict[str, float]:
+    """Bytes one engine's data-parallel collectives move per optimizer step, by kind (the tensor an
+    all-reduce reduces, the whole output of an all-gather, the whole input of a reduce-scatter), as
+    DeepSpeed 0.19 runs them (module docstring)."""
+    w, c, n, m = DTYPE_BYTES[precision], zero.comm_bytes, dp, micro_batches
+    out = {"all_reduce": 0.0, "reduce_scatter": 0.0, "all_gather": 0.0}
+    if n == 1:
+        return out
+    if zero_stage == 0:
+        out["all_reduce"] = c * shape.params
+    elif zero_stage == 1:
+        out["all_reduce"] = c * (shape.flat(n) if precision == "bf16" else shape.params)
+        out["all_gather"] = w * shape.flat(n)
+    elif zero_stage == 2:
+        out["all_reduce" if zero.multi_rank_allreduce else "reduce_scatter"] = m * c * shape.params
+        out["all_gather"] = w * shape.flat(n)
+    else:
+        gathered = n * shape.partition(n)  # every parameter padded to a multiple of n
+        small, persistent = shape.persistent(n, zero.param_persistence_threshold)
+        passes = 1 if zero.keeps_gathered(shape.params - small) else 2  # forward (and backward)
+        out["reduce_scatter"] = m * c * gathered
+        out["all_gather"] = m * passes * w * (gathered - persistent) + w * persistent
+    return out
+
+
+def _dp_comm_seconds(hw: Hardware, gpus: int, dp: int, volumes: dict[str, float]) -> float:
+    """Seconds of data-parallel collectives per step (nccl-tests bus-bandwidth model: an all-gather or a
+    reduce-scatter moves (n-1)/n of its bytes over each rank's link, an all-reduce twice that)."""
     if dp == 1:
         return 0.0
     busbw = (hw.busbw_inter if gpus > hw.gpus_per_node else hw.busbw_intra) * 1e9
-    grad = params * (4 if cfg.train.precision == "fp32" else 2)
-    share = (dp - 1) / dp  # all-gather / reduce-scatter move (n-1)/n of the data; all-reduce twice that
-    z = parallel.zero_stage
-    if z == 0:
-        return 2 * share * grad / busbw
-    if z == 1:
-        return (share * grad + share * grad) / busbw  # reduce-scatter grads, all-gather weights
-    if z == 2:
-        return (micro_batches * share * grad + share * grad) / busbw
-    return micro_batches * 3 * share * grad / busbw  # gather for forward and backward, scatter grads
+    share = (dp - 1) / dp
+    return share * (2 * volumes["all_reduce"] + volumes["reduce_scatter"] + volumes["all_gather"]) / busbw
 
 
 def candidate_parallel_plans(cfg: Config, gpus: int, zero: int | None, pp: int | None,
@@ -189,8 +244,12 @@ def candidate_parallel_plans(cfg: Config, gpus: int, zero: int | None, pp: int |
 
     DeepSpeed's pipeline engine allows ZeRO stage <= 1; pipeline stages divide the GPUs and are at
     most the number of blocks; the micro-batch times data-parallel ranks divides the global batch.
+    Unless `zero` asks for it, no ZeRO-0 plan that accumulates 16-bit gradients over micro-batches:
+    DeepSpeed then sums them in bf16/fp16 (megakd's fp32 accumulation needs ZeRO >= 1), which the run
+    warns about, so the planner does not offer it.
     """
     global_batch = cfg.train.global_batch_size
+    sums_in_16bit = cfg.train.precision != "fp32" and zero is None
     out = []
     for stage in [zero] if zero is not None else [0, 1, 2, 3]:
         for p in [pp] if pp is not None else [d for d in range(1, gpus + 1) if gpus % d == 0]:
@@ -201,8 +260,11 @@ def candidate_parallel_plans(cfg: Config, gpus: int, zero: int | None, pp: int |
                 continue
             sizes = micro_batches or [2**k for k in range(12) if 2**k <= global_batch // dp]
             for b in sizes:
-                if (global_batch // dp) % b == 0:
-                    out += [ParallelPlan(stage, p, b, ckpt) for ckpt in (False, True)]
+                if (global_batch // dp) % b:
+                    continue
+                if sums_in_16bit and stage == 0 and global_batch // (dp * b) > 1:
+                    continue
+                out += [ParallelPlan(stage, p, b, ckpt) for ckpt in (False, True)]
     return out
 
 

@@ -132,7 +132,8 @@ def format_plan(cfg: Config, hw: Hardware, gpus: int, gpu_mem_gib: float, counts
             f"(compute {best.compute_s:.2f} s + communication {best.comm_s:.3f} s), "
             f"{steps} steps in {_duration(bound(best) * steps)}",
             f"  per device: params {m['params'] / GiB:.2f} GiB, gradients {m['grads'] / GiB:.2f} GiB, optimizer "
-            f"states {m['optimizer'] / GiB:.2f} GiB (both optimizers), activations {m['activations'] / GiB:.2f} GiB"
+            f"states {m['optimizer'] / GiB:.2f} GiB (every engine), DeepSpeed buffers {m['buffers'] / GiB:.2f} GiB "
+            f"+ {m['transient'] / GiB:.2f} GiB during forward/backward, activations {m['activations'] / GiB:.2f} GiB"
             f" = {m['total'] / GiB:.2f} GiB",
             f"  generator MLM head per micro-batch: dense logits {head['dense'] / GiB:.2f} GiB -> sparse "
             f"(masked only) {head['sparse'] / GiB:.2f} GiB -> sparse + fused loss {head['sparse_fused'] / GiB:.2f} GiB",

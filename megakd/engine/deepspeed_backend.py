@@ -248,8 +248,9 @@ class EngineConfigs:
         """The dtype DeepSpeed sums gradients across ranks in, always explicit (so a user file's value is checked).
 
         DeepSpeed's default is the model's dtype: BF16_Optimizer (ZeRO-1 + bf16) casts its fp32 gradient
-        buffers to bf16 for the all-reduce (`DeepSpeedEngine.allreduce_bucket`) and ZeRO-2/3 reduce-scatter
-        the bf16 gradients, so every add across ranks rounds to 8 significant bits, after the micro-batches
+        buffers to bf16 for the all-reduce (`DeepSpeedEngine.allreduce_bucket`), ZeRO-2 all-reduces its bf16
+        gradient buckets and ZeRO-3 reduce-scatters them, so every add across ranks rounds to 8 significant
+        bits, after the micro-batches
         were summed in fp32. fp32 keeps the cross-rank sum as exact as the accumulation, at twice the bytes.
         Without ZeRO the gradients accumulate in the model's dtype anyway, and so are sent in it.
         """

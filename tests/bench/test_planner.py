@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
 import pytest
 
 from megakd.bench.hardware import GPUS, hardware_from_bench
-from megakd.bench.memory import GiB, parameter_counts
+from megakd.bench.memory import EngineShape, GiB, ZeroSettings, parameter_counts
 from megakd.bench.planner import (
     ParallelPlan,
+    _dp_comm_seconds,
+    collective_bytes,
     evaluate,
     model_flops,
     partition,
@@ -22,6 +25,7 @@ from megakd.bench.report import format_plan
 from megakd.bench.step_time import Assumptions, predict_step
 from megakd.cli import main
 from megakd.config import ConfigError, load_config
+from megakd.engine.deepspeed_backend import EngineConfigs
 from megakd.finish import finish_config
 
 
@@ -51,13 +55,61 @@ def test_the_planner_times_a_step_as_the_computed_step_does(base):
     assert eight.step_s == pytest.approx(zero1.step_s, rel=1e-12)  # ZeRO-1: an eighth of the optimizer each
 
 
-def test_communication_grows_with_zero_stage_and_checkpointing_costs_compute(base):
+def test_collective_bytes_by_hand():
+    """One engine of 1000 parameters (groups of 990 and 10; tensors of 900, 90, 10) on 4 ranks, 3 micro-batches,
+    bf16 weights, gradients sent in fp32 (4 B) but at ZeRO-0 (bf16, as megakd derives it). Flat buffers pad each
+    group to a multiple of 8: 992 + 16 = 1008. ZeRO-3 pads each tensor to a multiple of 4 (900 + 92 + 12 = 1004)
+    and, at a persistence threshold of 100, keeps the 90- and 10-element tensors whole (92 + 12 gathered)."""
+    shape = EngineShape((990, 10), (900, 90, 10), 900)
+
+    def zero(stage, **keys):
+        comm = "bf16" if stage == 0 else "fp32"
+        return ZeroSettings.from_config({"zero_optimization": {"stage": stage, "param_persistence_threshold": 100,
+                                                               **keys}, "communication_data_type": comm}, "bf16")
+
+    def volumes(stage, **keys):
+        return collective_bytes(shape, stage, 4, "bf16", zero(stage, **keys), 3)
+
+    assert volumes(0) == {"all_reduce": 2 * 1000, "reduce_scatter": 0, "all_gather": 0}
+    # BF16_Optimizer: its whole padded fp32 buffer once per step, then the updated bf16 weights
+    assert volumes(1) == {"all_reduce": 4 * 1008, "reduce_scatter": 0, "all_gather": 2 * 1008}
+    # ZeRO-2: every micro-batch's gradients, all-reduced bucket by bucket (or reduced to their owners)
+    assert volumes(2) == {"all_reduce": 3 * 4 * 1000, "reduce_scatter": 0, "all_gather": 2 * 1008}
+    assert volumes(2, use_multi_rank_bucket_allreduce=False)["reduce_scatter"] == 3 * 4 * 1000
+    # ZeRO-3: gradients reduce-scattered per micro-batch; the 900-element tensor gathered once per micro-batch
+    # (kept from forward into backward), or twice when nothing may stay live; the persistent ones after the step
+    assert volumes(3) == {"all_reduce": 0, "reduce_scatter": 3 * 4 * 1004, "all_gather": 3 * 2 * 900 + 2 * 104}
+    assert volumes(3, max_live_parameters=0)["all_gather"] == 3 * 2 * 2 * 900 + 2 * 104
+    assert collective_bytes(shape, 3, 1, "bf16", zero(3), 3) == {"all_reduce": 0, "reduce_scatter": 0,
+                                                                 "all_gather": 0}
+    hw = GPUS["a100"]  # 8 GPUs: one node; an all-reduce moves twice its (n-1)/n share
+    seconds = _dp_comm_seconds(hw, 8, 4, volumes(1))
+    assert seconds == pytest.approx(3 / 4 * (2 * 4 * 1008 + 2 * 1008) / (hw.busbw_intra * 1e9), rel=1e-12)
+
+
+def test_plans_count_the_optimizer_and_buffers_deepspeed_builds(base, tmp_path):
+    """On electra-base (two engines, 184M parameters each) over 64 GPUs: ZeRO-1 + bf16 is BF16_Optimizer, whose
+    gradients (bf16 and a whole fp32 buffer: 6 B per parameter, padding aside) are not partitioned; ZeRO-2
+    stages its buckets at the size megakd derives; ZeRO-3 holds DeepSpeed's bucket (a user file's size)."""
     hw = GPUS["a100"]
+    params = parameter_counts(base)
     z = {s: evaluate(base, hw, 64, 80, ParallelPlan(s, 1, 8, False)) for s in range(4)}
-    assert z[0].comm_s == pytest.approx(z[1].comm_s) and z[1].comm_s < z[2].comm_s < z[3].comm_s
-    assert z[0].memory["total"] > z[1].memory["total"] > z[2].memory["total"] > z[3].memory["total"]
+    assert z[1].memory["grads"] == pytest.approx(6 * params["total"], abs=4 * 2 * 2 * 128)
+    assert z[1].memory["grads"] - (2 + 4 / 64) * params["total"] > 1.3 * GiB  # beyond a partitioned fp32 buffer
+    configs = EngineConfigs(dataclasses.replace(base.backend, zero_stage=2), "bf16", 8)
+    buckets = [configs.derived(0.0, 4, 64, params[m])["zero_optimization"]["reduce_bucket_size"]
+               for m in ("generator", "discriminator")]
+    # two bf16 staging buffers (overlap_comm) and the fp32 copy of the one being reduced
+    assert z[2].memory["transient"] == sum(buckets) * (2 * 2 + 4)
+    # ZeRO-3: reduce-scatter (fp32) and one bf16 gather per micro-batch beat ZeRO-2's fp32 all-reduces
+    assert z[0].comm_s < z[1].comm_s < z[3].comm_s < z[2].comm_s
+    assert z[3].memory["buffers"] == 2 * 500_000_000 * 4  # DeepSpeed's default bucket, in fp32, per engine
+    user = tmp_path / "ds.json"
+    user.write_text(json.dumps({"zero_optimization": {"reduce_bucket_size": 1000}}))
+    cfg = finish_config(load_config("configs/electra-base.yaml", [f"backend.deepspeed_config={user}"]))
+    assert evaluate(cfg, hw, 64, 80, ParallelPlan(3, 1, 8, False)).memory["buffers"] == 2 * 1000 * 4
     ck = evaluate(base, hw, 64, 80, ParallelPlan(1, 1, 8, True))
-    assert ck.memory["activations"] < z[1].memory["activations"] / 4 and ck.compute_s > z[1].compute_s
+    assert ck.memory["activations"] < z[1].memory["activations"] / 3 and ck.compute_s > z[1].compute_s
 
 
 def test_zero3_activations_add_the_fused_qkv_bias_deepspeeds_linear_keeps(base):
@@ -211,3 +263,14 @@ def test_emit_overrides_skips_layouts_the_config_refuses(capsys):
     assert main(args) == 2  # bf16: no pipeline layout megakd runs
     error = capsys.readouterr().err.splitlines()[-1]  # after the hardware lines, one line
     assert error.startswith("megakd: error: --emit-overrides:") and "needs train.precision=fp32" in error
+
+
+def test_no_plan_sums_16bit_gradients_over_micro_batches_unless_asked(base):
+    """ZeRO-0 under bf16 accumulates the micro-batches' gradients in bf16 (megakd's fp32 accumulation needs
+    ZeRO >= 1): the planner leaves those layouts out, and offers them only to --zero 0."""
+    hw = GPUS["a100"]
+    offered = plan(base, hw, 8, 80)
+    assert not [p for p in offered if p.layout.zero_stage == 0 and p.accumulation > 1]
+    assert [p for p in offered if p.layout.zero_stage == 0 and p.accumulation == 1]
+    asked = plan(base, hw, 8, 80, zero=0)
+    assert [p for p in asked if p.accumulation > 1]

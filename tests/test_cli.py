@@ -95,7 +95,9 @@ def test_unknown_arguments_exit_2_naming_them(argv, capsys):
 def test_printing_or_planning_a_config_imports_no_engine(tmp_path):
     """`--print-config` and `megakd plan` finish the config through `megakd.finish`, not the engine: a
     subprocess runs them and lists the `megakd.engine` modules they loaded (plan's report names the step
-    phases of `megakd.engine.profiling`, a module of constants, and may load that one)."""
+    phases of `megakd.engine.profiling`, a module of constants; it reads each DeepSpeed engine's config from
+    `megakd.engine.deepspeed_config` and the parameter groups from `megakd.engine.optim`, leaves that import
+    nothing else of the engine: it may load those three)."""
     script = """if True:
         import contextlib, io, json, sys
         from megakd.cli import main
@@ -116,4 +118,5 @@ def test_printing_or_planning_a_config_imports_no_engine(tmp_path):
                          check=True).stdout
     seen = json.loads(out.splitlines()[-1])
     assert seen["pretrain"] == seen["distill"] == seen["finetune"] == [], seen
-    assert set(seen["plan"]) <= {"megakd.engine", "megakd.engine.profiling"}, seen["plan"]
+    leaves = {"megakd.engine.profiling", "megakd.engine.deepspeed_config", "megakd.engine.optim"}
+    assert set(seen["plan"]) <= {"megakd.engine", *leaves}, seen["plan"]

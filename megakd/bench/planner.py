@@ -46,7 +46,7 @@ from megakd.bench.memory import (
 )
 from megakd.bench.step_time import Assumptions, matmul_class, micro_batch_parts, optimizer_seconds
 from megakd.config import Config, ConfigError
-from megakd.engine.deepspeed_backend import EngineConfigs, merge_user_config
+from megakd.engine.deepspeed_config import EngineConfigs, merge_user_config
 
 GEMM_EFFICIENCY = Assumptions().gemm_efficiency  # --efficiency's default
 

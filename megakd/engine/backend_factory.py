@@ -33,7 +33,8 @@ def _build(backend: BackendConfig, precision: str, micro_batch_size: int) -> Tra
     require_launcher(name)
     if name == "ddp":
         return DDPBackend(precision, backend.dist_backend)
-    from megakd.engine.deepspeed_backend import DeepSpeedBackend, EngineConfigs
+    from megakd.engine.deepspeed_backend import DeepSpeedBackend
+    from megakd.engine.deepspeed_config import EngineConfigs
 
     engine_configs = EngineConfigs(backend, precision, micro_batch_size)
     if backend.pipeline_stages > 1:

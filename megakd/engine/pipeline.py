@@ -61,7 +61,8 @@ from megakd.engine.backends import (
     leave_process_group,
     step_all_or_none,
 )
-from megakd.engine.deepspeed_backend import EngineConfigs, ProcessWideState, init_deepspeed
+from megakd.engine.deepspeed_backend import ProcessWideState, init_deepspeed
+from megakd.engine.deepspeed_config import EngineConfigs
 from megakd.engine.layouts import Layout
 from megakd.engine.losses import DiscriminatorLoss, GeneratorLoss
 from megakd.engine.units import StepContext, Unit

@@ -88,7 +88,8 @@ import json, sys
 import torch
 from torch import nn
 from megakd.config import BackendConfig
-from megakd.engine.deepspeed_backend import EngineConfigs, ProcessWideState, init_deepspeed
+from megakd.engine.deepspeed_backend import ProcessWideState, init_deepspeed
+from megakd.engine.deepspeed_config import EngineConfigs
 from megakd.engine.optim import param_groups
 from megakd.models.electra import Discriminator
 from megakd.models.encoder import EncoderConfig

@@ -25,7 +25,7 @@ from megakd.bench.report import format_plan
 from megakd.bench.step_time import Assumptions, predict_step
 from megakd.cli import main
 from megakd.config import ConfigError, load_config
-from megakd.engine.deepspeed_backend import EngineConfigs
+from megakd.engine.deepspeed_config import EngineConfigs
 from megakd.finish import finish_config
 
 

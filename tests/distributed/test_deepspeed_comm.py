@@ -36,7 +36,8 @@ import deepspeed
 from deepspeed.utils import safe_get_full_fp32_param
 from megakd.config import BackendConfig
 from megakd.engine.backends import exit_process, leave_process_group
-from megakd.engine.deepspeed_backend import EngineConfigs, init_deepspeed
+from megakd.engine.deepspeed_backend import init_deepspeed
+from megakd.engine.deepspeed_config import EngineConfigs
 
 SIZES, ACCUMULATION = (3000, 700, 24, 1500), 2
 

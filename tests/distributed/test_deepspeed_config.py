@@ -10,7 +10,8 @@ import torch
 
 from megakd.cli import main
 from megakd.config import BackendConfig, ConfigError, load_config
-from megakd.engine.deepspeed_backend import EngineConfigs, cpu_adam_like, merge_user_config
+from megakd.engine.deepspeed_backend import cpu_adam_like
+from megakd.engine.deepspeed_config import EngineConfigs, merge_user_config
 from megakd.engine.pretrain import build_trainer
 from tests.distributed.harness import (
     CONFIG,

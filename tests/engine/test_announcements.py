@@ -244,7 +244,7 @@ def saving(tmp_path, caplog):
     unit = Unit("model", model, model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0), 0.0)
     said_at_start: list[list[str]] = []
 
-    def save(root, step, write, keep_last):
+    def save(root, step, write, keep_last, expected_s):
         said_at_start.append(lines(caplog, "saving checkpoint"))
         tmp = Path(root) / f"tmp-{step}"
         tmp.mkdir()

@@ -23,7 +23,8 @@ REPO = Path(__file__).resolve().parents[2]
 TOOL = REPO / "tools" / "compile_kernels.py"
 # _backward_kernel: the atomic head backward, recorded under head_backward("atomic") ("atomic-bwd" variants)
 KERNELS = {"_forward_kernel", "_grad_logits_kernel", "_backward_kernel", "_noise_kernel", "_rtd_kernel",
-           "_colsum_kernel", "_sign_grad_kernel"}
+           "_colsum_kernel", "_sign_grad_kernel",
+           "_attention_forward_kernel", "_attention_dq_kernel", "_attention_dkdv_kernel"}
 TARGETS = {"sm_80", "sm_90a"}
 
 

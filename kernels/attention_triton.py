@@ -93,6 +93,12 @@ def _keep_tile(seed, bh, rows, k0, threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl
 
 
 @triton.jit
+def _head_tile(ptr, b, h, stride_b, stride_h, stride_l, positions, d):
+    """Pointers to the [positions, d] tile of head ``h`` of batch row ``b`` in a [B, heads, L, D] view."""
+    return ptr + b.to(tl.int64) * stride_b + h * stride_h + positions[:, None].to(tl.int64) * stride_l + d[None, :]
+
+
+@triton.jit
 def _key_tile_t(k_ptr, cols, col_ok, d, d_ok, stride_kl, DOT: tl.constexpr):
     """Keys ``cols`` transposed, [BLOCK_D, BLOCK_N] in DOT: the right operand of ``q k^T``."""
     return tl.load(k_ptr + cols[None, :].to(tl.int64) * stride_kl + d[:, None], mask=col_ok[None, :] & d_ok[:, None],
@@ -134,7 +140,7 @@ def _attention_forward_kernel(
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
     scale = tl.load(scale_ptr)
-    q = tl.load(q_ptr + b.to(tl.int64) * sqb + h * sqh + rows[:, None].to(tl.int64) * sql + d[None, :],
+    q = tl.load(_head_tile(q_ptr, b, h, sqb, sqh, sql, rows, d),
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(DOT)
     seg_q = rows
     if HAS_SEG:
@@ -162,7 +168,7 @@ def _attention_forward_kernel(
     out = acc / denom[:, None]
     if DROPOUT:
         out = out * tl.load(inv_keep_ptr)
-    tl.store(o_ptr + b.to(tl.int64) * sob + h * soh + rows[:, None].to(tl.int64) * sol + d[None, :],
+    tl.store(_head_tile(o_ptr, b, h, sob, soh, sol, rows, d),
              out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     tl.store(lse_ptr + bh.to(tl.int64) * L + rows, m + tl.log(denom), mask=row_ok)
 
@@ -184,12 +190,12 @@ def _attention_dq_kernel(
     d_ok = d < D
     tile_ok = row_ok[:, None] & d_ok[None, :]
     scale = tl.load(scale_ptr)
-    q = tl.load(q_ptr + b.to(tl.int64) * sqb + h * sqh + rows[:, None].to(tl.int64) * sql + d[None, :],
+    q = tl.load(_head_tile(q_ptr, b, h, sqb, sqh, sql, rows, d),
                 mask=tile_ok, other=0.0).to(DOT)
     at = bh.to(tl.int64) * L + rows
-    do = tl.load(do_ptr + b.to(tl.int64) * sdb + h * sdh + rows[:, None].to(tl.int64) * sdl + d[None, :],
+    do = tl.load(_head_tile(do_ptr, b, h, sdb, sdh, sdl, rows, d),
                  mask=tile_ok, other=0.0)
-    o = tl.load(o_ptr + b.to(tl.int64) * sob + h * soh + rows[:, None].to(tl.int64) * sol + d[None, :],
+    o = tl.load(_head_tile(o_ptr, b, h, sob, soh, sol, rows, d),
                 mask=tile_ok, other=0.0)
     delta = tl.sum(do.to(ACC) * o.to(ACC), axis=1)
     tl.store(delta_ptr + at, delta, mask=row_ok)

@@ -37,8 +37,9 @@ from megakd.bench.flops import (
     projection_flops_per_token,
     step_flops,
 )
-from megakd.bench.roofline import head_backward_roofline, roofline_head_backward
+from megakd.bench.roofline import head_backward_roofline
 from megakd.config import Config
+from megakd.kernels.dispatch import DEFAULT_HEAD_BACKWARD
 from megakd.models.encoder import EncoderConfig, attention_kernel
 
 # Elementwise traffic of one post-LN layer per token, in [tokens, hidden] tensors read or written in
@@ -168,7 +169,7 @@ def vocabulary_head_seconds(m: _Machine, hw, cfg: Config, rows: int, matmul: str
     noise = rows * gen.vocab_size * SAMPLER_OPS_PER_PAIR / m.fp32
     variant = cfg.kernels.head_backward
     if variant == "auto":
-        variant = roofline_head_backward()
+        variant = DEFAULT_HEAD_BACKWARD  # the roofline's choice (tests/kernels/test_head_backward.py holds it)
     backward = head_backward_roofline(hw, rows, gen.embed_dim, gen.vocab_size, matmul, assume.gemm_efficiency,
                                       assume.bandwidth_efficiency)[variant]["seconds"][1]
     return {"vocabulary forward + sampling": m.fused_s(logits, inputs) + noise, "vocabulary backward": backward}

@@ -3,7 +3,7 @@ pre-timeout warning) and Ctrl-C.
 
 A training process turns them into a checkpoint at the next step boundary
 (`megakd.engine.session.RunSession.stop_signals`); DataLoader workers ignore them
-(`megakd.data.stream`), so a signal sent to the whole process group cannot kill a worker first.
+(`megakd.data.workers`), so a signal sent to the whole process group cannot kill a worker first.
 """
 
 from __future__ import annotations

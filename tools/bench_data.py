@@ -64,8 +64,10 @@ def main() -> None:
     from transformers import DataCollatorForLanguageModeling
 
     from megakd.data.default_corpus import prepare_default_data
+    from megakd.data.loader import PretrainingLoader
+    from megakd.data.shard_reader import read_whole_shard
     from megakd.data.shards import read_manifest
-    from megakd.data.stream import PretrainingLoader, read_shard
+    from megakd.data.storage import ShardStore
     from megakd.data.tokenizer import Tokenizer
 
     tok_dir, shards_dir = prepare_default_data(args.cache, vocab_size=args.vocab_size, seq_len=args.seq_len)
@@ -80,7 +82,7 @@ def main() -> None:
     hf_dir = Path(args.cache) / f"hf-{shards_dir.parent.name}"
     if not hf_dir.exists():
         samples = [s.tolist() for e in manifest["shards"]
-                   for s in read_shard(shards_dir / e["file"], e, manifest["dtype"])]
+                   for s in read_whole_shard(ShardStore(shards_dir), e, manifest["dtype"])]
         datasets.Dataset.from_dict({"input_ids": samples}).save_to_disk(str(hf_dir))
     hf_ds = datasets.load_from_disk(str(hf_dir))
     collator = DataCollatorForLanguageModeling(tok.to_hf(), mlm_probability=0.15)

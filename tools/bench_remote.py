@@ -154,8 +154,8 @@ def main() -> None:
         p.error(f"--warmup {args.warmup}: expected 0 <= warmup < --batches ({args.batches})")
 
     from megakd.data.default_corpus import bundled_corpus_files, prepare_default_data
+    from megakd.data.loader import PretrainingLoader
     from megakd.data.shards import write_shards
-    from megakd.data.stream import PretrainingLoader
     from megakd.data.tokenizer import Tokenizer
 
     server = start_s3()

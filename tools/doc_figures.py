@@ -145,7 +145,8 @@ def recipe_data() -> str:
 
 # The read simulation takes minutes: its blocks carry a fingerprint of the code it runs (`code=`), and the
 # check compares that instead of re-running it; --write re-runs it.
-SIMULATED_READS_CODE = ("tools/sim_reads.py", "megakd/data/stream.py", "megakd/data/shards.py")
+SIMULATED_READS_CODE = ("tools/sim_reads.py", "megakd/data/order.py", "megakd/data/shard_reader.py",
+                        "megakd/data/shards.py")
 
 
 def code_fingerprint(paths: tuple[str, ...]) -> str:

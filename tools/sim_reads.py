@@ -1,9 +1,9 @@
 """Bytes each rank and node fetches from storage over one epoch, by the loader's own order and assignment code.
 
 No training and no data: a synthetic manifest (``--samples`` samples of ``--member-bytes`` each, in
-shards of ``--samples-per-shard``) goes through the real :class:`megakd.data.stream.SampleReader`
+shards of ``--samples-per-shard``) goes through the real :class:`megakd.data.order.ReaderOrder`
 (``wanted``: what each DataLoader worker of a rank asks for in each shard group) and the real
-ranged-read planner (:func:`megakd.data.stream.coalesce`); only the fetch itself is skipped. Every
+ranged-read planner (:func:`megakd.data.shard_reader.coalesce`); only the fetch itself is skipped. Every
 world size from 1 to ``--max-world`` (powers of two) and worker count in ``--workers`` is run for
 the first node's ranks (``--gpus-per-node``); every rank is alike, so the max over them stands for all.
 
@@ -25,9 +25,10 @@ from pathlib import Path
 import numpy as np
 
 from megakd.data.masking import Masking
+from megakd.data.order import ReaderOrder, ReadPlan
+from megakd.data.shard_reader import coalesce
 from megakd.data.shards import INDEX_DTYPE
 from megakd.data.storage import ShardStore
-from megakd.data.stream import ReadPlan, SampleReader, coalesce
 
 
 def synthetic_plan(args: argparse.Namespace, rank: int, world: int) -> ReadPlan:
@@ -47,7 +48,7 @@ def synthetic_plan(args: argparse.Namespace, rank: int, world: int) -> ReadPlan:
 
 def reader_fetch(plan: ReadPlan, worker: int, readers: int, member: int) -> tuple[int, set[int]]:
     """One reader over epoch 0: bytes of its members' coalesced ranges, and the shards whose index it needs."""
-    reader = SampleReader(plan, [], every=readers, prefetch=False)
+    reader = ReaderOrder(plan, every=readers)
     reader.at_batch = worker
     data, touched = 0, set()
     for index in range(len(reader.epoch_groups(0)[0])):

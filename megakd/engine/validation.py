@@ -20,7 +20,7 @@ import contextlib
 
 import torch
 
-from megakd.data.stream import PretrainingLoader
+from megakd.data.loader import PretrainingLoader
 from megakd.engine.backends import TrainingBackend, stat_sums, to_device
 from megakd.engine.layouts import Layout
 from megakd.engine.units import StepContext, Unit

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from megakd.data.stream import PretrainingLoader
+from megakd.data.loader import PretrainingLoader
 from megakd.data.tokenizer import Tokenizer
 from megakd.models.electra import Discriminator, MaskedLM
 from megakd.objectives.electra import (

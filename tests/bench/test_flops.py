@@ -7,7 +7,7 @@ import torch
 
 from megakd.bench.flops import step_flops
 from megakd.config import load_config
-from megakd.data.stream import PretrainingLoader
+from megakd.data.loader import PretrainingLoader
 from megakd.data.tokenizer import Tokenizer
 from megakd.engine.pretrain import build_models
 from tests.bench.flop_counting import counted_electra_step, flop_counter, rtd_projection_correction

@@ -5,8 +5,10 @@ import shutil
 
 import pytest
 
+from megakd.data.loader import PretrainingLoader
+from megakd.data.shard_reader import ShardError, read_whole_shard
 from megakd.data.shards import MANIFEST, read_manifest, write_shards
-from megakd.data.stream import PretrainingLoader, ShardError, read_shard
+from megakd.data.storage import ShardStore
 from megakd.data.tokenizer import train_tokenizer
 
 from .conftest import corpus_docs, member_spans, unindexed, write_jsonl
@@ -176,7 +178,7 @@ def skipping_loader_over_two_bad_shards(shards, tokenizer, workers: int) -> Pret
     data[2048:2560] = b"\xff" * 512
     corrupt.write_bytes(bytes(data))
     loader = PretrainingLoader(shards, tokenizer, micro_batch_size=4, num_workers=workers, skip_bad_shards=True)
-    assert loader.skipped_shards == 1  # the missing one is known up front, the corrupt one when read
+    assert len(loader.bad_shards) == 1  # the missing one is known up front, the corrupt one when read
     return loader
 
 
@@ -192,7 +194,7 @@ def test_skip_bad_shards_counts_and_skips_only_them(v1_shards, tokenizer, worker
             break
     lost = shard_indices(manifest, "shard-000002.tar") | shard_indices(manifest, "shard-000005.tar")
     assert sorted(seen) == sorted(set(range(manifest["num_samples"])) - lost)
-    assert loader.skipped_shards == 2 and set(loader.bad_shards) == {"shard-000002.tar", "shard-000005.tar"}
+    assert set(loader.bad_shards) == {"shard-000002.tar", "shard-000005.tar"}
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -200,7 +202,7 @@ def test_skip_bad_shards_with_index_skips_only_damaged_members(shards, small_sha
     """Version 2: a reader that meets a damaged member skips its share of that shard; another reader
     (worker) whose members of it are intact still uses them. Every sample used is the intact one."""
     manifest = read_manifest(shards)
-    clean = [s for e in manifest["shards"] for s in read_shard(small_shards / e["file"], e, manifest["dtype"])]
+    clean = [s for e in manifest["shards"] for s in read_whole_shard(ShardStore(small_shards), e, manifest["dtype"])]
     key, _, _ = damaged_member(shards, "shard-000002.tar", 2048)
     loader = skipping_loader_over_two_bad_shards(shards, tokenizer, workers)
     seen = []
@@ -218,7 +220,7 @@ def test_skip_bad_shards_with_index_skips_only_damaged_members(shards, small_sha
     assert set(range(manifest["num_samples"])) - damaged - missing <= set(seen)  # intact shards: all of them
     if workers == 0:  # one reader: it met the damaged member, so it used none of that shard
         assert not damaged & set(seen)
-    assert loader.skipped_shards == 2 and set(loader.bad_shards) == {"shard-000002.tar", "shard-000005.tar"}
+    assert set(loader.bad_shards) == {"shard-000002.tar", "shard-000005.tar"}
     assert re.fullmatch(rf"shard \S+shard-000002\.tar: sample {key} \(bytes 2048\.\.\d+\) differs from its index "
                         r"digest \(corrupted or replaced\)", loader.bad_shards["shard-000002.tar"])
 

@@ -6,9 +6,9 @@ import pytest
 
 import megakd.data.default_corpus as dc
 from megakd.config import TaskConfig
+from megakd.data.loader import PretrainingLoader
 from megakd.data.shards import read_manifest
-from megakd.data.stream import PretrainingLoader
-from megakd.data.tasks import load_task
+from megakd.data.tasks import load_split
 from megakd.data.tokenizer import Tokenizer
 
 
@@ -57,7 +57,8 @@ def test_classic_corpus_key_is_unchanged_by_the_mixed_set():
 
 
 def test_rt_training_text_holds_every_train_sentence_and_no_dev_sentence(tmp_path):
-    train, dev = load_task(TaskConfig(name="rt"))
+    rt = TaskConfig(name="rt")
+    train, dev = load_split(rt, "train"), load_split(rt, "dev")
     path = tmp_path / "rt_train.jsonl"
     assert dc.write_rt_train_documents(path, repeats=2) == len(train)
     docs = [json.loads(line)["text"].split("\n") for line in path.read_text(encoding="utf-8").splitlines()]

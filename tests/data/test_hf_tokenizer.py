@@ -18,8 +18,8 @@ from transformers import AutoTokenizer, BertTokenizerFast
 
 from megakd.cli import main
 from megakd.config import TaskConfig
+from megakd.data.loader import PretrainingLoader
 from megakd.data.shards import read_manifest, write_shards
-from megakd.data.stream import PretrainingLoader
 from megakd.data.tasks import encode_examples, load_split
 from megakd.data.tokenizer import Tokenizer
 from megakd.errors import UserError

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 import megakd.data.shards as shards_module
+from megakd.data.loader import PretrainingLoader
 from megakd.data.shards import read_manifest, write_shards
 from megakd.data.sources import iter_documents
-from megakd.data.stream import PretrainingLoader
 
 from .conftest import corpus_docs, write_jsonl
 from .test_shards import all_samples

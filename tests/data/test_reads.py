@@ -10,10 +10,12 @@ import time
 import numpy as np
 import pytest
 
+from megakd.data.loader import PretrainingLoader
 from megakd.data.masking import Masking
+from megakd.data.order import ReadPlan, in_group_order
+from megakd.data.shard_reader import coalesce
 from megakd.data.shards import read_manifest, write_shards
 from megakd.data.storage import ContentCache
-from megakd.data.stream import PretrainingLoader, ReadPlan, coalesce, in_group_order
 
 from .conftest import corpus_docs, write_jsonl
 

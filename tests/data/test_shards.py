@@ -8,9 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from megakd.data.shard_reader import read_whole_shard
 from megakd.data.shards import MANIFEST, read_manifest, write_shards
 from megakd.data.sources import expand_inputs, iter_documents
-from megakd.data.stream import read_shard
+from megakd.data.storage import ShardStore
 
 from .conftest import corpus_docs, write_jsonl
 
@@ -19,7 +20,7 @@ def all_samples(shards_dir) -> list[np.ndarray]:
     m = read_manifest(shards_dir)
     out = []
     for entry in m["shards"]:
-        out.extend(read_shard(shards_dir / entry["file"], entry, m["dtype"]))
+        out.extend(read_whole_shard(ShardStore(shards_dir), entry, m["dtype"]))
     return out
 
 
@@ -69,8 +70,8 @@ def test_manifest_contents(packed, tokenizer):
         f"shard-{i:06d}.idx" for i in range(len(m["shards"]))]
     assert sorted(p.name for p in out.iterdir()) == sorted(
         [MANIFEST] + [s["file"] for s in m["shards"]] + [s["index"]["file"] for s in m["shards"]])
-    for entry in m["shards"]:  # size and sha256 match the manifest (read_shard checks both)
-        read_shard(out / entry["file"], entry, m["dtype"])
+    for entry in m["shards"]:  # size and sha256 match the manifest (read_whole_shard checks both)
+        read_whole_shard(ShardStore(out), entry, m["dtype"])
         # The index, checked independently of the reader: one 12-byte record per member, in order.
         raw = (out / entry["index"]["file"]).read_bytes()
         assert entry["index"]["bytes"] == len(raw) == 12 * entry["samples"]

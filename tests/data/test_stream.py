@@ -17,9 +17,10 @@ import pytest
 import torch
 
 from megakd.config import DataConfig
+from megakd.data.loader import PretrainingLoader
 from megakd.data.shards import read_manifest
 from megakd.data.storage import ShardStore
-from megakd.data.stream import PretrainingLoader, ReadBatch, _init_worker
+from megakd.data.workers import ReadBatch, init_worker
 from megakd.errors import UserError
 
 from .test_shards import all_samples
@@ -87,7 +88,7 @@ def test_shuffle_shards_interleaves_exactly_the_groups_shards(small_shards, toke
     """Epoch order = the seeded shard permutation cut into groups of `shuffle_shards`, each group's
     samples in one permutation: position ranges hold exactly their group's samples, and a batch
     mixes shards whenever a group has more than one."""
-    from megakd.data.stream import epoch_shard_order
+    from megakd.data.order import epoch_shard_order
 
     m = read_manifest(small_shards)
     counts = [e["samples"] for e in m["shards"]]
@@ -248,14 +249,14 @@ class _Cycle:
 
 def _collect_in_worker(init: bool) -> None:
     if init:
-        _init_worker(0)
+        init_worker(0)
     gc.collect()
 
 
 def test_a_worker_never_finalizes_what_it_inherited(tmp_path):
     """A DataLoader worker is a fork: the parent's uncollected garbage comes with it. Finalized there,
     an fsspec filesystem waits ~1 s on the parent's event loop, in the middle of a read. After
-    `_init_worker`, a full collection in the worker finalizes nothing it inherited; without it, it
+    `init_worker`, a full collection in the worker finalizes nothing it inherited; without it, it
     does (the control arm, so the test can tell the two apart)."""
     def mark(directory: str) -> None:
         Path(directory, str(os.getpid())).touch()
@@ -303,7 +304,7 @@ ours = []
 register = atexit.register
 atexit.register = lambda f, *a, **k: (ours.append(f) if (f.__module__ or "").startswith("megakd") else None,
                                       register(f, *a, **k))[1]
-from megakd.data.stream import PretrainingLoader
+from megakd.data.loader import PretrainingLoader
 from megakd.data.tokenizer import Tokenizer
 assert not ours, ours
 loader = PretrainingLoader(sys.argv[1], Tokenizer.load(sys.argv[2]), micro_batch_size=4, num_workers=2)

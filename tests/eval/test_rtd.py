@@ -10,7 +10,7 @@ import torch
 from megakd.cli import main as cli_main
 from megakd.config import load_config
 from megakd.convert import save_model_dir
-from megakd.data.stream import PretrainingLoader
+from megakd.data.loader import PretrainingLoader
 from megakd.data.tokenizer import Tokenizer
 from megakd.engine.pretrain import run_pretraining
 from megakd.eval.rtd import corrupted_batches, evaluate_rtd

@@ -47,7 +47,7 @@ class Outcome:
 # pipeline. A fresh interpreter pays ~2-4 s of imports per command, more than most fault rows' own
 # work; a fork server imports them once per test process and forks each command from it.
 _PRELOAD = ["megakd.cli", "megakd.convert", "megakd.engine.pretrain", "megakd.finetune.runtime",
-            "megakd.data.shards", "megakd.data.stream"]
+            "megakd.data.shards", "megakd.data.loader"]
 
 
 def _fork_server():

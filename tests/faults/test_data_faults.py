@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from megakd.data.order import epoch_shard_order
 from megakd.data.shards import MANIFEST, read_manifest
-from megakd.data.stream import epoch_shard_order
 from tests.data.conftest import forge_member, member_spans, unindexed
 from tests.faults.harness import megakd, snapshot
 from tests.helpers import TINY_VOCAB, tiny_overrides

@@ -35,6 +35,10 @@ import torch.utils.data._utils.signal_handling
 from tests import global_state
 from tests.helpers import TINY_SEQ_LEN, TINY_VOCAB, built_once
 
+# The tools are scripts (`python tools/x.py`), not a package: tests import them, and the support code the
+# tools share with tests (tools/device_audit.py, tools/make_glue_data.py), by their bare names.
+sys.path.append(str(Path(__file__).parents[1] / "tools"))
+
 # What torch installs once per process, for good, on first use, installed before any test so that every
 # test sees the same process whatever ran before it: the SIGCHLD handler of the first DataLoader with
 # workers, and the nn.Module.__init__/__setstate__ wrappers of the first torch.compile (they tag each

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 from transformers import ElectraConfig, ElectraForMaskedLM, ElectraForPreTraining
 
+from device_audit import SIMULATED, SyncCounter, simulated_cuda
 from megakd.bench.cluster import DTYPES
 from megakd.bench.flops import step_flops
 from megakd.bench.roofline import format_phases, matmul_seconds, op_shares, phase_seconds, roofline
@@ -53,7 +54,6 @@ from megakd.models.electra import Discriminator, MaskedLM
 from megakd.models.encoder import EncoderConfig
 from megakd.models.hf_mapping import from_hf_state_dict
 from megakd.objectives.electra import corrupt
-from megakd.testing.device_audit import SIMULATED, SyncCounter, simulated_cuda
 
 # name: (generator (layers, hidden, heads, ffn), discriminator (layers, hidden, heads, ffn),
 #        embedding, vocab, seq, batch)
@@ -180,7 +180,7 @@ def model_flops(gen_cfg: EncoderConfig, disc_cfg: EncoderConfig, batch: dict[str
 def count_syncs(gen_cfg: EncoderConfig, disc_cfg: EncoderConfig, opt: OptimizerConfig,
                 batch: dict[str, torch.Tensor]) -> SyncCounter:
     """Host-device syncs of one megakd step (after a warm-up step) on the simulated cuda:0
-    (megakd/testing/device_audit.py): fp32, torch kernels, the sampling generator on the CPU as in training."""
+    (tools/device_audit.py): fp32, torch kernels, the sampling generator on the CPU as in training."""
     step = MegakdStep(gen_cfg, disc_cfg, opt, torch.device("cpu"), "fp32")
     with simulated_cuda() as syncs:
         for task in (step.gen, step.disc):

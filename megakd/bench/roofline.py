@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from megakd.bench.hardware import GPUS, Hardware
+from megakd.bench.hardware import Hardware
 from megakd.engine.profiling import PHASES, PREFIX
 
 
@@ -37,11 +37,6 @@ def matmul_seconds(dtype: torch.dtype, device: torch.device, n: int = 2048, iter
         _sync(device)
         best = min(best, time.perf_counter() - start)
     return best
-
-
-def matmul_peak_flops(dtype: torch.dtype, device: torch.device, n: int = 2048, iters: int = 3) -> float:
-    """Dense-matmul FLOP/s this process reaches now (the roofline's compute ceiling)."""
-    return 2 * n**3 / matmul_seconds(dtype, device, n, iters)
 
 
 def phase_seconds(step: Callable[[], None], steps: int, device: torch.device) -> dict[str, float]:
@@ -162,10 +157,3 @@ def head_backward_roofline(hw: Hardware, n: int = 2458, h: int = 768, v: int = 1
                         "atomic_bytes": sum(a for _, _, a in kernels), "seconds": seconds}
     return out
 
-
-def roofline_head_backward() -> str:
-    """The head backward the roofline picks at electra-base's shape: "atomic" only if it is faster on both an
-    A100 and an H100 even with its atomics at their best; a tie goes to "chunked", which is also bitwise
-    reproducible. kernels/dispatch.py's default is this choice (a test holds them equal)."""
-    models = [head_backward_roofline(GPUS[gpu]) for gpu in ("a100", "h100")]
-    return "atomic" if all(m["atomic"]["seconds"][0] < m["chunked"]["seconds"][0] for m in models) else "chunked"

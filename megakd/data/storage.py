@@ -145,12 +145,6 @@ class ShardStore:
                           max_backoff_s=self.max_backoff_s, connect_timeout_s=self.connect_timeout_s,
                           read_timeout_s=self.read_timeout_s)
 
-    def worst_case_s(self) -> float:
-        """The longest a read of a store that stops answering takes to fail for good: every try waits
-        out a timeout (connecting, or for the next byte), and the backoffs between them."""
-        backoff = sum(min(self.backoff_s * 2 ** i, self.max_backoff_s) for i in range(self.retries))
-        return (self.retries + 1) * (self.connect_timeout_s + self.read_timeout_s) + backoff
-
     @property
     def local_path(self) -> Path:
         if self.remote:
@@ -414,7 +408,7 @@ class ContentCache:
     Two kinds live in it: a shard's member index, named by its sha256 and checked against it; and
     the byte ranges of a shard that all DataLoader workers of a rank read between them, named by
     the shard's sha256 and the ranges, checked member by member against the shard's index
-    (:func:`megakd.data.stream.read_members`). What one reader fetched, the other readers on the node
+    (:func:`megakd.data.shard_reader.read_members`). What one reader fetched, the other readers on the node
     (workers, ranks) and later epochs read from here instead of from shared storage. A damaged or
     planted file fails its check and is ignored (and replaced), never trusted. One reader fetches a
     missing object while the others wait for it (a lock file; one older than ``wait_s`` is taken

@@ -306,11 +306,6 @@ def load_split(task: TaskConfig, split: str) -> list[Example]:
     return examples
 
 
-def load_task(task: TaskConfig) -> tuple[list[Example], list[Example]]:
-    """(train, dev) examples for the configured task (see `load_split`)."""
-    return load_split(task, "train"), load_split(task, "dev")
-
-
 def _spread(examples: list[Example], n: int) -> list[Example]:
     """A deterministic subset of `n` examples spread over the whole list (not its head: files are often sorted)."""
     if n >= len(examples):

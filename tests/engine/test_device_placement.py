@@ -1,4 +1,4 @@
-"""Device placement on a simulated GPU (megakd/testing/device_audit.py): real training code, no mixed-device
+"""Device placement on a simulated GPU (tools/device_audit.py): real training code, no mixed-device
 op, at most two host-device syncs per optimizer step on every backend and precision the simulation can run,
 and an instrument that is proven to fail."""
 
@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from device_audit import SIMULATED, MixedDeviceError, SimulatedTensor, simulated_cuda
 from megakd.config import load_config
 from megakd.convert.export import save_hf_model
-from megakd.data.stream import PretrainingLoader
+from megakd.data.loader import PretrainingLoader
 from megakd.data.tokenizer import Tokenizer
 from megakd.engine import backends
 from megakd.engine.backends import DDPBackend, SingleProcessBackend, free_local_port
@@ -17,8 +18,8 @@ from megakd.engine.pretrain import build_trainer
 from megakd.engine.probe import Probe
 from megakd.engine.validation import Validator
 from megakd.errors import UserError
+from megakd.launch import Launch
 from megakd.objectives.electra import masked_positions
-from megakd.testing.device_audit import SIMULATED, MixedDeviceError, SimulatedTensor, simulated_cuda
 from tests.helpers import tiny_overrides
 
 # Per optimizer step, whatever the accumulation: the finite-loss check and the units' gradient norms
@@ -129,7 +130,7 @@ def test_training_step_places_everything_on_the_device_with_bounded_syncs(simula
         assert all(p.device == SIMULATED for p in unit.model.parameters())
         assert all(isinstance(v, SimulatedTensor) for state in unit.optimizer.state.values()
                    for k, v in state.items() if k != "step")
-    assert all(v.device == SIMULATED for v in trainer.interval.values())
+    assert all(v.device == SIMULATED for v in trainer.loop.interval.sums.values())
     assert trainer.backend.accumulation_steps == 2  # a per-micro-batch sync would count twice
     assert sum(syncs.values()) <= SYNCS_PER_STEP, syncs
 
@@ -151,7 +152,7 @@ def test_syncs_per_optimizer_step_on_each_backend_and_precision(tiny_data, tmp_p
     cannot be simulated). The TF32 switch is on while the backend trains on the GPU, and put back on close."""
     if backend_name == "ddp":
         request.getfixturevalue("one_process_group")
-        backend = DDPBackend(precision, "gloo")
+        backend = DDPBackend(Launch.from_environ(), precision, "gloo")
         backend.device = SIMULATED
     else:
         backend = SingleProcessBackend(precision, SIMULATED)
@@ -227,7 +228,7 @@ def test_eight_tasks_of_a_node_each_train_on_a_gpu_they_see(monkeypatch, visible
     for local_rank in range(8):
         _srun_task(monkeypatch, local_rank)
         with simulated_cuda(devices=visible):
-            assert backends.init_distributed("auto") == (local_rank, 8, local_rank)
+            assert backends.init_distributed(Launch.from_environ(), "auto") == (local_rank, 8, local_rank)
             expected = local_rank if visible == 8 else 0
             assert torch.cuda.current_device() == expected  # where NCCL binds its communicator
             torch.cuda.set_device(visible - 1 - expected)  # moved away, so default_device must set it back

@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from make_glue_data import write_glue_data
 from megakd import fsutil
 from megakd.cli import main
 from megakd.convert import to_hf
 from megakd.data import default_corpus
 from megakd.data.tokenizer import Tokenizer
 from megakd.engine.runlog import append_whole
-from megakd.glue.synthetic import write_glue_data
 from megakd.models.electra import Discriminator, MaskedLM, SequenceClassifier
 from megakd.models.encoder import EncoderConfig
 from megakd.store import checkpoint

@@ -10,13 +10,14 @@ import pytest
 
 from megakd.config import ConfigError
 from megakd.data.default_corpus import SENTIMENT_FILE
-from megakd.data.tasks import EncodedTask, Example, encode_examples, load_task
+from megakd.data.tasks import EncodedTask, Example, encode_examples, load_split
 from megakd.data.tokenizer import Tokenizer
 from megakd.finetune.config import TaskConfig
 
 
 def test_rt_split_is_the_documented_hash_rule_with_file_row_indices():
-    train, dev = load_task(TaskConfig(name="rt"))
+    rt = TaskConfig(name="rt")
+    train, dev = load_split(rt, "train"), load_split(rt, "dev")
     with gzip.open(SENTIMENT_FILE, "rt", encoding="utf-8") as f:
         rows = list(csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
     assert len(train) + len(dev) == len(rows) == 10072
@@ -26,16 +27,16 @@ def test_rt_split_is_the_documented_hash_rule_with_file_row_indices():
         assert all((hashlib.sha256(e.text_a.encode()).digest()[0] < 26) == want for e in split)
     assert not {e.text_a for e in train} & {e.text_a for e in dev}
     assert 0.08 < len(dev) / len(rows) < 0.12
-    again = load_task(TaskConfig(name="rt"))
-    assert again == (train, dev)
-    reg_train, _ = load_task(TaskConfig(name="rt_score", num_labels=1))
+    assert (load_split(rt, "train"), load_split(rt, "dev")) == (train, dev)
+    reg_train = load_split(TaskConfig(name="rt_score", num_labels=1), "train")
     assert [e.index for e in reg_train] == [e.index for e in train]
     assert all(e.label == float(rows[e.index]["score"]) for e in reg_train[:50])
 
 
 def test_corpus_pairs_are_deterministic_and_balanced():
-    train, dev = load_task(TaskConfig(name="corpus_pairs"))
-    assert load_task(TaskConfig(name="corpus_pairs")) == (train, dev)
+    pairs = TaskConfig(name="corpus_pairs")
+    train, dev = load_split(pairs, "train"), load_split(pairs, "dev")
+    assert (load_split(pairs, "train"), load_split(pairs, "dev")) == (train, dev)
     everything = train + dev
     assert sorted(e.index for e in everything) == list(range(len(everything)))
     share = sum(e.label for e in everything) / len(everything)
@@ -47,8 +48,9 @@ def test_corpus_pairs_are_deterministic_and_balanced():
 
 
 def test_max_examples_spreads_over_the_split():
-    full, _ = load_task(TaskConfig(name="rt"))
-    small, dev = load_task(TaskConfig(name="rt", max_train_examples=10, max_dev_examples=5))
+    full = load_split(TaskConfig(name="rt"), "train")
+    limited = TaskConfig(name="rt", max_train_examples=10, max_dev_examples=5)
+    small, dev = load_split(limited, "train"), load_split(limited, "dev")
     assert len(small) == 10 and len(dev) == 5
     assert small == [full[i * len(full) // 10] for i in range(10)]
 
@@ -74,13 +76,13 @@ def test_files_task_and_bad_input(tmp_path):
     (tmp_path / "dev.jsonl").write_text('{"s1": "X y.", "s2": "Z.", "y": "neg"}\n')
     task = TaskConfig(name="files", train=str(tmp_path / "train.tsv"), dev=str(tmp_path / "dev.jsonl"),
                       text_a="s1", text_b="s2", label="y", labels=["neg", "pos"])
-    train, dev = load_task(task)
+    train, dev = load_split(task, "train"), load_split(task, "dev")
     assert [(e.index, e.label) for e in train + dev] == [(0, 1), (1, 0), (2, 0)]
     assert dev[0].text_b == "Z."
     (tmp_path / "bad.tsv").write_text("s1\ts2\ty\nA.\tB.\tmaybe\n")
     task.train = str(tmp_path / "bad.tsv")
     with pytest.raises(ConfigError, match=r"bad.tsv: row 1: label 'maybe'"):
-        load_task(task)
+        load_split(task, "train")
     task.train, task.text_a = str(tmp_path / "train.tsv"), "sentence"
     with pytest.raises(ConfigError, match="has no field 'sentence'"):
-        load_task(task)
+        load_split(task, "train")

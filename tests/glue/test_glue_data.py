@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from make_glue_data import write_glue_data
 from megakd.cli import main
 from megakd.configio import ConfigError
-from megakd.glue.synthetic import write_glue_data
 from megakd.glue.tasks import AX, TASKS, read_split
 
 CONFIG = Path(__file__).parents[2] / "configs" / "glue.yaml"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megakd.glue.synthetic import write_glue_data
+from make_glue_data import write_glue_data
 from tests.finetune.test_distributed import LAUNCH, REPO, finish, start
 
 pytestmark = pytest.mark.slow

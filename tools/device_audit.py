@@ -24,6 +24,9 @@ can run under it: keep simulated runs to fp32 or bf16 and `kernels.backend=torch
 `simulated_cuda(devices=N)` also answers the device queries that choose a rank's GPU (`is_available`,
 `device_count`, `set_device`, `current_device`) as a process that sees N GPUs: `set_device` past them
 fails as CUDA does ("invalid device ordinal"). The tensors stay on the one simulated `cuda:0`.
+
+Support for tests/ and tools/ only, so not in the installed package: tests import it as `device_audit`
+(tests/conftest.py puts tools/ on the path), as tools/bench_electra_step.py does from beside it.
 """
 
 from __future__ import annotations

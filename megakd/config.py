@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from megakd.configio import ConfigError, check_choice, check_literals, load_tree, shown
 from megakd.kernels import BACKENDS, HEAD_BACKWARDS
@@ -54,22 +54,37 @@ def check_at_least(key: str, value: int, least: int, meaning: str = "") -> None:
 
 @dataclass
 class RunConfig:
+    """The `run` section every command shares: where it writes, how it reports, how often it checkpoints."""
+
     dir: str = "runs/electra-tiny"  # the run directory: config, metrics, checkpoints, plots, HF export
-    keep_last: int = 3  # checkpoints kept in run.dir/checkpoints (older ones are deleted); 0 = keep every one
-    tensorboard: bool = True  # write TensorBoard events to run.dir/tb
-    wandb: bool = False  # log to Weights & Biases too (one wandb run per run directory, resumed on requeue)
+    # checkpoints kept (older ones are deleted); 0 = keep every one. Fine-tuning keeps them per seed (or
+    # LR trial) while it trains, and removes them once it has finished.
+    keep_last: int = 3
+    save_every: int = 0  # also checkpoint every N optimizer steps; 0 = only at the end (fine-tuning: of every epoch)
+    tensorboard: bool = True  # write TensorBoard events to run.dir/tb (fine-tuning: <seed dir>/tb)
+    # log to Weights & Biases too (one wandb run per run directory, per seed directory in fine-tuning;
+    # resumed on requeue)
+    wandb: bool = False
     wandb_project: str = "megakd"  # the wandb project
     wandb_mode: Literal["offline", "online"] = "offline"  # offline keeps the run on disk; WANDB_MODE wins
-    plots: bool = True  # draw loss and RTD plots into run.dir/plots at the end of training
-    export_hf: bool = True  # write run.dir/hf (HuggingFace format) at the end of training
     # rank 0's progress: a tqdm bar on a terminal; otherwise (stderr to a file, e.g. Slurm's --output) a
-    # plain log line every train.log_every steps and at the last: step, rate, ETA, the bar's figures
+    # plain log line every train.log_every (finetune.log_every) steps and at the last: step, rate, ETA,
+    # the bar's figures
     progress_bar: bool = True
     overwrite: bool = False  # a new run into a used run.dir moves its contents to <run.dir>.old-<time>/
 
     def validate(self) -> None:
-        check_below_limit("run.keep_last", self.keep_last)
-        check_at_least("run.keep_last", self.keep_last, 0, " (0 = keep every checkpoint)")
+        for key, meaning in (("keep_last", " (0 = keep every checkpoint)"), ("save_every", " (0 = only at the end)")):
+            check_below_limit(f"run.{key}", getattr(self, key))
+            check_at_least(f"run.{key}", getattr(self, key), 0, meaning)
+
+
+@dataclass
+class PretrainRunConfig(RunConfig):
+    """The shared run section, and what pretraining writes at the end of a run."""
+
+    plots: bool = True  # draw loss and RTD plots into run.dir/plots at the end of training
+    export_hf: bool = True  # write run.dir/hf (HuggingFace format) at the end of training
 
 
 @dataclass
@@ -187,12 +202,22 @@ class ElectraConfig:
 
 
 @dataclass
-class OptimizerConfig:
-    lr: float = 5e-4  # peak learning rate (Adam), reached after optim.schedule.warmup_steps
-    betas: tuple[float, float] = (0.9, 0.98)  # Adam β1, β2
-    eps: float = 1e-6  # Adam ε
+class OptimizerSettings:
+    """The optimizer settings pretraining's `optim.<model>` and fine-tuning's `finetune` sections share."""
+
+    betas: tuple[float, float] = (0.9, 0.98)  # the optimizer's β1, β2
+    eps: float = 1e-6  # the optimizer's ε
     weight_decay: float = 0.01  # decoupled (AdamW) weight decay
     clip_norm: float = 2.0  # gradient-norm clipping bound of this model's parameters; 0 = no clipping
+
+    def validate_optimizer(self, key: str) -> None:
+        if self.clip_norm < 0 or self.eps <= 0:
+            raise ConfigError(f"{key}.clip_norm must be >= 0 and {key}.eps > 0")
+
+
+@dataclass
+class OptimizerConfig(OptimizerSettings):
+    lr: float = 5e-4  # peak learning rate (Adam), reached after optim.schedule.warmup_steps
 
 
 @dataclass
@@ -218,8 +243,9 @@ class OptimConfig:
         check_below_limit("optim.schedule.warmup_steps", self.schedule.warmup_steps)
         for name in ("generator", "discriminator"):
             opt: OptimizerConfig = getattr(self, name)
-            if opt.lr < 0 or opt.clip_norm < 0 or opt.eps <= 0:
-                raise ConfigError(f"optim.{name}: lr and clip_norm must be >= 0 and eps > 0")
+            if opt.lr < 0:
+                raise ConfigError(f"optim.{name}.lr: expected >= 0, got {opt.lr}")
+            opt.validate_optimizer(f"optim.{name}")
 
 
 BUILTIN_TASKS = ("rt", "rt_score", "corpus_pairs")
@@ -269,7 +295,6 @@ class TrainConfig:
     global_batch_size: int = 32  # samples per optimizer step, over all ranks and accumulation steps
     micro_batch_size: int = 32  # samples per rank per forward pass; accumulation fills the global batch
     log_every: int = 10  # write metrics every N steps
-    save_every: int = 0  # also checkpoint every N steps; 0 = only the final checkpoint
     # bf16 / fp16: mixed precision (autocast; fp16 with loss scaling)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     tf32: bool = True  # fp32 matmuls and convolutions on a CUDA device run in TF32; false = IEEE fp32
@@ -288,9 +313,8 @@ class TrainConfig:
     def validate(self) -> None:
         for key in ("max_steps", "global_batch_size", "micro_batch_size", "log_every", "max_bad_steps"):
             check_count(f"train.{key}", getattr(self, key))
-        for key in ("save_every", "eval_every", "eval_samples", "probe_every"):
+        for key in ("eval_every", "eval_samples", "probe_every"):
             check_below_limit(f"train.{key}", getattr(self, key))
-        check_at_least("train.save_every", self.save_every, 0, " (0 = only the final checkpoint)")
         check_seed("train.seed", self.seed)
         if self.probe_every < 0:
             raise ConfigError(f"train.probe_every: expected >= 0 (0 = off), got {self.probe_every}")
@@ -391,7 +415,9 @@ class InitConfig:
 
 @dataclass
 class Config:
-    run: RunConfig = field(default_factory=RunConfig)
+    RENAMES: ClassVar[dict[str, str]] = {"train.save_every": "run.save_every"}  # old key: new key (configio)
+
+    run: PretrainRunConfig = field(default_factory=PretrainRunConfig)
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     electra: ElectraConfig = field(default_factory=ElectraConfig)

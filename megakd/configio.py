@@ -5,8 +5,11 @@ dataclasses; a root class has `validate() -> self`. `load_tree` reads a YAML rec
 other recipes), applies `a.b=c` overrides and builds the tree field by field: an unknown or mistyped
 key, or a value of the wrong type, raises `ConfigError` with a one-line message naming the key (and
 the file it came from), so a typo in a 125K-step job fails in the first second instead of silently
-training the wrong model. `config_keys` and `config_sections` read what each key means from the
-comments beside the fields (`megakd config keys`, docs/configuration.md).
+training the wrong model. A key that was renamed still loads: a root class lists `RENAMES`
+({old dotted key: new one}), and an old key in a recipe, an `inherit:` parent or an override is
+moved to its new name with a one-line warning naming where it was (`upgrade_saved` does the same,
+silently, for the config a checkpoint saved). `config_keys` and `config_sections` read what each
+key means from the comments beside the fields (`megakd config keys`, docs/configuration.md).
 
 The trees themselves live in `megakd.config` (pretraining) and `megakd.finetune.config`.
 """
@@ -20,11 +23,13 @@ import difflib
 import functools
 import inspect
 import keyword
+import logging
 import math
 import reprlib
 import tokenize
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -33,6 +38,7 @@ import yaml
 
 from megakd.errors import UserError, redact_values
 
+log = logging.getLogger(__name__)
 
 class ConfigError(UserError):
     """A config file or override is invalid; the message names the key."""
@@ -51,9 +57,6 @@ def shown(value: Any) -> str:
     text = _shown.repr(value)
     return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS - 3] + "..."
 
-
-# Seeds feed numpy's legacy seeding (np.random.seed takes [0, 2**32)), and the derived per-rank
-# seeds (seed * 1_000_003 + rank, megakd/engine/pretrain.py) must stay inside torch.manual_seed's
 
 def check_choice(key: str, value: Any, choices: tuple) -> None:
     if value not in choices:
@@ -196,8 +199,10 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
-def read_recipe(path: Path, seen: tuple[Path, ...] = ()) -> dict:
-    """Read a YAML recipe, resolving `inherit: other.yaml` (relative to the file) recursively."""
+def read_recipe(path: Path, seen: tuple[Path, ...] = (), renames: Mapping[str, str] = types.MappingProxyType({})
+                ) -> dict:
+    """Read a YAML recipe, resolving `inherit: other.yaml` (relative to the file) recursively; each file's
+    keys renamed by `renames` (a tree's `RENAMES`) are moved to their new names, with a warning naming it."""
     path = path.resolve()
     if path in seen:
         raise ConfigError(f"{path}: circular 'inherit'")
@@ -211,8 +216,46 @@ def read_recipe(path: Path, seen: tuple[Path, ...] = ()) -> dict:
         parents = [parents]
     merged: dict = {}
     for parent in parents:
-        merged = _merge(merged, read_recipe(path.parent / parent, (*seen, path)))
-    return _merge(merged, data)
+        merged = _merge(merged, read_recipe(path.parent / parent, (*seen, path), renames))
+    return _merge(merged, _renamed(data, renames, f"in {path}"))
+
+
+def _renamed(data: dict, renames: Mapping[str, str], where: str | None) -> dict:
+    """`data` (changed in place) with each old key of `renames` moved to its new name; a warning names
+    `where` the old key was (None: silently). Both names given is refused in one line."""
+    for old, new in renames.items():
+        *parents, leaf = old.split(".")
+        section = _section(data, parents)
+        if section is None or leaf not in section:
+            continue
+        *new_parents, new_leaf = new.split(".")
+        target = _section(data, new_parents, create=True)
+        if target is None:  # the new section holds a non-mapping: the build names that key
+            continue
+        if new_leaf in target:
+            raise ConfigError(f"{old} and {new} both given{f' ({where})' if where else ''}: {old} is now called "
+                              f"{new}; keep only {new}")
+        target[new_leaf] = section.pop(leaf)
+        if where is not None:
+            log.warning("%s is now called %s (%s)", old, new, where)
+    return data
+
+
+def _section(data: dict, parts: list[str], create: bool = False) -> dict | None:
+    """The mapping at `parts` below `data` (created if asked and absent); None if there is none."""
+    for part in parts:
+        if create and part not in data:
+            data[part] = {}
+        data = data.get(part)
+        if not isinstance(data, dict):
+            return None
+    return data
+
+
+def upgrade_saved(cls: type, saved: dict) -> dict:
+    """A config dict saved by an older megakd (a checkpoint's config.yaml) in the key names of tree `cls`
+    today, so that comparing it with the current config sees no renamed key as changed."""
+    return _renamed(copy.deepcopy(saved), getattr(cls, "RENAMES", {}), None)
 
 
 # Values a config may hold once YAML aliases are expanded. A recipe has a few hundred; anchors and
@@ -324,15 +367,20 @@ def config_to_dict(cfg: Any) -> dict:
 
 
 def load_tree(cls: type, path: str | Path | None = None, overrides: list[str] = ()) -> Any:
-    """Load a recipe (or the defaults) into the tree `cls`, apply overrides, build and validate it."""
-    data = read_recipe(Path(path)) if path else {}
+    """Load a recipe (or the defaults) into the tree `cls`, apply overrides, build and validate it.
+
+    Keys `cls.RENAMES` names by their old names are moved to the new ones, with a warning each."""
+    renames = getattr(cls, "RENAMES", {})
+    data = read_recipe(Path(path), renames=renames) if path else {}
     if path:  # the file alone first, so an error names where the bad value came from
         try:
             _build(cls, data)
         except ConfigError as err:
             raise ConfigError(f"{err} (in {path})") from None
+    given: dict = {}
     for text in overrides:
-        data = _merge(data, parse_override(text))
+        given = _merge(given, parse_override(text))
+    data = _merge(data, _renamed(given, renames, "on the command line"))
     try:
         cfg = _build(cls, data)
     except ConfigError as err:
@@ -381,7 +429,17 @@ def _walk(cls: type, obj: Any, prefix: str):
 
 def field_meanings(cls: type) -> dict[str, str]:
     """{field: its comment} for dataclass `cls`: the comment lines right above the field, then the comment
-    at the end of its line(s), as one line ("" where there is none)."""
+    at the end of its line(s), as one line ("" where there is none). A field declared again in a subclass
+    (another default) keeps its base class's comment unless it has one of its own."""
+    out: dict[str, str] = {}
+    for klass in reversed(cls.__mro__[:-1]):
+        if dataclasses.is_dataclass(klass):
+            out.update({name: text for name, text in _own_meanings(klass).items() if text or name not in out})
+    return out
+
+
+def _own_meanings(cls: type) -> dict[str, str]:
+    """`field_meanings` of the fields declared in `cls`'s own body."""
     node, comments = _class_source(cls)
     out = {}
     for stmt in node.body:

@@ -1,11 +1,14 @@
+import copy
 from dataclasses import asdict
 
 import pytest
 
 from megakd.config import Config, ConfigError, load_config
-from megakd.configio import parse_override, save_config
+from megakd.configio import config_to_dict, parse_override, save_config, upgrade_saved
+from megakd.finetune.config import FinetuneConfig
 from megakd.finish import finish_config
-from megakd.store.rundir import flatten
+from megakd.glue.config import GlueConfig
+from megakd.store.rundir import flatten, state_changes
 
 CONFIGS = ["configs/electra-tiny.yaml", "configs/electra-base.yaml", "configs/electra-large.yaml"]
 
@@ -135,3 +138,68 @@ def test_batch_layout():
 def test_shared_embeddings_need_equal_widths():
     with pytest.raises(ConfigError, match="same embedding size"):
         load_config(None, ["electra.decoupled=false", "model.generator.embedding_size=32"])
+
+
+# -- renamed keys: old recipes, parents, overrides and saved configs keep loading ----------------------
+
+
+def _renamed_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "is now called" in r.getMessage()]
+
+
+def test_a_renamed_key_in_a_recipe_its_parent_or_an_override_loads_with_one_warning(tmp_path, caplog):
+    parent = tmp_path / "parent.yaml"
+    parent.write_text("train: {save_every: 7, max_steps: 20}\n")
+    child = tmp_path / "child.yaml"
+    child.write_text("inherit: parent.yaml\ntrain: {log_every: 2}\n")
+    caplog.set_level("WARNING", logger="megakd.configio")
+    assert load_config(child).run.save_every == 7
+    assert _renamed_warnings(caplog) == [f"train.save_every is now called run.save_every (in {parent})"]
+    caplog.clear()
+    assert load_config(child, ["train.save_every=3"]).run.save_every == 3  # the command line wins, as any override
+    assert _renamed_warnings(caplog) == [f"train.save_every is now called run.save_every (in {parent})",
+                                         "train.save_every is now called run.save_every (on the command line)"]
+    caplog.clear()
+    child.write_text("inherit: parent.yaml\nrun: {save_every: 5}\n")  # the child's new key overrides its parent's old
+    assert load_config(child).run.save_every == 5
+
+
+@pytest.mark.parametrize("recipe, overrides", [
+    ("train: {save_every: 7}\nrun: {save_every: 5}\n", []),
+    ("", ["train.save_every=7", "run.save_every=5"]),
+])
+def test_both_names_given_is_one_line_error(tmp_path, recipe, overrides):
+    path = tmp_path / "both.yaml"
+    path.write_text(recipe)
+    with pytest.raises(ConfigError) as err:
+        load_config(path, overrides)
+    assert str(err.value).startswith("train.save_every and run.save_every both given (")
+    assert "\n" not in str(err.value)
+
+
+def test_a_saved_config_of_an_older_version_compares_in_todays_names():
+    """A checkpoint's config.yaml with `train.save_every`: upgraded, it differs from today's config in nothing."""
+    current = config_to_dict(load_config("configs/electra-tiny.yaml", ["run.save_every=4"]))
+    saved = copy.deepcopy(current)
+    saved["train"]["save_every"] = saved["run"].pop("save_every")
+    upgraded = upgrade_saved(Config, saved)
+    assert upgraded == current and "save_every" in saved["train"]  # the caller's dict is left as it was
+    assert flatten(upgraded) == flatten(current) and state_changes(upgraded, current) == {}
+    assert "train.save_every" in state_changes(saved, current)  # without the upgrade the old key would differ
+
+
+def test_every_renamed_key_is_one_the_tree_has_now():
+    new = set(flatten(config_to_dict(Config())))
+    assert all(new_key in new and old_key not in new for old_key, new_key in Config.RENAMES.items())
+
+
+@pytest.mark.parametrize("cls, recipe, extra", [(Config, "configs/electra-tiny.yaml", []),
+                                               (FinetuneConfig, "configs/finetune-rt.yaml", []),
+                                               (GlueConfig, "configs/glue.yaml", ["glue.data_dir=glue_data"])])
+def test_the_run_keys_mean_the_same_in_every_tree(cls, recipe, extra):
+    """`run.keep_last: 0` keeps every checkpoint and `run.save_every: 0` saves only at the end, in every command."""
+    run = load_config(recipe, [*extra, "run.keep_last=0", "run.save_every=5"], cls=cls).run
+    assert (run.keep_last, run.save_every) == (0, 5)
+    for key in ("run.keep_last", "run.save_every"):
+        with pytest.raises(ConfigError, match=rf"^{key}: expected an integer >= 0 \(0 = "):
+            load_config(recipe, [*extra, f"{key}=-1"], cls=cls)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from megakd.cli import main
-from megakd.config import Config, OptimizerConfig, RunConfig
+from megakd.config import Config, OptimizerConfig, PretrainRunConfig
 from megakd.configio import config_keys, field_meanings
 from megakd.finetune.config import FinetuneConfig
 
@@ -79,12 +79,22 @@ def test_the_committed_reference_is_current(capsys):
 
 
 def test_a_changed_default_or_comment_makes_the_reference_stale(capsys, monkeypatch):
-    defaults = RunConfig.__init__.__defaults__
-    monkeypatch.setattr(RunConfig.__init__, "__defaults__", ("runs/elsewhere", *defaults[1:]))
+    defaults = PretrainRunConfig.__init__.__defaults__
+    monkeypatch.setattr(PretrainRunConfig.__init__, "__defaults__", ("runs/elsewhere", *defaults[1:]))
     text = _generated(capsys)
     assert "| `run.dir` | `str` | `runs/elsewhere` |" in text and text != REFERENCE.read_text()
     monkeypatch.undo()
-    meanings = field_meanings(RunConfig)
+    meanings = field_meanings(PretrainRunConfig)
     monkeypatch.setattr("megakd.configio.field_meanings",
-                        lambda cls: {**meanings, "dir": "moved"} if cls is RunConfig else field_meanings(cls))
+                        lambda cls: {**meanings, "dir": "moved"} if cls is PretrainRunConfig else field_meanings(cls))
     assert "| `run.dir` | `str` | `runs/electra-tiny` | moved |" in _generated(capsys)
+
+
+def test_a_shared_section_is_documented_once_with_each_trees_defaults():
+    """`run` and the optimizer settings are one class each: the same meaning in every tree, its own defaults."""
+    pretraining, finetuning = _keys(Config), _keys(FinetuneConfig)
+    for key, other in (("run.keep_last", "run.keep_last"), ("run.save_every", "run.save_every"),
+                       ("optim.generator.eps", "finetune.eps"), ("optim.generator.betas", "finetune.betas")):
+        assert pretraining[key].meaning == finetuning[other].meaning != ""
+    assert (pretraining["run.keep_last"].default, finetuning["run.keep_last"].default) == (3, 2)
+    assert (pretraining["optim.generator.clip_norm"].default, finetuning["finetune.clip_norm"].default) == (2.0, 1.0)

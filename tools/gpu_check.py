@@ -209,7 +209,7 @@ def build_steps(args: argparse.Namespace) -> list[Step]:
     z3, resumed = out / "tiny-zero3", out / "tiny-zero3-resumed"
     zero3 = [*pretrain, *tiny, "backend.name=deepspeed", "backend.zero_stage=3"]
     steps.append(Step("zero3", [
-        [*zero3, f"train.save_every={n // 2}", f"run.dir={z3}"],
+        [*zero3, f"run.save_every={n // 2}", f"run.dir={z3}"],
         [*zero3, f"run.dir={resumed}", "--resume", f"{z3}/checkpoints/step_{n // 2:08d}"],
     ], 420 if quick else 900, lambda: "; ".join([
         "vs ZeRO-1: " + compare_runs(z3, gpu, 1e-3)(), "resumed: " + compare_runs(resumed, z3, 1e-4)()]), budget=90))

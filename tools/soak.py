@@ -84,7 +84,7 @@ def train(args: argparse.Namespace, sampler: Sampler, stop_at: int | None, resum
     cmd = [sys.executable, "-m", "megakd.cli", "pretrain", "-c", "configs/electra-tiny.yaml",
            f"run.dir={args.out}", f"data.valid_shards={args.valid}", "train.eval_samples=256",
            f"train.max_steps={args.steps}", f"train.global_batch_size={args.batch}",
-           f"train.micro_batch_size={args.batch}", f"train.save_every={args.every}", "run.keep_last=2",
+           f"train.micro_batch_size={args.batch}", f"run.save_every={args.every}", "run.keep_last=2",
            f"train.eval_every={args.every}", f"train.probe_every={args.probe_every}", "train.log_every=50",
            "run.progress_bar=false", "run.tensorboard=false"]
     if resume:

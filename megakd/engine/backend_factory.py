@@ -8,31 +8,32 @@ from __future__ import annotations
 
 from megakd.config import BackendConfig
 from megakd.engine.backends import DDPBackend, TrainingBackend, require_launcher, single_process_backend
-from megakd.finish import finish_backend
+from megakd.launch import Launch
 
 
-def build_backend(backend: BackendConfig, precision: str, micro_batch_size: int, tf32: bool = True
+def build_backend(backend: BackendConfig, precision: str, micro_batch_size: int, launch: Launch, tf32: bool = True
                   ) -> TrainingBackend:
-    """The backend `backend.name` names, `backend.pipeline_stages > 1` making deepspeed the pipeline.
+    """The backend `backend.name` names, `backend.pipeline_stages > 1` making deepspeed the pipeline, joined
+    as `launch` (the command's, read at its entry) says.
 
-    `auto` is replaced in `backend` first (`finish_backend`, as a finished config has it already), so
-    the run's config records the choice. `micro_batch_size` is what one rank's DeepSpeed engine takes
-    per micro-batch; DeepSpeed is imported only when named. `tf32` (`train.tf32`, `finetune.tf32`):
-    whether fp32 matmuls on a CUDA device run in TF32 while the backend is open
-    (`TrainingBackend.use_device_settings`).
+    `backend` is a finished config's (`megakd.finish.finish_backend`: `auto` already made concrete); it is
+    only read. `micro_batch_size` is what one rank's DeepSpeed engine takes per micro-batch; DeepSpeed is
+    imported only when named. `tf32` (`train.tf32`, `finetune.tf32`): whether fp32 matmuls on a CUDA device
+    run in TF32 while the backend is open (`TrainingBackend.use_device_settings`).
     """
-    built = _build(backend, precision, micro_batch_size)
+    built = _build(backend, precision, micro_batch_size, launch)
     built.tf32 = tf32
     return built
 
 
-def _build(backend: BackendConfig, precision: str, micro_batch_size: int) -> TrainingBackend:
-    name = finish_backend(backend)
-    if name == "single":
-        return single_process_backend(precision)
-    require_launcher(name)
-    if name == "ddp":
-        return DDPBackend(precision, backend.dist_backend)
+def _build(backend: BackendConfig, precision: str, micro_batch_size: int, launch: Launch) -> TrainingBackend:
+    if backend.name == "auto":
+        raise ValueError("backend.name=auto: finish the config (megakd.finish) before building its backend")
+    if backend.name == "single":
+        return single_process_backend(precision, launch)
+    require_launcher(backend.name, launch)
+    if backend.name == "ddp":
+        return DDPBackend(launch, precision, backend.dist_backend)
     from megakd.engine.deepspeed_backend import DeepSpeedBackend
     from megakd.engine.deepspeed_config import EngineConfigs
 
@@ -40,5 +41,5 @@ def _build(backend: BackendConfig, precision: str, micro_batch_size: int) -> Tra
     if backend.pipeline_stages > 1:
         from megakd.engine.pipeline import PipelineBackend
 
-        return PipelineBackend(engine_configs)
-    return DeepSpeedBackend(engine_configs)
+        return PipelineBackend(engine_configs, launch)
+    return DeepSpeedBackend(engine_configs, launch)

@@ -36,7 +36,7 @@ from torch import nn
 from megakd.engine.profiling import phase
 from megakd.engine.units import StepContext, Unit
 from megakd.errors import LaunchError, UserError
-from megakd.finish import launched_world_size, srun_task
+from megakd.launch import Launch
 from megakd.store.checkpoint_models import OPTIM_SUFFIX, WEIGHTS_SUFFIX, load_state_checked
 from megakd.store.files import load_state, load_weights, save_state, save_weights
 
@@ -46,19 +46,18 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def init_distributed(dist_backend: str = "auto") -> tuple[int, int, int]:
-    """Join the process group described by torchrun / deepspeed / Slurm environment variables.
+def init_distributed(launch: Launch, dist_backend: str = "auto") -> tuple[int, int, int]:
+    """Join the process group of `launch` (torchrun / deepspeed / Slurm environment variables).
 
-    Returns (rank, world_size, local_rank); a no-op returning (0, 1, 0) without a launcher.
+    Returns (rank, world_size, local_rank); a no-op returning (0, 1, 0) without a launcher. Under srun the
+    variables torch's env:// rendezvous reads (RANK, WORLD_SIZE, LOCAL_RANK) are set from the launch.
     """
-    if "RANK" not in os.environ and srun_task():
-        os.environ.setdefault("RANK", os.environ["SLURM_PROCID"])
-        os.environ.setdefault("WORLD_SIZE", os.environ["SLURM_NTASKS"])
-        os.environ.setdefault("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
-    if "RANK" not in os.environ:
+    if not launch.launched:
         return 0, 1, 0
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if launch.srun:
+        for key, value in launch.torch_environ().items():
+            os.environ.setdefault(key, value)
+    rank, world, local_rank = launch.rank, launch.world_size, launch.local_rank
     if not dist.is_initialized():
         if dist_backend == "auto":
             dist_backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -78,15 +77,15 @@ def free_local_port() -> int:
         return s.getsockname()[1]
 
 
-def require_launcher(name: str) -> None:
+def require_launcher(name: str, launch: Launch) -> None:
     """Refuse a multi-rank backend started as one bare process on a CUDA machine.
 
-    Without RANK/WORLD_SIZE (or Slurm's SLURM_PROCID/SLURM_NTASKS, as `init_distributed` reads them)
+    Without RANK/WORLD_SIZE (or Slurm's SLURM_PROCID/SLURM_NTASKS, as `Launch.from_environ` reads them)
     DeepSpeed gets a private one-process gloo group holding CUDA tensors and DDP a world of one: a
     run that looks distributed and is not. On CPU that lone process is the reference run the tests
     compare against, so it stays.
     """
-    if "RANK" in os.environ or srun_task() or not torch.cuda.is_available():
+    if launch.launched or not torch.cuda.is_available():
         return
     gpus = max(torch.cuda.device_count(), 1)
     raise UserError(f"backend.name={name} on a CUDA machine needs a launcher, not a bare process: "
@@ -174,24 +173,6 @@ def default_device(local_rank: int) -> torch.device:
     index = local_cuda_index(local_rank)
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
-
-
-def resolve_precision(precision: str, device: torch.device, bf16_allowed: bool = True,
-                      bf16_supported: bool | None = None) -> str:
-    """What precision `auto` (fine-tuning's default) means on `device`; any other value stays as it is.
-
-    bf16 autocast on a CUDA device that computes in bf16 natively (Ampere on: IEEE fp32 matmuls run at
-    a fraction of its bf16 rate) and a backend that allows it (`bf16_allowed`); otherwise fp32, whose
-    matmuls on CUDA run in TF32 (`cuda_tf32`). On the CPU `auto` is fp32, so CPU runs are what they
-    were. `bf16_supported` None asks torch about the current CUDA device.
-    """
-    if precision != "auto":
-        return precision
-    if device.type != "cuda" or not bf16_allowed:
-        return "fp32"
-    if bf16_supported is None:
-        bf16_supported = torch.cuda.is_bf16_supported(including_emulation=False)
-    return "bf16" if bf16_supported else "fp32"
 
 
 def cuda_tf32(enabled: bool) -> Callable[[], None]:
@@ -519,7 +500,9 @@ class SingleProcessBackend(MicroBatchLoopBackend):
 
 def leave_process_group() -> None:
     """Destroy the process group; through `deepspeed.comm` once DeepSpeed has joined it, whose teardown
-    also drops the groups DeepSpeed cached (a later engine in this process would use them dead)."""
+    also drops the groups DeepSpeed cached. A DeepSpeed engine in a group joined again in the same
+    process still hangs in `new_group` (DeepSpeed 0.19: `groups._clone_world_group`), so a process runs
+    one distributed DeepSpeed command; tests that run several keep one group (tests/distributed/worker.py)."""
     if not dist.is_initialized():
         return
     ds_comm = sys.modules.get("deepspeed.comm.comm")
@@ -531,32 +514,31 @@ def leave_process_group() -> None:
         sys.excepthook = _excepthooks[0]
 
 
-def single_process_backend(precision: str) -> SingleProcessBackend:
+def single_process_backend(precision: str, launch: Launch) -> SingleProcessBackend:
     """`backend.name=single`, refused in a rank that a launcher started among several.
 
     Each of those ranks would otherwise train the whole run on its own, and all but one would be
     turned away by the run directory's lock with a message that hides the cause.
     """
-    world = launched_world_size()
-    if world > 1:
-        raise LaunchError(f"backend.name=single, but the launcher started {world} ranks: set "
+    if launch.world_size > 1:
+        raise LaunchError(f"backend.name=single, but the launcher started {launch.world_size} ranks: set "
                           "backend.name=ddp (or auto, or deepspeed) to train them as one run, or start one "
                           "process")
-    return SingleProcessBackend(precision, default_device(int(os.environ.get("LOCAL_RANK", "0"))))
+    return SingleProcessBackend(precision, default_device(launch.local_rank))
 
 
 class ProcessGroupBackend(MicroBatchLoopBackend):
     """The micro-batch loop over the launcher's process group: joined when built, left on `close`."""
 
-    def __init__(self, precision: str = "fp32", dist_backend: str = "auto"):
+    def __init__(self, launch: Launch, precision: str = "fp32", dist_backend: str = "auto"):
         super().__init__(precision)
-        self.rank, self.world_size, self.local_rank = self.join(dist_backend)
+        self.rank, self.world_size, self.local_rank = self.join(launch, dist_backend)
         self.device = default_device(self.local_rank)
 
     @staticmethod
-    def join(dist_backend: str) -> tuple[int, int, int]:
+    def join(launch: Launch, dist_backend: str) -> tuple[int, int, int]:
         """Join the launcher's process group: (rank, world_size, local_rank)."""
-        return init_distributed(dist_backend)
+        return init_distributed(launch, dist_backend)
 
     def close(self) -> None:
         super().close()

@@ -51,6 +51,7 @@ from megakd.engine.backends import (
 from megakd.engine.deepspeed_config import EngineConfigs
 from megakd.engine.units import Unit
 from megakd.errors import UserError
+from megakd.launch import Launch
 from megakd.store.checkpoint import DEEPSPEED_TAG
 from megakd.store.checkpoint_models import WEIGHTS_SUFFIX
 from megakd.store.files import StoreError, deepspeed_safe_loading
@@ -107,7 +108,7 @@ def announce_op_build(builder_name: str, what: str) -> None:
              "CPU cores (docs/distributed.md: pre-building it)", builder.name, what, directory)
 
 
-def init_deepspeed(dist_backend: str) -> tuple[int, int, int]:
+def init_deepspeed(launch: Launch, dist_backend: str) -> tuple[int, int, int]:
     """Join the launcher's process group (or a private one-process group) and DeepSpeed's comm layer.
 
     Returns (rank, world_size, local_rank). DeepSpeed needs a process group even for one
@@ -115,7 +116,7 @@ def init_deepspeed(dist_backend: str) -> tuple[int, int, int]:
     """
     import deepspeed
 
-    rank, world, local_rank = init_distributed(dist_backend)
+    rank, world, local_rank = init_distributed(launch, dist_backend)
     # deepspeed.initialize reads LOCAL_RANK from the environment, also when the process group
     # already exists (e.g. an earlier engine in this process); for a lone process it is 0. DeepSpeed
     # takes it as its CUDA device ordinal: with one GPU bound per task that is the task's device 0.
@@ -160,9 +161,9 @@ class DeepSpeedBackend(ProcessGroupBackend):
 
     name = "deepspeed"
 
-    def __init__(self, engine_configs: EngineConfigs):
+    def __init__(self, engine_configs: EngineConfigs, launch: Launch):
         self.found = ProcessWideState()
-        super().__init__(engine_configs.precision, engine_configs.backend.dist_backend)
+        super().__init__(launch, engine_configs.precision, engine_configs.backend.dist_backend)
         self.zero_stage = engine_configs.backend.zero_stage
         self.engine_configs = engine_configs
 
@@ -180,8 +181,8 @@ class DeepSpeedBackend(ProcessGroupBackend):
         return self.precision == "fp32" and self.zero_stage == 0
 
     @staticmethod
-    def join(dist_backend: str) -> tuple[int, int, int]:
-        return init_deepspeed(dist_backend)
+    def join(launch: Launch, dist_backend: str) -> tuple[int, int, int]:
+        return init_deepspeed(launch, dist_backend)
 
     def close(self) -> None:
         super().close()

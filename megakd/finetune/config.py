@@ -11,33 +11,30 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from megakd.config import BackendConfig, KernelsConfig, TaskConfig, check_below_limit, check_count, check_seed
+from megakd.config import (
+    BackendConfig,
+    KernelsConfig,
+    OptimizerSettings,
+    RunConfig,
+    TaskConfig,
+    check_below_limit,
+    check_count,
+    check_seed,
+)
 from megakd.configio import ConfigError, check_literals, shown
+from megakd.finish import device_type, finish_backend, resolve_precision
+from megakd.launch import Launch
 from megakd.models.encoder import EncoderConfig
 from megakd.objectives.labelreg import TARGETS
 from megakd.objectives.soteacher import CR_SCHEDULES
 
 
 @dataclass
-class FinetuneRunConfig:
-    dir: str = "runs/finetune"  # the run directory: one seed_<s>/ per seed, summary.json
-    # rank 0's progress: a tqdm bar on a terminal; otherwise (stderr to a file, e.g. Slurm's --output) a
-    # plain log line every finetune.log_every steps and at the last: step, rate, ETA, the bar's figures
-    progress_bar: bool = True
-    overwrite: bool = False  # a new run into a used run.dir moves its contents to <run.dir>.old-<time>/
-    tensorboard: bool = True  # <seed dir>/tb/
-    wandb: bool = False  # one wandb run per seed directory (its id kept there, resumed on requeue)
-    wandb_project: str = "megakd"  # the wandb project
-    wandb_mode: Literal["offline", "online"] = "offline"  # offline keeps the run on disk; WANDB_MODE wins
-    save_every: int = 0  # also checkpoint every N optimizer steps (0 = at the end of every epoch only)
-    keep_last: int = 2  # checkpoints kept per seed while it trains (removed once the seed is finished)
+class FinetuneRunConfig(RunConfig):
+    """The shared run section with fine-tuning's defaults."""
 
-    def validate(self) -> None:
-        check_below_limit("run.save_every", self.save_every)
-        check_below_limit("run.keep_last", self.keep_last)
-        if self.save_every < 0 or self.keep_last < 1:
-            raise ConfigError(f"run.save_every={self.save_every}, run.keep_last={self.keep_last}: expected "
-                              ">= 0 and >= 1")
+    dir: str = "runs/finetune"  # the run directory: one seed_<s>/ per seed, summary.json
+    keep_last: int = 2
 
 
 @dataclass
@@ -88,9 +85,9 @@ def auto_lr(hidden_size: int) -> float:
 
 
 @dataclass
-class OptimConfig:
-    """docs/methods.md § Fine-tuning (Table A.2): AdaMax, linear decay after a warm-up fraction, ε 1e-6,
-    β (0.9, 0.98), clip 1.0.
+class FinetuneSettings(OptimizerSettings):
+    """How each seed fine-tunes: docs/methods.md § Fine-tuning (Table A.2): AdaMax, linear decay after a
+    warm-up fraction, ε 1e-6, β (0.9, 0.98), clip 1.0.
 
     `lr` is a rate, `auto` (`auto_lr` of the encoder's width) or a list of rates chosen on a
     held-out `lr_select_frac` slice of the training split (megakd/finetune/trainer.py).
@@ -104,14 +101,13 @@ class OptimConfig:
     batch_size: int = 32  # the global batch (split over the ranks)
     eval_batch_size: int = 64  # batch of the dev-set predictions
     warmup_frac: float = 0.1  # fraction of the optimizer steps of linear warm-up (then linear decay to 0)
-    weight_decay: float = 0.0  # weight decay of the matrices (adamax: coupled L2, as torch's Adamax; adamw: decoupled)
+    # weight decay of the matrices (adamax: coupled L2, as torch's Adamax; adamw: decoupled)
+    weight_decay: float = 0.0
     optimizer: Literal["adamax", "adamw"] = "adamax"  # adamw: ELECTRA's GLUE setting (docs/glue.md)
     # < 1: layer-wise LR decay; the head trains at lr, encoder layer i of L at lr·decay^(L+1−i), the embeddings
     # at lr·decay^(L+2) (docs/glue.md)
     layer_lr_decay: float = 1.0
-    betas: tuple[float, float] = (0.9, 0.98)  # the optimizer's β1, β2
-    eps: float = 1e-6  # the optimizer's ε
-    clip_norm: float = 1.0  # 0 = off
+    clip_norm: float = 1.0  # gradient-norm clipping bound of the classifier's parameters; 0 = no clipping
     dropout: float = 0.1  # encoder hidden dropout and classifier dropout
     max_seq_len: int = 256  # tokens per example, [CLS] and [SEP] included; longer ones are truncated
     seeds: list[int] = field(default_factory=lambda: [0])  # one run per seed; summary.json pools them
@@ -146,8 +142,16 @@ class OptimConfig:
             raise ConfigError(f"finetune.lr_select_frac: expected a fraction in (0, 1), got {self.lr_select_frac}")
         if not 0.0 < self.layer_lr_decay <= 1.0:
             raise ConfigError(f"finetune.layer_lr_decay: expected a factor in (0, 1], got {self.layer_lr_decay}")
-        if self.clip_norm < 0 or self.eps <= 0:
-            raise ConfigError("finetune.clip_norm must be >= 0 and finetune.eps > 0")
+        self.validate_optimizer("finetune")
+
+
+def finish_settings(settings: FinetuneSettings, backend: BackendConfig, launch: Launch) -> None:
+    """`backend.name: auto` (`megakd.finish.finish_backend`) and `finetune.precision: auto` made concrete in
+    place: bf16 on a CUDA device that supports it, fp32 on the CPU and under DeepSpeed, which refuses bf16
+    here (`megakd.finish.resolve_precision`); the run's config.yaml records both choices."""
+    finish_backend(backend, launch)
+    settings.precision = resolve_precision(settings.precision, device_type(settings.device),
+                                           bf16_allowed=backend.name != "deepspeed")
 
 
 @dataclass
@@ -234,7 +238,7 @@ class FinetuneConfig:
     run: FinetuneRunConfig = field(default_factory=FinetuneRunConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     model: ModelInitConfig = field(default_factory=ModelInitConfig)
-    finetune: OptimConfig = field(default_factory=OptimConfig)
+    finetune: FinetuneSettings = field(default_factory=FinetuneSettings)
     labelreg: LabelregConfig = field(default_factory=LabelregConfig)
     soteacher: SoTeacherConfig = field(default_factory=SoTeacherConfig)
     tgt: TGTConfig = field(default_factory=TGTConfig)
@@ -244,6 +248,11 @@ class FinetuneConfig:
     @property
     def metric(self) -> str:
         return self.task.metric or ("spearman" if self.task.num_labels == 1 else "accuracy")
+
+    def finish(self, launch: Launch) -> FinetuneConfig:
+        """This config finished in place, at the command's entry before anything is built (`finish_settings`)."""
+        finish_settings(self.finetune, self.backend, launch)
+        return self
 
     def validate(self) -> FinetuneConfig:
         """Each section's own checks, then those across sections.

@@ -12,8 +12,15 @@ from dataclasses import dataclass, field
 
 from megakd.config import BackendConfig, KernelsConfig, TaskConfig
 from megakd.configio import ConfigError, check_literals, shown
-from megakd.finetune.config import FinetuneConfig, FinetuneRunConfig, ModelInitConfig, OptimConfig
+from megakd.finetune.config import (
+    FinetuneConfig,
+    FinetuneRunConfig,
+    FinetuneSettings,
+    ModelInitConfig,
+    finish_settings,
+)
 from megakd.glue.tasks import TASKS, GlueTask, task_named
+from megakd.launch import Launch
 
 # ELECTRA's fine-tuning rate by model size (hidden width up to: rate): Small, Base, Large.
 ELECTRA_LRS = ((256, 3e-4), (768, 1e-4), (1 << 30, 5e-5))
@@ -44,7 +51,8 @@ class GlueSection:
 class GlueConfig:
     run: FinetuneRunConfig = field(default_factory=lambda: FinetuneRunConfig(dir="runs/glue"))
     model: ModelInitConfig = field(default_factory=ModelInitConfig)
-    finetune: OptimConfig = field(default_factory=OptimConfig)  # the settings of every task (configs/glue.yaml)
+    # the settings of every task (configs/glue.yaml)
+    finetune: FinetuneSettings = field(default_factory=FinetuneSettings)
     glue: GlueSection = field(default_factory=GlueSection)
     backend: BackendConfig = field(default_factory=BackendConfig)  # single, ddp or deepspeed (ZeRO 0-2)
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
@@ -54,6 +62,11 @@ class GlueConfig:
         """The tasks in the order they run: MNLI first when a task starts from its checkpoint."""
         tasks = [task_named(t) for t in self.glue.tasks]
         return sorted(tasks, key=lambda t: t.name != "mnli") if self.glue.from_mnli else tasks
+
+    def finish(self, launch: Launch) -> GlueConfig:
+        """This config finished in place, as fine-tuning's (`finish_settings`): every task's config copies it."""
+        finish_settings(self.finetune, self.backend, launch)
+        return self
 
     def validate(self) -> GlueConfig:
         g = self.glue

@@ -91,10 +91,11 @@ from megakd.config import BackendConfig
 from megakd.engine.deepspeed_backend import ProcessWideState, init_deepspeed
 from megakd.engine.deepspeed_config import EngineConfigs
 from megakd.engine.optim import param_groups
+from megakd.launch import Launch
 from megakd.models.electra import Discriminator
 from megakd.models.encoder import EncoderConfig
 
-rank, world, _ = init_deepspeed("gloo")
+rank, world, _ = init_deepspeed(Launch.from_environ(), "gloo")
 import deepspeed
 import deepspeed.comm as dcomm
 

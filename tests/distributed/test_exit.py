@@ -26,8 +26,9 @@ import sys
 import torch
 import torch.distributed as dist
 from megakd.engine.backends import exit_process, init_distributed
+from megakd.launch import Launch
 
-init_distributed("gloo")
+init_distributed(Launch.from_environ(), "gloo")
 group = dist.new_group([0, 1])
 kept = [dist.group.WORLD, group]  # as DeepSpeed keeps its groups
 tensor = torch.ones(3)

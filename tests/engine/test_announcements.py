@@ -18,12 +18,13 @@ import torch
 
 from megakd.config import load_config
 from megakd.data import default_corpus
+from megakd.data.loader import PretrainingLoader
 from megakd.data.shards import read_manifest
-from megakd.data.stream import PretrainingLoader
 from megakd.data.tokenizer import Tokenizer
 from megakd.engine import deepspeed_backend, loop, pretrain
 from megakd.engine.loop import Checkpointer, checkpoint_bytes
 from megakd.engine.units import Unit
+from megakd.launch import Launch
 from megakd.store.files import tree_bytes
 from tests.helpers import tiny_overrides
 from tests.remote_servers import http_server  # noqa: F401 (fixture)
@@ -97,14 +98,14 @@ def test_shm_comm_build_is_announced_before_deepspeed_joins_the_group(no_op_load
     from deepspeed.accelerator import get_accelerator
 
     seen = []
-    monkeypatch.setattr(deepspeed_backend, "init_distributed", lambda backend: (0, 1, 0))
+    monkeypatch.setattr(deepspeed_backend, "init_distributed", lambda launch, backend: (0, 1, 0))
     monkeypatch.setattr(deepspeed_backend, "create_process_group", lambda *args, **kwargs: None)
     monkeypatch.setattr(deepspeed_backend.dist, "get_backend", lambda: "gloo")
     monkeypatch.setattr(deepspeed, "init_distributed",
                         lambda **kwargs: seen.append(lines(caplog, "compiling DeepSpeed's deepspeed_shm_comm op")))
     monkeypatch.setenv("LOCAL_RANK", "0")
     with caplog.at_level(logging.INFO, logger="megakd.engine.deepspeed_backend"):
-        deepspeed_backend.init_deepspeed("gloo")
+        deepspeed_backend.init_deepspeed(Launch(), "gloo")
     [announced] = seen
     assert len(announced) == (get_accelerator()._name == "cpu")
     assert all(str(no_op_loaded / "deepspeed_shm_comm") in line for line in announced)
@@ -207,13 +208,13 @@ def test_the_first_shard_group_from_an_object_store_is_announced_before_it_is_re
         loader = PretrainingLoader(server.url, tokenizer, micro_batch_size=4, world_size=world)
         asked_before = server.requests  # the manifest
         handler = Snapshot(logging.INFO)
-        logging.getLogger("megakd.data.stream").addHandler(handler)
+        logging.getLogger("megakd.data.loader").addHandler(handler)
         try:
-            with caplog.at_level(logging.INFO, logger="megakd.data.stream"):
+            with caplog.at_level(logging.INFO, logger="megakd.data.loader"):
                 batches = iter(loader)
                 next(batches)
         finally:
-            logging.getLogger("megakd.data.stream").removeHandler(handler)
+            logging.getLogger("megakd.data.loader").removeHandler(handler)
             loader.close()
         [(line, asked)] = [(m, n) for m, n in seen if "reading shard group" in m]
         assert asked == asked_before < server.requests
@@ -222,7 +223,7 @@ def test_the_first_shard_group_from_an_object_store_is_announced_before_it_is_re
         assert 0.8 < said / (share * total) < 1.1, (line, total)
 
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="megakd.data.stream"):
+    with caplog.at_level(logging.INFO, logger="megakd.data.loader"):
         local = PretrainingLoader(shards_dir, tokenizer, micro_batch_size=4)
         next(iter(local))
         local.close()
@@ -326,5 +327,5 @@ def test_joining_the_launchers_process_group_is_announced_before_the_wait(monkey
     said = []
     monkeypatch.setattr(backends, "create_process_group", lambda *_: said.extend(lines(caplog, "joining")))
     with caplog.at_level(logging.INFO, logger="megakd.engine.backends"):
-        assert backends.init_distributed("gloo") == (0, 1, 0)
+        assert backends.init_distributed(Launch.from_environ(), "gloo") == (0, 1, 0)
     assert len(said) == 1 and "gloo process group of 1 ranks at 127.0.0.1:" in said[0]

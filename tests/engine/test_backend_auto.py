@@ -7,8 +7,10 @@ import yaml
 
 from megakd.cli import main
 from megakd.config import BackendConfig, Config, load_config
+from megakd.configio import config_to_dict
 from megakd.finetune.config import FinetuneConfig
-from megakd.finish import finish_backend
+from megakd.finish import finish_backend, finish_config
+from megakd.launch import Launch
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
 
@@ -25,7 +27,7 @@ def bare(monkeypatch):
     ({}, "auto", "single"),
     ({"RANK": "0", "WORLD_SIZE": "1"}, "auto", "single"),  # torchrun with one process
     ({"RANK": "1", "WORLD_SIZE": "2"}, "auto", "ddp"),
-    ({"SLURM_PROCID": "3", "SLURM_NTASKS": "4"}, "auto", "ddp"),  # srun: init_distributed reads these
+    ({"SLURM_PROCID": "3", "SLURM_NTASKS": "4"}, "auto", "ddp"),  # srun: Launch.from_environ reads these
     ({"SLURM_NTASKS": "4"}, "auto", "single"),  # an allocation, but no task of srun's
     ({"RANK": "1", "WORLD_SIZE": "2"}, "deepspeed", "deepspeed"),
     ({"RANK": "1", "WORLD_SIZE": "2"}, "single", "single"),  # explicit: refused later, by the backend
@@ -34,7 +36,7 @@ def test_auto_follows_the_launch_and_explicit_names_stay(bare, env, name, resolv
     for var, value in env.items():
         bare.setenv(var, value)
     backend = BackendConfig(name=name)
-    assert finish_backend(backend) == backend.name == resolved
+    assert finish_backend(backend, Launch.from_environ()) == backend.name == resolved
 
 
 def test_auto_is_the_default_of_both_trees():
@@ -52,16 +54,23 @@ def test_print_config_shows_the_backend_auto_resolves_to(bare, capsys, command, 
 
 
 @pytest.mark.parametrize("command", ["pretrain", "finetune"])
-def test_build_backend_records_what_auto_became(bare, command):
+def test_the_finished_config_names_the_backend_that_is_built_and_building_changes_nothing(bare, command):
+    launch = Launch.from_environ()
     if command == "pretrain":
         from megakd.engine.pretrain import build_backend
 
-        cfg = load_config("configs/electra-tiny.yaml")
+        cfg = finish_config(load_config("configs/electra-tiny.yaml"), launch=launch)
     else:
         from megakd.finetune.runtime import build_backend
 
-        cfg = load_config("configs/finetune-rt.yaml", cls=FinetuneConfig)
-    assert build_backend(cfg).name == cfg.backend.name == "single"  # the run's config.yaml says single
+        cfg = load_config("configs/finetune-rt.yaml", cls=FinetuneConfig).finish(launch)
+    finished = config_to_dict(cfg)
+    backend = build_backend(cfg, launch)
+    try:
+        assert backend.name == cfg.backend.name == "single"  # the run's config.yaml says single
+        assert config_to_dict(cfg) == finished
+    finally:
+        backend.close()
 
 
 @pytest.mark.parametrize("rank, lines", [("0", 1), ("1", 0)])

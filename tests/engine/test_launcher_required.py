@@ -8,6 +8,7 @@ import torch
 from megakd.cli import main
 from megakd.engine.backends import require_launcher
 from megakd.errors import UserError
+from megakd.launch import Launch
 from tests.distributed.harness import CONFIG
 from tests.helpers import tiny_overrides
 
@@ -35,16 +36,16 @@ def test_refused_before_the_run_dir_is_claimed(tiny_data, tmp_path, capsys, bare
 
 def test_a_launcher_environment_or_a_cpu_machine_passes(bare_cuda_process):
     with pytest.raises(UserError, match="launch/deepspeed.sh --num_gpus 1"):
-        require_launcher("deepspeed")
+        require_launcher("deepspeed", Launch.from_environ())
     bare_cuda_process.setenv("SLURM_PROCID", "0")
-    with pytest.raises(UserError):  # Slurm needs both variables, as init_distributed reads them
-        require_launcher("deepspeed")
+    with pytest.raises(UserError):  # Slurm needs both variables, as Launch.from_environ reads them
+        require_launcher("deepspeed", Launch.from_environ())
     bare_cuda_process.setenv("SLURM_NTASKS", "8")
-    require_launcher("deepspeed")
+    require_launcher("deepspeed", Launch.from_environ())
     for var in LAUNCHER_VARS:
         bare_cuda_process.delenv(var, raising=False)
     bare_cuda_process.setenv("RANK", "0")
-    require_launcher("ddp")
+    require_launcher("ddp", Launch.from_environ())
     bare_cuda_process.delenv("RANK")
     bare_cuda_process.setattr(torch.cuda, "is_available", lambda: False)
-    require_launcher("deepspeed")  # CPU: the lone process keeps its private gloo group
+    require_launcher("deepspeed", Launch.from_environ())  # CPU: the lone process keeps its private gloo group

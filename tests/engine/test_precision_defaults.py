@@ -11,12 +11,15 @@ import pytest
 import torch
 
 from megakd.config import ConfigError, load_config
-from megakd.engine.backends import cuda_tf32, resolve_precision
+from megakd.configio import config_to_dict
+from megakd.engine.backends import cuda_tf32
 from megakd.finetune import runtime
 from megakd.finetune.config import FinetuneConfig
+from megakd.finish import resolve_precision
+from megakd.launch import Launch
 from tests.finetune.test_distributed import REPO
 
-CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
+CPU, CUDA = "cpu", "cuda"
 
 
 def _tf32_switches() -> tuple:
@@ -46,10 +49,13 @@ def _finetune_config(*extra: str) -> FinetuneConfig:
 def test_finetune_defaults_to_auto_and_records_fp32_on_the_cpu():
     cfg = _finetune_config()
     assert (cfg.finetune.precision, cfg.finetune.tf32) == ("auto", True)
+    assert cfg.finish(Launch()) is cfg and cfg.finetune.precision == "fp32"  # finished before anything is built
+    finished = config_to_dict(cfg)
     before = _tf32_switches()
-    backend = runtime.build_backend(cfg)
+    backend = runtime.build_backend(cfg, Launch())
     try:
-        assert (backend.precision, cfg.finetune.precision, backend.device, backend.tf32) == ("fp32", "fp32", CPU, True)
+        assert (backend.precision, backend.device, backend.tf32) == ("fp32", torch.device(CPU), True)
+        assert config_to_dict(cfg) == finished  # building reads the finished config, never writes it
         backend.use_device_settings()  # what `prepare` does: nothing on the CPU
         assert _tf32_switches() == before
     finally:

@@ -98,8 +98,19 @@ class Layout:
         raise NotImplementedError
 
     def pipeline_units(self) -> tuple[Unit, Unit | None]:
-        """(generator unit, discriminator unit or None): the models a pipeline runs one after the other."""
+        """(generator unit, discriminator unit or None): the models a pipeline runs one after the other.
+
+        The pipeline's heads (megakd/engine/pipeline.py) compute what `micro_step` computes through the
+        layout's pieces (`generator_inputs`, and with a discriminator `corrupted`, `discriminator_inputs`
+        and `combined_loss`), so a change to the step is made here once.
+        """
         raise NotImplementedError(f"{self.name}: no pipeline-parallel form")
+
+    @staticmethod
+    def generator_inputs(batch: dict[str, Tensor], step: StepContext) -> tuple:
+        """The generator's loss module's arguments (the joint one's too): the micro-batch, the sampling
+        stream and the step index (DWT's α_s(t), the sampling temperature)."""
+        return batch, step.rng, step.index
 
     def train(self, mode: bool = True) -> None:
         for unit in self.units.values():
@@ -118,6 +129,15 @@ def _generator_loss(cfg: Config, generator: MaskedLM, kd: TeacherKD | None) -> G
     return GeneratorLoss(generator, cfg.kernels.backend, cfg.electra.temperature_schedule(cfg.train.max_steps), kd)
 
 
+def _generator_pass(layout: Layout, run: MicroBatchRun, batch: dict[str, Tensor], step: StepContext) -> dict:
+    """The `generator` unit's forward and backward on a micro-batch; its loss module's output."""
+    gen = layout.units["generator"]
+    with phase("generator"), run.unit(gen):
+        g = run.forward(gen, *layout.generator_inputs(batch, step))
+        run.backward(gen, g["loss"])
+    return g
+
+
 class MaskedLMOnly(Layout):
     """BERT-MLM: the generator alone, one unit."""
 
@@ -132,10 +152,7 @@ class MaskedLMOnly(Layout):
         return self.units["generator"]
 
     def micro_step(self, run, batch, step):
-        gen = self.generator
-        with phase("generator"), run.unit(gen):
-            g = run.forward(gen, batch, step.rng, step.index)
-            run.backward(gen, g["loss"])
+        g = _generator_pass(self, run, batch, step)
         return MicroStepOutput([g["loss"].detach()], g["stats"])
 
     def loss_modules(self):
@@ -174,16 +191,31 @@ class DecoupledElectra(Layout):
         return self.units["discriminator"]
 
     def micro_step(self, run, batch, step):
-        gen, disc = self.generator, self.discriminator
-        with phase("generator"), run.unit(gen):
-            g = run.forward(gen, batch, step.rng, step.index)
-            run.backward(gen, g["loss"])
+        g = _generator_pass(self, run, batch, step)
+        disc = self.discriminator
         with phase("discriminator"), run.unit(disc):
-            corrupted = corrupt(batch["input_ids"], batch["mlm_mask"], g["samples"], g["positions"])
-            d = run.forward(disc, corrupted, batch["input_ids"], batch["attention_mask"], batch.get("segment_ids"))
+            corrupted = self.corrupted(batch, g)
+            d = run.forward(disc, *self.discriminator_inputs(batch, corrupted))
             run.backward(disc, d["loss"])
         return MicroStepOutput([g["loss"].detach(), d["loss"].detach()], {**g["stats"], **d["stats"]},
                                rtd_logits=d["logits"], corrupted=corrupted)
+
+    @staticmethod
+    def corrupted(batch: dict[str, Tensor], g: dict) -> Tensor:
+        """The discriminator's input: the batch's ids with the generator's samples (`g`, its loss module's
+        output) at the masked positions."""
+        return corrupt(batch["input_ids"], batch["mlm_mask"], g["samples"], g["positions"])
+
+    @staticmethod
+    def discriminator_inputs(batch: dict[str, Tensor], corrupted: Tensor) -> tuple:
+        """The discriminator's loss module's arguments: RTD on `corrupted` against the batch's ids."""
+        return corrupted, batch["input_ids"], batch["attention_mask"], batch.get("segment_ids")
+
+    def combined_loss(self, mlm_loss: Tensor, rtd_loss: Tensor) -> Tensor:
+        """L_MLM + λ·L_RTD (λ: the discriminator's loss_scale), for a backend that runs both models in one
+        graph (the pipeline): its one backward gives both models the gradients of `micro_step`'s two (the
+        corrupted ids are integers, so no gradient crosses from the discriminator to the generator)."""
+        return mlm_loss + self.discriminator.loss_scale * rtd_loss
 
     def loss_modules(self):
         return [self.generator.loss_module, self.discriminator.loss_module]
@@ -225,7 +257,7 @@ class JointElectra(Layout):
     def micro_step(self, run, batch, step):
         unit = self.electra
         with run.unit(unit):
-            out = run.forward(unit, batch, step.rng, step.index)
+            out = run.forward(unit, *self.generator_inputs(batch, step))
             run.backward(unit, out["loss"])
         return MicroStepOutput([out["loss"].detach()], out["stats"], rtd_logits=out["logits"],
                                corrupted=out["corrupted"])

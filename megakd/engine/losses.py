@@ -72,6 +72,11 @@ class GeneratorLoss(nn.Module):
             SamplingTemperature(temperature)
         self.kd = kd
 
+    def with_model(self, model: MaskedLM) -> GeneratorLoss:
+        """This loss (kernel backend, temperature, teacher) around another model: the pipeline's head
+        module, whose model's encoder ran on earlier stages."""
+        return type(self)(model, self.kernel_backend, self.temperature, self.kd)
+
     def forward(self, batch: dict[str, torch.Tensor], rng: torch.Generator | None = None, step: int = 0) -> dict:
         """`rng` draws the replacements; `step` (the 0-based optimizer step) sets DWT's α_s(t) and
         the sampling temperature."""
@@ -139,6 +144,10 @@ class DiscriminatorLoss(nn.Module):
         super().__init__()
         self.model = model
         self.kernel_backend = kernel_backend
+
+    def with_model(self, model: Discriminator) -> DiscriminatorLoss:
+        """This loss around another model (see `GeneratorLoss.with_model`)."""
+        return type(self)(model, self.kernel_backend)
 
     def forward(self, corrupted: torch.Tensor, original: torch.Tensor, attention_mask: torch.Tensor,
                 segment_ids: torch.Tensor | None = None) -> dict:

@@ -15,14 +15,17 @@ the frozen teacher (`TeacherKD`, a plain object: no stage module, so DeepSpeed n
 nor updates it) reads them with the masks; `GeneratorLoss` adds the KD term there exactly as on
 every other backend, with α_s(t) from the step being computed.
 The MLM loss travels down the pipeline as a tensor (one float per micro-batch, where the masked
-hidden states would be [N, E] with N varying): the last stage returns L_MLM + λ·L_RTD. λ cannot
-reach the generator: its parameters get gradient only through L_MLM (the corrupted ids are
-integers and DecoupledOptim shares no embedding), so, as in the other backends, λ only scales
-the discriminator's gradient, whose clipping threshold is clip_norm·λ.
+hidden states would be [N, E] with N varying): the last stage returns L_MLM + λ·L_RTD (the layout's
+`combined_loss`). λ cannot reach the generator: its parameters get gradient only through L_MLM (the
+corrupted ids are integers and DecoupledOptim shares no embedding), so, as in the other backends, λ
+only scales the discriminator's gradient, whose clipping threshold is clip_norm·λ.
 
-The heads reuse the layout's `GeneratorLoss` / `DiscriminatorLoss` settings around `_Encoded`, a
-stand-in model whose encoder already ran on earlier stages; their statistics are summed on the
-stage that computes them and reduced over all ranks by the trainer, like every other backend's.
+The heads run the layout's own loss modules (`with_model`: the same settings) around `_Encoded`, a
+stand-in model whose encoder already ran on earlier stages, and take what they compute from the
+layout's step pieces, the ones its `micro_step` runs on every other backend (`generator_inputs`,
+`corrupted`, `discriminator_inputs`, `combined_loss`): an objective is written once, in the layout.
+Their statistics are summed on the stage that computes them and reduced over all ranks by the
+trainer, like every other backend's.
 DeepSpeed's `train_batch` has no way to hand a middle stage anything per call, so the step being
 computed (its index and sampling generator) is bound to the stage for the duration of that one
 call (`PipelineStage.running`) and unbound after it.
@@ -63,13 +66,13 @@ from megakd.engine.backends import (
 )
 from megakd.engine.deepspeed_backend import ProcessWideState, init_deepspeed
 from megakd.engine.deepspeed_config import EngineConfigs
-from megakd.engine.layouts import Layout
+from megakd.engine.layouts import DecoupledElectra, Layout
 from megakd.engine.losses import DiscriminatorLoss, GeneratorLoss
 from megakd.engine.units import StepContext, Unit
 from megakd.errors import UserError
+from megakd.launch import Launch
 from megakd.models.electra import MaskedLM
 from megakd.models.encoder import Encoder, run_layer
-from megakd.objectives.electra import corrupt
 from megakd.store.checkpoint import DEEPSPEED_TAG
 from megakd.store.checkpoint_models import WEIGHTS_SUFFIX
 from megakd.store.files import deepspeed_safe_loading, save_weights
@@ -168,17 +171,17 @@ class _Head(nn.Module):
 
 
 class _GeneratorHead(_Head):
-    """MLM loss at masked positions (plus DWT's KD term with `kd`); under ELECTRA also samples and
-    writes the corrupted ids."""
+    """The generator's loss module on the hidden states (MLM, plus DWT's KD term); under ELECTRA also
+    the corrupted ids. What it computes is the layout's (`Layout.generator_inputs`, `corrupted`)."""
 
     CONSUMED = ("hidden", "position_bias", "masked_input_ids")
 
-    def __init__(self, loss_module: GeneratorLoss, electra: bool):
+    def __init__(self, layout: Layout, loss_module: GeneratorLoss, electra: bool):
         super().__init__()
         # `task`, not `loss_module`: the module tree's name, which keys the head's parameters
         # (task.model.head.*) in DeepSpeed's pipeline checkpoints; renaming it would orphan them.
-        self.task = GeneratorLoss(_Encoded(loss_module.model), loss_module.kernel_backend, loss_module.temperature,
-                                  loss_module.kd)
+        self.task = loss_module.with_model(_Encoded(loss_module.model))
+        self.layout = layout  # a plain object: outside the module tree
         self.electra = electra
         self.step: StepContext | None = None  # bound by `PipelineStage.running` for one train_batch
 
@@ -188,35 +191,35 @@ class _GeneratorHead(_Head):
 
     def forward(self, state: dict) -> dict:
         self.task.model.hidden = state["hidden"]
-        # The student embedded its ids upstream; they are here only under DWT, for the teacher.
         if self.step is None:
             raise RuntimeError("pipeline generator head run outside PipelineStage.running(step)")
-        out = self.task({**state, "masked_input_ids": state.get("masked_input_ids")}, self.step.rng, self.step.index)
+        # The student embedded its ids upstream; they are here only under DWT, for the teacher.
+        batch = {**state, "masked_input_ids": state.get("masked_input_ids")}
+        out = self.task(*self.layout.generator_inputs(batch, self.step))
         self._add(out["stats"])
         if not self.electra:
             return {"loss": out["loss"]}
         rest = {k: v for k, v in state.items() if k not in self.CONSUMED}
-        corrupted = corrupt(state["input_ids"], state["mlm_mask"], out["samples"], out["positions"])
-        return {**rest, "corrupted": corrupted, "mlm_loss": out["loss"].reshape(1)}
+        return {**rest, "corrupted": self.layout.corrupted(state, out), "mlm_loss": out["loss"].reshape(1)}
 
 
 class _DiscriminatorHead(_Head):
-    """RTD loss; returns the step's loss L_MLM + λ·L_RTD."""
+    """The discriminator's loss module on the hidden states; returns the step's one loss, the layout's
+    `combined_loss` of the generator's (carried as `mlm_loss`) and its own."""
 
-    def __init__(self, loss_module: DiscriminatorLoss, loss_weight: float):
+    def __init__(self, layout: DecoupledElectra, loss_module: DiscriminatorLoss):
         super().__init__()
-        self.task = DiscriminatorLoss(  # `task`: see _GeneratorHead
-            _Encoded(loss_module.model), loss_module.kernel_backend)
-        self.loss_weight = loss_weight
+        self.task = loss_module.with_model(_Encoded(loss_module.model))  # `task`: see _GeneratorHead
+        self.layout = layout
 
     def keys_after(self, keys: set[str]) -> set[str]:
         return {"loss"}
 
     def forward(self, state: dict) -> dict:
         self.task.model.hidden = state["hidden"]
-        out = self.task(state["corrupted"], state["input_ids"], state["attention_mask"])
+        out = self.task(*self.layout.discriminator_inputs(state, state["corrupted"]))
         self._add(out["stats"])
-        return {"loss": state["mlm_loss"][0] + self.loss_weight * out["loss"]}
+        return {"loss": self.layout.combined_loss(state["mlm_loss"][0], out["loss"])}
 
 
 class PipelineStage(nn.Module):
@@ -277,11 +280,11 @@ def partition(weights: list[int], num_stages: int) -> list[int]:
 def build_stages(layout: Layout, num_stages: int) -> list[PipelineStage]:
     """The P stage modules over the layout's models (every rank builds all P; DeepSpeed keeps one)."""
     generator, discriminator = layout.pipeline_units()
-    head = _GeneratorHead(generator.loss_module, electra=discriminator is not None)
+    head = _GeneratorHead(layout, generator.loss_module, electra=discriminator is not None)
     items = _model_pieces(generator.model, head, "masked_input_ids", keep_masked_ids=layout.kd is not None)
     if discriminator is not None:
-        items += _model_pieces(discriminator.model,
-                               _DiscriminatorHead(discriminator.loss_module, discriminator.loss_scale), "corrupted")
+        items += _model_pieces(discriminator.model, _DiscriminatorHead(layout, discriminator.loss_module),
+                               "corrupted")
     bounds = partition([w for _, w in items], num_stages)
     stages, keys = [], set(DATA_KEYS)
     for s in range(num_stages):
@@ -405,11 +408,11 @@ class PipelineBackend(TrainingBackend):
     name = "pipeline"  # the config's backend.name stays deepspeed; backend.pipeline_stages > 1 selects this
     holds_whole_model = False
 
-    def __init__(self, engine_configs: EngineConfigs):
+    def __init__(self, engine_configs: EngineConfigs, launch: Launch):
         super().__init__(engine_configs.precision)
         self.num_stages = engine_configs.backend.pipeline_stages
         self.found = ProcessWideState()  # put back on close
-        self.rank, self.world_size, self.local_rank = init_deepspeed(engine_configs.backend.dist_backend)
+        self.rank, self.world_size, self.local_rank = init_deepspeed(launch, engine_configs.backend.dist_backend)
         self.device = default_device(self.local_rank)
         self.engine_configs = engine_configs
         if self.world_size % self.num_stages:

@@ -1,6 +1,6 @@
 """`megakd repro NAME`: the papers' findings re-run at CPU scale, written to docs/REPRODUCTION.md.
 
-Each finding is a module with `FULL` and `QUICK` settings (`runs.Settings`) and
+Each finding is a module with `FULL` and `QUICK` settings (`settings.Settings`) and
 `declare(run: FindingRun) -> report function`: it declares its jobs on `run`, and the returned
 function builds its section from their results once they have run. `--quick` runs the same code on
 tiny settings in a few minutes, for tests of the report's structure.
@@ -17,8 +17,10 @@ from typing import TYPE_CHECKING
 from megakd.repro.findings import ELECTRA_RECIPE_FINDINGS, FINDINGS, MODULES
 from megakd.repro.report import FindingReport, code_version, write_section
 
-if TYPE_CHECKING:  # runs imports torch and the engine; `megakd --help` needs only FINDINGS
-    from megakd.repro.runs import Costs, FindingRun, Job, Plan, ReportFn
+if TYPE_CHECKING:  # these import torch and the engine; `megakd --help` needs only FINDINGS
+    from megakd.repro.costs import Costs, Plan
+    from megakd.repro.finding_run import FindingRun, ReportFn
+    from megakd.repro.jobs import Job
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +30,8 @@ def declare(names: list[str], out: str | Path, work: str | Path, quick: bool = F
             seeds: tuple[int, ...] | None = None, recipe: str | Path | None = None, costs: Costs | None = None
             ) -> tuple[dict[str, FindingRun], dict[str, ReportFn], dict[str, Job]]:
     """Each finding's run and report function, and all their jobs (a job two findings share, once)."""
-    from megakd.repro.runs import Costs, FindingRun
+    from megakd.repro.costs import Costs
+    from megakd.repro.finding_run import FindingRun
 
     for name in names:
         if name not in MODULES:
@@ -54,7 +57,7 @@ def declare(names: list[str], out: str | Path, work: str | Path, quick: bool = F
 def plan_findings(names: list[str], work: str | Path, quick: bool = False, seeds: tuple[int, ...] | None = None,
                   recipe: str | Path | None = None, workers: int = 1, costs: Costs | None = None) -> Plan:
     """What running `names` would take with `workers` jobs at a time, from the cost model; nothing runs."""
-    from megakd.repro.runs import plan
+    from megakd.repro.costs import plan
 
     _, _, jobs = declare(names, Path(work) / "REPRODUCTION.md", work, quick, seeds, recipe, costs)
     return plan(jobs, workers)
@@ -64,7 +67,9 @@ def run_findings(names: list[str], out: str | Path, work: str | Path, quick: boo
                  seeds: tuple[int, ...] | None = None, recipe: str | Path | None = None, workers: int = 1,
                  costs: Costs | None = None) -> list[FindingReport]:
     """Run the findings' jobs and write (or replace) each finding's section in `out` as soon as its jobs are done."""
-    from megakd.repro.runs import Costs, execute, finding_jobs, plan
+    from megakd.repro.costs import Costs, plan
+    from megakd.repro.finding_run import finding_jobs
+    from megakd.repro.runner import execute
 
     costs = costs or Costs()
     measured_with = code_version()  # before anything runs: the code that measures

@@ -14,21 +14,19 @@ import math
 from pathlib import Path
 from statistics import fmean
 
+from megakd.engine.runlog import tail_mean
+from megakd.repro.finding_run import FindingRun, ReportFn
 from megakd.repro.report import FindingReport, mean_std_text, pyplot, save_figure
-from megakd.repro.runs import (
+from megakd.repro.settings import (
     FULL_FINETUNE,
     PRETRAIN_RECIPE,
     QUICK_FINETUNE,
     QUICK_PRETRAIN,
-    FindingRun,
-    ReportFn,
     Settings,
-    metric_rows,
     recipe_value,
-    seed_values,
-    tail_mean,
 )
 from megakd.repro.stats import claims_verdict, compare, draw_spread, over_draws
+from megakd.repro.training import metric_rows, seed_values
 
 GENERATOR_LR = 2e-4  # the paper's η_G, fixed in every arm
 RATIOS = (1.0, 3.75, 7.5, 15.0)  # η_D / η_G: equal rates, half the paper's ratio, the paper's, twice it
@@ -72,7 +70,7 @@ def declare(run: FindingRun) -> ReportFn:
         plot = _plot(measured, run.out_dir / "repro" / "disc_lr.png")
         setup = (f"`{run.command}`: `{run.recipe.name}` (DecoupledOptim) for {steps} steps with η_G fixed at the "
                  f"paper's {GENERATOR_LR:g} and η_D at {', '.join(f'{r:g}×' for r in RATIOS)} of it, each "
-                 f"pretrained {len(draws)} times (draws: train.seed {', '.join(map(str, draws))}); RTD F1 and "
+                 f"{run.pretrained_draws}; RTD F1 and "
                  "generator masked accuracy averaged over the last 10 % of logged steps (the discriminator against "
                  "its own generator); each discriminator fine-tuned on RT with `configs/finetune-rt.yaml`'s "
                  f"defaults, seeds {', '.join(map(str, run.seeds))}, dev accuracy mean ± std per draw. Rule, per "

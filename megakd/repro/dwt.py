@@ -18,21 +18,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from megakd.engine.runlog import tail_mean
+from megakd.repro.finding_run import FindingRun, ReportFn
 from megakd.repro.report import FindingReport, mean_std_text, pyplot, save_figure
-from megakd.repro.runs import (
-    CONFIGS,
-    FULL_FINETUNE,
-    QUICK_FINETUNE,
-    FindingRun,
-    ReportFn,
-    Settings,
-    last_value,
-    metric_rows,
-    recipe_value,
-    seed_values,
-    tail_mean,
-)
+from megakd.repro.settings import CONFIGS, FULL_FINETUNE, QUICK_FINETUNE, Settings, recipe_value
 from megakd.repro.stats import claims_verdict, compare, draws_verdict
+from megakd.repro.training import last_value, metric_rows, seed_values
 
 DISTILL_KEYS = ("temperature", "alpha_hard", "alpha_soft_start", "alpha_soft_end", "alpha_schedule")
 TEACHERS = {"weak": 4, "very weak": 2, "extremely weak": 1}  # teacher layers (the student has 6)
@@ -149,15 +140,14 @@ def declare(run: FindingRun) -> ReportFn:
 
 def _setup(run: FindingRun, steps: int, long: int, student_layers: int, width: int) -> str:
     """The report's setup paragraph: the arms, budgets and seeds of `declare`, and the rule it judges by."""
-    draws = run.settings.draws
     return (f"`{run.command}`: student `{run.recipe.name}` ({student_layers}-layer BERT-MLM) on the bundled "
             f"corpus. Short budget, {steps:,} steps: alone and distilled from teachers = the same recipe with "
             f"{', '.join(map(str, TEACHERS.values()))} layers (seed 0, same length), pretrained first, with "
             "`dwt-weak.yaml`'s loss weights (Normal: constant α_h:α_s = 1:1, τ = 1), and from the weak teacher "
             "with `dwt-weak-strong.yaml` (constant 1:4) and `dwt-weak-4to1.yaml` (α_s 4 → 1, linear); student "
             f"seeds {', '.join(map(str, run.seeds))}. Whole budget, {long:,} steps: random init against "
-            "remapping from a weak teacher of that length (Normal weights), student pretrained "
-            f"{len(draws)} times (draws: train.seed {', '.join(map(str, draws))}), each fine-tuned on RT with "
+            "remapping from a weak teacher of that length (Normal weights), student "
+            f"{run.pretrained_draws}, each fine-tuned on RT with "
             f"`configs/finetune-rt.yaml`'s defaults, seeds {', '.join(map(str, run.seeds))}. Student masked-LM "
             "loss and accuracy (hard cross-entropy only; the run sees each sample once, so these are losses on "
             "unseen text) over the last 10 % of logged steps; early = over "

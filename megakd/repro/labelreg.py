@@ -20,17 +20,11 @@ from __future__ import annotations
 from pathlib import Path
 from statistics import fmean
 
-from megakd.repro.report import FindingReport, mean_std_text, pyplot, save_figure
-from megakd.repro.runs import (
-    CONFIGS,
-    FULL_FINETUNE,
-    QUICK_FINETUNE,
-    FindingRun,
-    ReportFn,
-    Settings,
-    seed_values,
-)
+from megakd.repro.finding_run import FindingRun, ReportFn
+from megakd.repro.report import FindingReport, draw_bars, mean_std_text, pyplot, save_figure
+from megakd.repro.settings import CONFIGS, finetuning_settings
 from megakd.repro.stats import claims_verdict, compare, over_draws
+from megakd.repro.training import seed_values
 
 # The paper's Table 9 settings. kd's teacher is the larger shared encoder fine-tuned; selfkd's is a
 # fine-tuned copy of the student's own initialisation.
@@ -43,9 +37,7 @@ METHODS = {
 }
 TEACHER_SEED = 1000  # the teachers' fine-tuning seed, apart from the students' seeds
 RECIPE = CONFIGS / "bert-mini-long.yaml"  # pays off downstream at 4 x 128 (the module's docstring)
-FULL = Settings(RECIPE, seeds=(42, 549, 1237, 230, 805), finetune=FULL_FINETUNE,  # the paper's five
-                draws=(0, 1))
-QUICK = Settings(RECIPE, seeds=(0, 1), finetune=QUICK_FINETUNE, draws=(0, 1))
+FULL, QUICK = finetuning_settings(RECIPE, seeds=(42, 549, 1237, 230, 805))  # the paper's five
 PAPER = ("Kobyzev, Jafari et al., GLUE dev Score (mean ± std of 5 runs). Pretrained DistilRoBERTa (Table 1): "
          "fine-tune 82.64 ± 0.11, LS 82.78 ± 0.15, TF-reg 82.78 ± 0.29, self-KD 82.81 ± 0.19, KD 83.08 ± 0.14; "
          "the same architecture from random init (Table 7): 61.87 ± 0.21, LS 62.45 ± 0.45, TF-reg 62.35 ± 0.25, "
@@ -148,11 +140,7 @@ def _plot(measured: dict[int, dict[str, dict[str, list[float]]]], path: Path) ->
     first = next(iter(measured.values()))
     for ax, (init, by_method) in zip(axes, first.items()):
         per_draw = [[fmean(m[init][method]) for m in measured.values()] for method in by_method]
-        ax.bar(range(len(per_draw)), [fmean(v) for v in per_draw], alpha=0.6,
-               color=["tab:gray"] + ["tab:blue"] * (len(per_draw) - 1))
-        for x, values in enumerate(per_draw):
-            ax.plot([x] * len(values), values, "ko", markersize=3)
-        ax.set_xticks(range(len(per_draw)), list(by_method), fontsize=8)
+        draw_bars(ax, per_draw, list(by_method), ["tab:gray"] + ["tab:blue"] * (len(per_draw) - 1), fontsize=8)
         ax.set_title(f"{init} student")
         ax.set_ylabel("RT dev accuracy (mean over seeds)")
         ax.set_ylim(max(0.0, min(min(v) for v in per_draw) - 0.05), None)

@@ -23,11 +23,13 @@ from pathlib import Path
 import torch
 
 from megakd.config import load_config
-from megakd.engine.pretrain import build_trainer
-from megakd.engine.runlog import read_metrics
+from megakd.engine.pretrain import open_trainer
+from megakd.engine.runlog import read_metrics, tail_mean
+from megakd.repro.finding_run import FindingRun, ReportFn
 from megakd.repro.report import FindingReport, mean_std_text, pyplot, save_figure
-from megakd.repro.runs import CONFIGS, FindingRun, ReportFn, Settings, metric_rows, recipe_value, tail_mean
+from megakd.repro.settings import CONFIGS, Settings, recipe_value
 from megakd.repro.stats import claims_verdict
+from megakd.repro.training import metric_rows
 
 RECIPE = CONFIGS / "electra-tiny.yaml"
 LAMBDAS = (1.0, 10.0, 50.0)
@@ -56,7 +58,7 @@ QUICK_QUALITY_STEPS = 6  # --quick: Fig. 1.3's runs (full mode: the recipe's tra
 BARELY = 0.02  # Fig. 1.3 holds if λ moves the generator's masked accuracy by at most this (absolute) ...
 CLEARLY = 0.05  # ... and is reversed if it moves it by more than this
 RUN_OVERRIDES = ("run.export_hf=false", "run.plots=false", "run.tensorboard=false", "run.progress_bar=false",
-                 "train.log_every=1", "train.save_every=0", "train.precision=fp32")
+                 "train.log_every=1", "run.save_every=0", "train.precision=fp32")
 PAPER = ("Dissertation Ch. 1 (λ under DecoupledOptim vs original ELECTRA): with two Adam optimizers and no "
          "shared parameter, scaling the discriminator loss by λ scales its gradient by λ, which m/√v cancels up "
          "to ε, so λ changes no update and the generator never sees it; original ELECTRA (shared embeddings, one "
@@ -69,13 +71,13 @@ def _train(recipe: str | Path, cfg_overrides: list[str], work: Path
     """(parameters before, after, metrics rows) of one short pretraining run in a scratch dir under `work`."""
     run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=work))
     cfg = load_config(recipe, [*cfg_overrides, *RUN_OVERRIDES, f"run.dir={run_dir / 'run'}"])
-    trainer = build_trainer(cfg)
+    trainer = open_trainer(cfg)
     try:
         before = _named_parameters(trainer)
         trainer.train()
         after = _named_parameters(trainer)
     finally:
-        trainer.backend.close()
+        trainer.close()
     rows = read_metrics(run_dir / "run" / "metrics.jsonl")
     shutil.rmtree(run_dir)
     return before, after, rows

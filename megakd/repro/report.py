@@ -14,6 +14,7 @@ import re
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import fmean
 
 import yaml
 
@@ -248,6 +249,15 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def draw_bars(ax, per_draw: list[list[float]], labels: list[str], colors: list[str], **tick_text) -> None:
+    """A bar per arm at the mean over draws (of each draw's seed mean), a dot per draw: an effect shown beside
+    how far two pretraining draws of one arm land apart."""
+    ax.bar(range(len(per_draw)), [fmean(v) for v in per_draw], color=colors, alpha=0.6)
+    for x, values in enumerate(per_draw):
+        ax.plot([x] * len(values), values, "ko", markersize=3)
+    ax.set_xticks(range(len(per_draw)), labels, **tick_text)
 
 
 def save_figure(fig, path: Path) -> Path:

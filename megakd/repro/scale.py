@@ -20,7 +20,7 @@ from megakd.finish import finish_config
 from megakd.repro.dwt import TEACHERS as DWT_TEACHERS
 from megakd.repro.findings import FINDINGS, MODULES
 from megakd.repro.report import write_text_atomically
-from megakd.repro.runs import FINETUNE_RT, FULL_FINETUNE, Settings, finetuned_model, student_overrides
+from megakd.repro.settings import FINETUNE_RT, FULL_FINETUNE, Settings, finetuned_model, student_overrides
 from megakd.repro.soteacher import SOTEACHER_RT
 from megakd.repro.tgt import TGT_RT
 

@@ -14,22 +14,14 @@ from __future__ import annotations
 from pathlib import Path
 from statistics import fmean
 
-from megakd.repro.report import FindingReport, mean_std_text, pyplot, save_figure
-from megakd.repro.runs import (
-    CONFIGS,
-    FULL_FINETUNE,
-    PRETRAIN_RECIPE,
-    QUICK_FINETUNE,
-    FindingRun,
-    ReportFn,
-    Settings,
-)
+from megakd.repro.finding_run import FindingRun, ReportFn
+from megakd.repro.report import FindingReport, draw_bars, mean_std_text, pyplot, save_figure
+from megakd.repro.settings import CONFIGS, PRETRAIN_RECIPE, finetuning_settings
 from megakd.repro.stats import claims_verdict, compare, draw_spread, over_draws
 
 SOTEACHER_RT = CONFIGS / "soteacher-rt.yaml"
 TEACHERS = {"standard": ("soteacher.lambda_lr=0", "soteacher.lambda_cr=0"), "SoTeacher": ()}
-FULL = Settings(PRETRAIN_RECIPE, seeds=(0, 1, 2), finetune=FULL_FINETUNE, draws=(0, 1))
-QUICK = Settings(PRETRAIN_RECIPE, seeds=(0, 1), finetune=QUICK_FINETUNE, draws=(0, 1))
+FULL, QUICK = finetuning_settings(PRETRAIN_RECIPE, seeds=(0, 1, 2))
 # (summary part, metric, higher is better) of the claims the verdict tests: Table 2.3 before and after
 # temperature scaling (the paper's SoTeacher teachers stay better calibrated after it), and Table 2.4.
 CLAIMS = (("teacher", "ece", False), ("teacher", "nll", False), ("teacher", "ece_ts", False),
@@ -68,11 +60,9 @@ def declare(run: FindingRun) -> ReportFn:
             reason += " " + draw_spread({name: [fmean(measured[d][name]["student.agreement"]) for d in measured]
                                          for name in TEACHERS}, "standard", ["SoTeacher"], " agreement")
         plot = _plot(measured, run.out_dir / "repro" / "soteacher.png")
-        draws = run.settings.draws
         setup = (f"`{run.command}`: `configs/soteacher-rt.yaml` (λ_LR 1e-5, λ_CR 1 linear, {epochs} epochs; "
                  f"student: KD α 0.5, τ 4, τ²) on RT; teachers fine-tuned from {run.encoder} of {run.pretrained}, "
-                 f"pretrained {len(draws)} times (draws: train.seed "
-                 f"{', '.join(map(str, draws))}); students randomly initialised with the smaller shared student's "
+                 f"{run.pretrained_draws}; students randomly initialised with the smaller shared student's "
                  f"architecture (both models of the recipe at {run.student_size}; the scale table gives the size "
                  "ratio); seeds "
                  f"{', '.join(map(str, run.seeds))} (student s distils teacher s). "
@@ -106,9 +96,6 @@ def _plot(measured: dict[int, dict[str, dict[str, list[float]]]], path: Path) ->
     fig, axes = pyplot().subplots(1, len(CLAIMS), figsize=(3 * len(CLAIMS), 3))
     for ax, (part, metric, _) in zip(axes, CLAIMS):
         per_draw = [[fmean(by_name[name][f"{part}.{metric}"]) for by_name in measured.values()] for name in TEACHERS]
-        ax.bar(range(len(per_draw)), [fmean(v) for v in per_draw], color=["tab:gray", "tab:blue"], alpha=0.6)
-        for x, values in enumerate(per_draw):
-            ax.plot([x] * len(values), values, "ko", markersize=3)
-        ax.set_xticks(range(len(per_draw)), list(TEACHERS))
+        draw_bars(ax, per_draw, list(TEACHERS), ["tab:gray", "tab:blue"])
         ax.set_title(f"{part} {metric}")
     return save_figure(fig, path)

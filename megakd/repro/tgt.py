@@ -15,23 +15,15 @@ from __future__ import annotations
 from pathlib import Path
 from statistics import fmean
 
-from megakd.repro.report import FindingReport, mean_std_text, pyplot, save_figure
-from megakd.repro.runs import (
-    CONFIGS,
-    FULL_FINETUNE,
-    PRETRAIN_RECIPE,
-    QUICK_FINETUNE,
-    FindingRun,
-    ReportFn,
-    Settings,
-    seed_values,
-)
+from megakd.repro.finding_run import FindingRun, ReportFn
+from megakd.repro.report import FindingReport, draw_bars, mean_std_text, pyplot, save_figure
+from megakd.repro.settings import CONFIGS, PRETRAIN_RECIPE, finetuning_settings
 from megakd.repro.stats import claims_verdict, compare, draw_spread, over_draws
+from megakd.repro.training import seed_values
 
 TGT_RT = CONFIGS / "tgt-rt.yaml"
 LABELER_SEED = 1000  # the labeler's fine-tuning seed, apart from the students' seeds
-FULL = Settings(PRETRAIN_RECIPE, seeds=(0, 1, 2), finetune=FULL_FINETUNE, draws=(0, 1))
-QUICK = Settings(PRETRAIN_RECIPE, seeds=(0, 1), finetune=QUICK_FINETUNE, draws=(0, 1))
+FULL, QUICK = finetuning_settings(PRETRAIN_RECIPE, seeds=(0, 1, 2))
 PAPER = ("TGT (Teacher Guided Training), text classification (Amazon-5, IMDB, MNLI, Yelp-5; BART-base generator, "
          "RoBERTa labeler, DistilBERT student): TGT beats standard distillation, MATE-KD and UDA, and a "
          "randomly initialised student with TGT matches one-hot fine-tuning of a pretrained DistilBERT on Amazon-5 "
@@ -74,9 +66,8 @@ def declare(run: FindingRun) -> ReportFn:
         plot = _plot(measured, run.out_dir / "repro" / "tgt.png")
         draws = run.settings.draws
         setup = (f"`{run.command}`: RT, {epochs} epoch{'s' if epochs > 1 else ''}, `lr: auto`; generator = the "
-                 f"ELECTRA generator of {run.pretrained}, pretrained {len(draws)} times (draws: train.seed "
-                 f"{', '.join(map(str, draws))}); labeler = that draw's discriminator fine-tuned on RT "
-                 f"(seed {LABELER_SEED}; dev accuracy "
+                 f"ELECTRA generator of {run.pretrained}, {run.pretrained_draws}; labeler = that draw's "
+                 f"discriminator fine-tuned on RT (seed {LABELER_SEED}; dev accuracy "
                  f"{', '.join(f'{labeler_acc[d]:.3f} (draw {d})' for d in draws)}); students = the smaller shared "
                  f"student's architecture (both models of the recipe at {run.student_size}; the scale table gives "
                  f"the size ratio) at random init, seeds {', '.join(map(str, run.seeds))}. KD: α 0.5, "
@@ -108,10 +99,7 @@ def _plot(measured: dict[int, dict[str, list[float]]], path: Path) -> Path:
     fig, ax = pyplot().subplots(figsize=(5, 3.2))
     arms = list(next(iter(measured.values())))
     per_draw = [[fmean(by_arm[arm]) for by_arm in measured.values()] for arm in arms]
-    ax.bar(range(len(arms)), [fmean(v) for v in per_draw], color=["tab:gray", "tab:blue", "tab:purple"], alpha=0.6)
-    for x, values in enumerate(per_draw):
-        ax.plot([x] * len(values), values, "ko", markersize=3)
-    ax.set_xticks(range(len(arms)), arms)
+    draw_bars(ax, per_draw, arms, ["tab:gray", "tab:blue", "tab:purple"])
     ax.set_ylabel("RT dev accuracy (mean over seeds)")
     ax.set_ylim(max(0.0, min(min(v) for v in per_draw) - 0.05), None)
     return save_figure(fig, path)

@@ -13,20 +13,12 @@ import pytest
 
 from megakd.cli import main
 from megakd.repro import FINDINGS, plan_findings
+from megakd.repro.costs import Costs, plan
+from megakd.repro.jobs import Job
 from megakd.repro.labelreg import FULL as FULL_LABELREG
-from megakd.repro.runs import (
-    FULL_FINETUNE,
-    PRETRAIN_RECIPE,
-    QUICK_PRETRAIN,
-    RT_TRAIN_SENTENCES,
-    Costs,
-    Job,
-    _locked,
-    cached_run_dir,
-    execute,
-    plan,
-    pretrain,
-)
+from megakd.repro.runner import execute
+from megakd.repro.settings import FULL_FINETUNE, PRETRAIN_RECIPE, QUICK_PRETRAIN, RT_TRAIN_SENTENCES
+from megakd.repro.training import _locked, cached_run_dir, pretrain
 
 BUDGET_MINUTES = 360  # the whole report on 2 cores (docs/recipes.md, Budget)
 

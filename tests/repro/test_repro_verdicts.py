@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from megakd.engine.runlog import tail_mean
 from megakd.repro import disc_lr, dwt, labelreg, soteacher, tgt
-from megakd.repro.runs import tail_mean
 
 UP = [0.80, 0.82, 0.81]  # beats BASE in every seed by 0.05–0.07
 BASE = [0.75, 0.76, 0.74]

@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megakd.cli import main, run_report
+from megakd.cli import main
+from megakd.cli.pretrain import run_report
 from megakd.engine.runlog import metric_figures, plot_metrics, summarize_run
 from tests.helpers import tiny_overrides
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from megakd import cli
+from megakd.cli import data as data_cli
 from megakd.convert import save_hf_model
 from megakd.errors import UserError
 from megakd.models.electra import MaskedLM
@@ -183,9 +184,9 @@ def test_only_user_errors_become_one_line(monkeypatch, tmp_path, capsys):
         raise ValueError("internal invariant broken")
 
     args = ["data", "tokenizer", "--input", "x", "--vocab-size", "400", "--out", str(tmp_path / "o")]
-    monkeypatch.setattr(cli, "cmd_data_tokenizer", user_mistake)
+    monkeypatch.setattr(data_cli, "cmd_data_tokenizer", user_mistake)
     assert cli.main(args) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == "megakd: error: input x.txt: expected text"
-    monkeypatch.setattr(cli, "cmd_data_tokenizer", bug)
+    monkeypatch.setattr(data_cli, "cmd_data_tokenizer", bug)
     with pytest.raises(ValueError, match="internal invariant broken"):
         cli.main(args)

@@ -51,6 +51,19 @@ def tiny_overrides(tiny_data, run_dir, **extra) -> list[str]:
     return out
 
 
+def trained(cfg, resume: str | None = None, extend=None):
+    """The trainer of the run `cfg` describes, trained in the run shell (`open_trainer`, `Trainer.train`) and
+    closed however training ended; `extend(trainer)` adds hooks before a resumed checkpoint loads them."""
+    from megakd.engine.pretrain import open_trainer
+
+    trainer = open_trainer(cfg, resume, extend=extend)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    return trainer
+
+
 def padded_inputs(length: int = 40) -> dict:
     """Two random id rows of `length` tokens (no special ids), the first padded after 30."""
     import torch

@@ -19,7 +19,7 @@ ROOT = Path(__file__).parents[1]
 
 # Bottom to top. `kernels` (installed as megakd.kernels) knows nothing of megakd.
 LAYERS: list[set[str]] = [
-    {"kernels", "errors", "fsutil", "signals"},
+    {"kernels", "errors", "fsutil", "signals", "launch"},
     {"configio"},
     {"models", "objectives"},
     {"config"},
@@ -29,7 +29,6 @@ LAYERS: list[set[str]] = [
     {"engine"},
     {"finetune", "glue", "eval", "convert", "bench", "repro"},
     {"cli", "__init__"},
-    {"testing"},  # test support (tests/, tools/): on top, so no library module can import it
 ]
 LAYER_OF = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
 

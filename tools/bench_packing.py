@@ -84,13 +84,13 @@ def main() -> None:
         padded: dict[str, list[float]] = {name: [] for name in trainers}
         for i in range(args.warmup + args.steps):
             for name, trainer in trainers.items():
-                before = float(trainer.interval["tokens"])
+                before = float(trainer.loop.interval.sums["tokens"])
                 start = time.perf_counter()
                 trainer.train_step(batches[name])
                 elapsed = time.perf_counter() - start
                 if i >= args.warmup:
                     seconds[name].append(elapsed)
-                    tokens[name].append(float(trainer.interval["tokens"]) - before)
+                    tokens[name].append(float(trainer.loop.interval.sums["tokens"]) - before)
         for name, trainer in trainers.items():  # padded width of the batches these loaders produce
             it = iter(trainer.loader)
             padded[name] = [next(it)["input_ids"].numel() for _ in range(args.steps)]

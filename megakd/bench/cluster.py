@@ -25,6 +25,7 @@ from megakd.bench.roofline import matmul_seconds, phase_seconds
 from megakd.config import Config
 from megakd.engine.backends import default_device, init_distributed
 from megakd.engine.units import StepContext, untimed
+from megakd.launch import Launch
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +169,7 @@ def training_throughput(cfg: Config, steps: int, warmup: int, peak_tflops: float
     from megakd.engine.pretrain import build_trainer
 
     trainer = build_trainer(cfg)
-    backend, layout, rng = trainer.backend, trainer.layout, trainer.rng
+    backend, layout, rng = trainer.backend, trainer.layout, trainer.loop.streams.sampling
     batches: Iterator = iter(trainer.loader)
     step_index = 0
 
@@ -249,7 +250,7 @@ def _peak_memory(device: torch.device) -> tuple[int, str]:
 def run_bench(cfg: Config, *, parts: tuple[str, ...], sizes: list[int], iters: int, matmul_n: int,
               loader_batches: int, train_steps: int, train_warmup: int, peak_tflops: float | None) -> dict:
     """Every requested measurement, as one JSON-able dict (identical on all ranks)."""
-    rank, world, local_rank = init_distributed(cfg.backend.dist_backend)
+    rank, world, local_rank = init_distributed(Launch.from_environ(), cfg.backend.dist_backend)
     device = default_device(local_rank)
     out: dict = {"world_size": world, "device": torch.cuda.get_device_name(device) if device.type == "cuda"
                  else "cpu", "dist_backend": dist.get_backend() if _distributed() else None,

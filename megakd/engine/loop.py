@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from time import monotonic
@@ -29,13 +29,14 @@ from typing import Protocol
 
 import torch
 
-from megakd.data.stream import StoppedWaitingForData
+from megakd.data.loader import StoppedWaitingForData
 from megakd.engine.backends import STORAGE_FAILED, StepResult, TrainingBackend, stat_sums
+from megakd.engine.held_steps import end_held_step
 from megakd.engine.hooks import Checkpoints, Clock, Hook, Hooks, ProgressBar, StepHook
 from megakd.engine.layouts import Layout
 from megakd.engine.runlog import MetricsWriter
 from megakd.engine.session import RunSession, rng_state, seed_rng, set_rng_state, skipped_update
-from megakd.engine.units import StepContext, Unit, never
+from megakd.engine.units import StepContext, StepInput, Unit
 from megakd.errors import UserError
 from megakd.store import checkpoint
 from megakd.store.files import HASH_BYTES_PER_S, LONG_WAIT_S, StoreError, about, human_bytes
@@ -172,16 +173,6 @@ class Interval:
 
 
 # -- where a step's micro-batches come from ----------------------------------------------------------
-
-@dataclass
-class StepInput:
-    """One step's micro-batches and what the step's context carries besides the loop's own values."""
-
-    micro_batches: Iterator[dict]
-    epoch: int = 0
-    loss_weight: float = 1.0
-    held: Callable[[], bool] = never
-
 
 class StepSource(Stateful, Protocol):
     """Where each step's micro-batches come from (pretraining's shard loader, fine-tuning's epoch sampler)."""
@@ -408,27 +399,6 @@ class TrainingLoop:
         raise StoreError(f"{self.checkpointer.root}: rank 0 could not write the run's metrics (see its message); "
                          "stopped without saving")
 
-    def _stop_on_storage_failure(self, before: tuple[dict, dict], stop: bool) -> None:
-        """Some rank's storage failed for good, or a stop signal ended its wait for data, during a step that
-        every rank then skipped: save the run exactly as it was before that step (data position and random
-        streams rewound; the skipped step changed nothing else), so a resume continues bit-exactly. Then
-        stop with the failing rank's one-line error, or, where no rank of this one's failed and a stop was
-        asked for (`stop`), return as a preemption does."""
-        self.source.load_state_dict(before[0])
-        self.streams.load_state_dict(before[1])
-        path = self.save()
-        step = self.progress.step
-        if self.source.failure is not None:
-            log.warning("storage failed at step %d: saved %s; resume with --resume auto once it is back",
-                        step + 1, path)
-            raise self.source.failure
-        if stop:
-            return
-        from megakd.data.storage import StorageError
-
-        raise StorageError(f"step {step + 1}: another rank's storage failed (see its message); the run was saved "
-                           f"at step {step}")
-
     # -- the run --------------------------------------------------------------------------------------
     def hooks(self) -> Hooks:
         """In order: the log line, the job's evaluations, (rank 0) the metrics file, the progress bar,
@@ -469,8 +439,10 @@ class TrainingLoop:
                                     "continue with --resume auto", self.progress.step)
                         break
                     failed = result.skipped == STORAGE_FAILED
-                    if failed:
-                        self._stop_on_storage_failure(before, stop=result.stop)
+                    if failed:  # rewound to where the step began (it changed nothing else), saved, then ended
+                        self.source.load_state_dict(before[0])
+                        self.streams.load_state_dict(before[1])
+                        end_held_step(self.source.failure, self.save(), self.progress.step, stop=result.stop)
                     elif result.norms is not None or self.plan.count_skipped:
                         self._last_skipped = result.norms is None
                         hooks.after_step(self.progress.step, stopping=result.stop,

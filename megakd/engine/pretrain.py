@@ -1,4 +1,5 @@
-"""Assemble a pretraining run from a config: data, models, training layout, backend, trainer."""
+"""Pretraining and DWT as a job of the run shell (`megakd.engine.run`): data, models, training layout,
+backend and trainer, assembled from a finished config."""
 
 from __future__ import annotations
 
@@ -10,25 +11,26 @@ from pathlib import Path
 import torch
 
 from megakd.config import Config, ConfigError
+from megakd.data.loader import PretrainingLoader
 from megakd.data.shards import MANIFEST, read_manifest
 from megakd.data.storage import ShardStore
-from megakd.data.stream import PretrainingLoader
 from megakd.data.tokenizer import Tokenizer
 from megakd.engine import backend_factory
 from megakd.engine.backends import TrainingBackend
 from megakd.engine.hooks import Hook
 from megakd.engine.layouts import Layout, build_layout
 from megakd.engine.losses import TeacherKD
-from megakd.engine.trainer import Trainer, TrainResult
+from megakd.engine.run import Outcome, Resume, ResumePolicy, Run, run_job
+from megakd.engine.trainer import Trainer
 from megakd.engine.validation import VALID_SEED, Validator
 from megakd.engine.warm_start import warm_start
 from megakd.finish import bundled_vocab_size, finish_config
-from megakd.kernels import head_backward
+from megakd.launch import Launch
 from megakd.models.admin import admin_initialize, set_omegas
 from megakd.models.electra import Discriminator, MaskedLM
 from megakd.models.encoder import EncoderConfig
 from megakd.models.remap import remap_masked_lm
-from megakd.store import StoreError, check_same_tokenizer, checkpoint, freeze, load_model, rundir
+from megakd.store import StoreError, check_same_tokenizer, freeze, load_model, rundir
 from megakd.store.admin_profile import PROFILE_FILE, profile_record, read_profile, write_profile
 from megakd.store.files import about, first_line
 
@@ -39,9 +41,9 @@ log = logging.getLogger(__name__)
 PROFILE_FLOPS_PER_THREAD = 20e9
 
 
-def build_backend(cfg: Config) -> TrainingBackend:
+def build_backend(cfg: Config, launch: Launch) -> TrainingBackend:
     """The run's backend (`megakd.engine.backend_factory`); a DeepSpeed engine takes `train.micro_batch_size`."""
-    return backend_factory.build_backend(cfg.backend, cfg.train.precision, cfg.train.micro_batch_size,
+    return backend_factory.build_backend(cfg.backend, cfg.train.precision, cfg.train.micro_batch_size, launch,
                                          tf32=cfg.train.tf32)
 
 
@@ -76,12 +78,12 @@ def build_models(cfg: Config) -> tuple[MaskedLM, Discriminator | None]:
     """Both models, initialised identically on every rank from train.seed."""
     torch.manual_seed(cfg.train.seed)
     generator = MaskedLM(cfg.model.generator)
-    discriminator = Discriminator(cfg.model.discriminator) if cfg.model.objective == "electra" else None
+    discriminator = Discriminator(cfg.model.discriminator) if "discriminator" in cfg.model.built_models() else None
     return generator, discriminator
 
 
 def admin_profile(cfg: Config, models: list[MaskedLM | Discriminator | None], shards_dir: ShardStore,
-                  tokenizer: Tokenizer, backend: TrainingBackend, resume: str | None = None) -> Hook | None:
+                  tokenizer: Tokenizer, backend: TrainingBackend, resume: Resume | None = None) -> Hook | None:
     """Admin's one-batch profiling pass for models with `init: admin`, once per run.
 
     A resume from a checkpoint skips it: the checkpoint holds the trained ω. A restart of a run that
@@ -96,8 +98,9 @@ def admin_profile(cfg: Config, models: list[MaskedLM | Discriminator | None], sh
     Returns, on rank 0 after a fresh pass with a run.dir, the hook that saves the profile there once
     the run owns the directory (`SaveAdminProfile`); else None.
     """
+    resume = resume or Resume()
     admin = {_section(m): m for m in models if m is not None and m.config.init == "admin"}
-    if not admin or resumes_from_checkpoint(cfg, resume):
+    if not admin or resume.checkpoint is not None:
         return None
     path = Path(cfg.run.dir) / PROFILE_FILE if cfg.run.dir else None
     configs = {name: m.config for name, m in admin.items()}
@@ -105,7 +108,7 @@ def admin_profile(cfg: Config, models: list[MaskedLM | Discriminator | None], sh
     reused, error = False, None
     if backend.is_main:
         try:
-            if resume == "auto" and path is not None and path.exists():
+            if resume.requested == "auto" and path is not None and path.exists():
                 saved = read_profile(path, cfg.train.seed, configs)
                 omegas = {name: saved["models"][name]["omegas"] for name in admin}
                 reused = True
@@ -171,8 +174,8 @@ def _from_main(backend: TrainingBackend, error: BaseException | None, configs: d
 class SaveAdminProfile(Hook):
     """Rank 0 saves a fresh profile as run.dir/admin_profile.json once the run owns the directory.
 
-    The models are built before `Trainer.open_run` claims run.dir (a new run must find it unused), so
-    the file is written when the loop starts, before the first step. One that is already there is left
+    The models are built before the run starts (`Run.start`: a refused start leaves run.dir as it was),
+    so the file is written when the loop starts, before the first step. One that is already there is left
     alone. Failing to save only costs a later restart's pass, so it is a warning, not the run's end.
     """
 
@@ -226,32 +229,85 @@ def build_loader(cfg: Config, tokenizer: Tokenizer, shards_dir: ShardStore, micr
                                          pin_memory=torch.cuda.is_available())
 
 
-def build_trainer(cfg: Config, backend: TrainingBackend | None = None, resume: str | None = None) -> Trainer:
-    """The trainer for `cfg`; `resume` (as given to `Trainer.open_run`) only decides whether `init.*` is read.
+class PretrainingJob:
+    """`megakd pretrain` and `megakd distill` in the run shell: one training whose checkpoints are the run's.
 
-    The config is finished first, before anything is built: the data's tokenizer (the bundled corpus is
+    The config is finished here, before anything is built: the data's tokenizer (the bundled corpus is
     built if needed) fills `vocab_size: auto` and the pad id, the launch fills `backend.name: auto`.
+    `export(run_dir, out)`: the end-of-run export (the command's HuggingFace export,
+    `megakd.convert.export_run`) into run.dir/hf, under the run's lock, once the run finished.
     """
-    tokenizer_dir, shards_dir = resolve_data(cfg)
-    tokenizer = Tokenizer.load(tokenizer_dir)
-    finish_config(cfg, tokenizer)
-    backend = backend or build_backend(cfg)
+
+    policy = ResumePolicy()  # optim.* and the rest take effect when named with --allow-change
+    run_checkpoints = True
+
+    def __init__(self, cfg: Config, launch: Launch, export: Callable[[Path, Path], object] | None = None,
+                 extend: Callable[[Trainer], None] | None = None):
+        self.tokenizer_dir, self.shards = resolve_data(cfg)
+        self.tokenizer = Tokenizer.load(self.tokenizer_dir)
+        self.launch = launch
+        self.cfg = finish_config(cfg, self.tokenizer, launch=launch)
+        self.export = export
+        self.extend = extend  # adds a caller's hooks and stateful parts, before a checkpoint loads them
+        self.trainer: Trainer | None = None
+
+    def build_backend(self) -> TrainingBackend:
+        return build_backend(self.cfg, self.launch)
+
+    def build(self, run: Run) -> Trainer:
+        """The trainer, built knowing `run.resume`: a run that loads a checkpoint reads no `init.*` and
+        profiles nothing (the checkpoint overwrites both)."""
+        try:
+            self.trainer = _build_trainer(self.cfg, run, self.tokenizer, self.tokenizer_dir, self.shards)
+        except BaseException:
+            run.backend.close()  # a config error found while building must not leave a process group behind
+            raise
+        return self.trainer
+
+    def prepare(self, run: Run) -> None:
+        self.build(run)
+        if self.extend is not None:
+            self.extend(self.trainer)
+        if run.resume.checkpoint is not None:
+            self.trainer.load(run.resume)
+
+    def train(self, run: Run) -> Outcome:
+        return self.trainer.train(export=self.export)
+
+    def close(self) -> None:
+        if self.trainer is not None:
+            self.trainer.loader.close()  # its shard read-ahead, which an error or a stop signal may have left running
+
+
+def build_trainer(cfg: Config, backend: TrainingBackend | None = None, launch: Launch | None = None) -> Trainer:
+    """A trainer for `cfg` outside a run (benchmarks and tools drive `Trainer.train_step`): its run directory
+    is neither claimed nor resumed."""
+    job = PretrainingJob(cfg, launch or Launch.from_environ())
+    return job.build(Run(job, backend or job.build_backend()))
+
+
+def open_trainer(cfg: Config, resume: str | None = None, allow_change: tuple[str, ...] = (),
+                 backend: TrainingBackend | None = None, extend: Callable[[Trainer], None] | None = None,
+                 launch: Launch | None = None) -> Trainer:
+    """The shell's steps up to training (`run_job` without `train`), for callers that drive the trainer
+    themselves: `Trainer.train()`, then `Trainer.close()` ends the run. `extend(trainer)` adds hooks and
+    stateful parts (`Trainer.add_hook`) before a resumed checkpoint loads them."""
+    job = PretrainingJob(cfg, launch or Launch.from_environ(), extend=extend)
+    run = Run(job, backend or job.build_backend(), resume, allow_change)
     try:
-        return _build_trainer(cfg, backend, tokenizer, tokenizer_dir, shards_dir, resume)
+        run.open()
+        job.prepare(run)
+        run.start()
     except BaseException:
-        backend.close()  # a config error found while building must not leave a process group behind
+        job.close()
+        run.close()
         raise
+    return job.trainer
 
 
-def resumes_from_checkpoint(cfg: Config, resume: str | None) -> bool:
-    """Whether `open_run(resume)` will load a checkpoint (then the models' init is overwritten anyway)."""
-    if resume is None:
-        return False
-    return resume != "auto" or bool(checkpoint.list_checkpoints(Path(cfg.run.dir)))
-
-
-def _build_trainer(cfg: Config, backend: TrainingBackend, tokenizer: Tokenizer, tokenizer_dir: Path,
-                   shards_dir: ShardStore, resume: str | None) -> Trainer:
+def _build_trainer(cfg: Config, run: Run, tokenizer: Tokenizer, tokenizer_dir: Path, shards_dir: ShardStore
+                   ) -> Trainer:
+    backend = run.backend
     micro_batch, accumulation = cfg.batch_layout(backend.data_world_size)
     manifest = read_manifest(shards_dir)
     if manifest.get("packed") and cfg.backend.pipeline_stages > 1:
@@ -262,8 +318,8 @@ def _build_trainer(cfg: Config, backend: TrainingBackend, tokenizer: Tokenizer, 
         log.info("data: %s (%d samples, seq_len %d), tokenizer %s", shards_dir, manifest["num_samples"],
                  manifest["seq_len"], tokenizer_dir)
     generator, discriminator = build_models(cfg)
-    save_profile = admin_profile(cfg, [generator, discriminator], shards_dir, tokenizer, backend, resume)
-    if not resumes_from_checkpoint(cfg, resume):
+    save_profile = admin_profile(cfg, [generator, discriminator], shards_dir, tokenizer, backend, run.resume)
+    if run.resume.checkpoint is None:
         warm_start(cfg, tokenizer, generator, discriminator)
     if cfg.train.compile:
         compile_encoders([generator, discriminator])
@@ -272,7 +328,7 @@ def _build_trainer(cfg: Config, backend: TrainingBackend, tokenizer: Tokenizer, 
     backend.prepare(layout, accumulation)
     loader = build_loader(cfg, tokenizer, shards_dir, micro_batch, backend.data_rank, backend.data_world_size)
     validator = build_validator(cfg, tokenizer, shards_dir, micro_batch, backend, layout)
-    trainer = Trainer(cfg, backend, layout, loader, tokenizer_dir=tokenizer_dir, validator=validator)
+    trainer = Trainer(cfg, run, layout, loader, tokenizer_dir=tokenizer_dir, validator=validator)
     if save_profile is not None:
         trainer.add_hook(save_profile)
     return trainer
@@ -325,20 +381,15 @@ def _millions(model: torch.nn.Module) -> float:
 
 
 def run_pretraining(cfg: Config, resume: str | None = None, allow_change: tuple[str, ...] = (),
-                    export: Callable[[Path, Path], object] | None = None) -> TrainResult:
-    """Train (or continue) the run `cfg` describes; a run that finished ends with `export(run_dir, out)`
-    (the command's HuggingFace export, `megakd.convert.export_run`) into run.dir/hf, under the run's lock."""
-    trainer = build_trainer(cfg, resume=resume)
-    try:
-        with head_backward(cfg.kernels.head_backward):  # read by the fused head's loss (kernels/dispatch.py)
-            trainer.open_run(resume, allow_change)
-            return trainer.train(export=export)
-    finally:
-        trainer.close()
+                    export: Callable[[Path, Path], object] | None = None, launch: Launch | None = None) -> Outcome:
+    """Train (or continue) the run `cfg` describes, in the run shell; a run that finished ends with
+    `export(run_dir, out)` into run.dir/hf, under the run's lock. `launch`: the command's (read from the
+    environment here when a caller has none)."""
+    return run_job(PretrainingJob(cfg, launch or Launch.from_environ(), export), resume, allow_change)
 
 
 def run_distill(cfg: Config, resume: str | None = None, allow_change: tuple[str, ...] = (),
-                export: Callable[[Path, Path], object] | None = None) -> TrainResult:
+                export: Callable[[Path, Path], object] | None = None, launch: Launch | None = None) -> Outcome:
     """`megakd distill` (DWT, docs/methods.md § DWT): pretraining with `distill.teacher` required.
 
     The student is `model.generator`: a BERT-MLM (`model.objective=mlm`, DWT as published) or an
@@ -349,4 +400,4 @@ def run_distill(cfg: Config, resume: str | None = None, allow_change: tuple[str,
     if not cfg.distill.teacher:
         raise ConfigError("distill.teacher: expected a teacher (run, checkpoint, model dir or HF MLM dir); "
                           "without one use `megakd pretrain`")
-    return run_pretraining(cfg, resume=resume, allow_change=allow_change, export=export)
+    return run_pretraining(cfg, resume=resume, allow_change=allow_change, export=export, launch=launch)

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megakd.data.stream import StoppedWaitingForData
+from megakd.data.loader import StoppedWaitingForData
 from megakd.engine.backends import TrainingBackend
 from megakd.errors import UserError
 from megakd.signals import STOP_SIGNALS

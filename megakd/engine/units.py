@@ -7,7 +7,7 @@ Below both `megakd.engine.layouts` (which builds units and drives a micro-batch 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -49,6 +49,16 @@ def no_stop() -> tuple[bool, bool]:
 
 def never() -> bool:
     return False
+
+
+@dataclass
+class StepInput:
+    """One step's micro-batches and what the step's context carries besides the loop's own values."""
+
+    micro_batches: Iterator[dict]
+    epoch: int = 0
+    loss_weight: float = 1.0
+    held: Callable[[], bool] = never
 
 
 @dataclass(frozen=True)

@@ -1,20 +1,31 @@
-"""Which fine-tuning job a config asks for (plain or label-regularised, SoTeacher, TGT), in one place
-for the command line and for callers such as `megakd repro`."""
+"""Fine-tuning as a job of the run shell (`megakd.engine.run`), and which training a config asks for (plain
+or label-regularised, SoTeacher, TGT), in one place for the command line and for callers such as
+`megakd repro`."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
+from megakd.engine.backends import MicroBatchLoopBackend
+from megakd.engine.run import Outcome, ResumePolicy, Run, run_job
 from megakd.finetune.config import FinetuneConfig
-from megakd.finetune.runtime import Runtime
+from megakd.finetune.runtime import Runtime, build_backend, describe
 from megakd.finetune.soteacher import run_soteacher
 from megakd.finetune.tgt import run_tgt
 from megakd.finetune.trainer import run_finetune
-from megakd.kernels import head_backward
+from megakd.launch import Launch
 from megakd.objectives.labelreg import TEACHER_TARGETS
 from megakd.store import check_source
 
-Job = Callable[[FinetuneConfig, Runtime], dict]
+log = logging.getLogger(__name__)
+
+Training = Callable[[FinetuneConfig, Runtime], dict]  # a fine-tuning method: its trainings, then their summary
+
+# Besides the keys every job treats as steering (run.*, kernels.*, backend.dist_backend; see
+# megakd/store/rundir.py), these may differ when a fine-tuning run resumes: they change no number
+# that a finished seed or a checkpoint holds.
+STEERING = ("finetune.log_every", "finetune.eval_batch_size")
 
 
 def model_sources(cfg: FinetuneConfig) -> list[tuple[str, str]]:
@@ -30,7 +41,7 @@ def model_sources(cfg: FinetuneConfig) -> list[tuple[str, str]]:
     return [(key, path) for key, path in sources if path]
 
 
-def job_for(cfg: FinetuneConfig) -> Job:
+def job_for(cfg: FinetuneConfig) -> Training:
     """The job `cfg` asks for, once every model it reads is known to exist: a SoTeacher student's encoder
     is read after the teachers have trained, so a missing one would otherwise fail minutes in, after
     the run directory was made."""
@@ -43,12 +54,38 @@ def job_for(cfg: FinetuneConfig) -> Job:
     return run_finetune
 
 
-def run_job(cfg: FinetuneConfig) -> dict:
-    """The job in this process, owning `cfg.run.dir` (a new run) for its duration; its summary."""
-    runtime = Runtime(cfg)
-    try:
-        runtime.open()
-        with head_backward(cfg.kernels.head_backward):  # read by the fused head's loss (kernels/dispatch.py)
-            return job_for(cfg)(cfg, runtime)
-    finally:
-        runtime.close()
+class FinetuneJob:
+    """`megakd finetune` (and `megakd glue`, with its own `training`) in the run shell. Its trainings (a seed,
+    an LR trial, a GLUE task's seed) keep their own checkpoints: `--resume auto` reuses the finished ones
+    and continues each other from its newest (`Run.newest_checkpoint`); no state-bearing key may change."""
+
+    run_checkpoints = False
+
+    def __init__(self, cfg: FinetuneConfig, launch: Launch, training: Training | None = None,
+                 steering: tuple[str, ...] = (), name: str = "fine-tuning"):
+        self.cfg = cfg.finish(launch)  # a GlueConfig too: the same run, finetune and backend sections
+        self.launch = launch
+        self.training = training or job_for(cfg)
+        self.policy = ResumePolicy(steering=STEERING + steering, changeable=False,
+                                   why="finished seeds and checkpoints were made with the saved values; start a "
+                                       "new run.dir instead")
+        self.name = name
+        self.runtime: Runtime | None = None
+
+    def build_backend(self) -> MicroBatchLoopBackend:
+        return build_backend(self.cfg, self.launch)
+
+    def prepare(self, run: Run) -> None:
+        self.runtime = Runtime(run)
+
+    def train(self, run: Run) -> Outcome:
+        log.info("%s on %s", self.name, describe(self.runtime))
+        return Outcome(summary=self.training(self.cfg, self.runtime))
+
+    def close(self) -> None:
+        pass
+
+
+def finetune(cfg: FinetuneConfig, resume: str | None = None, launch: Launch | None = None) -> Outcome:
+    """The fine-tuning job `cfg` asks for, in the run shell (`launch`: the command's, else read here)."""
+    return run_job(FinetuneJob(cfg, launch or Launch.from_environ()), resume)

@@ -38,9 +38,11 @@ from megakd.config import ConfigError
 from megakd.data.tasks import EncodedTask
 from megakd.data.tokenizer import Tokenizer
 from megakd.finetune.config import FinetuneConfig, SoTeacherConfig
+from megakd.finetune.objectives import LabelregObjective, teacher_logits_for
 from megakd.finetune.runtime import Runtime
 from megakd.finetune.scores import agreement, calibration_report
-from megakd.finetune.trainer import LabelregObjective, SeedResult, run_seeds, summarize, teacher_logits_for
+from megakd.finetune.trainer import run_seeds, summarize
+from megakd.finetune.training import SeedResult
 from megakd.models.electra import SequenceClassifier
 from megakd.objectives.soteacher import consistency_loss, cr_weight_for_epoch, lipschitz_penalty
 

@@ -1,7 +1,7 @@
 """`megakd glue`: a model over the GLUE tasks with the papers' protocol, as a layer over `megakd finetune`.
 
 Every task is a fine-tuning run (`megakd.finetune.trainer.run_seeds`) in `run.dir/<task>/`, its seeds
-in `seed_<s>/`, on the command's one `Runtime` (its backend, run-dir lock and stop signals). After a
+in `seed_<s>/`, in the run shell as a fine-tuning job (`megakd.finetune.jobs.FinetuneJob`). After a
 task's seeds, this module scores each seed's dev predictions with the task's official metrics (MNLI:
 matched from the training's own evaluation, mismatched predicted by the seed's saved model), writes
 `<task>/task.json` (per seed, per metric; mean ± std and median), and predicts the test split(s) with
@@ -11,7 +11,7 @@ checkpoints). At the end: `results.json`, `results.md` and `submission.zip`.
 
 The log says the plan first (tasks, runs, optimizer steps: every train split is read once more for its
 size), then at each run's start which task of how many and which run of how many it is, and the time
-the runs left will take (`megakd.finetune.trainer.Trainings`).
+the runs left will take (`megakd.finetune.progress.Trainings`).
 """
 
 from __future__ import annotations
@@ -25,22 +25,21 @@ import numpy as np
 
 from megakd.configio import ConfigError
 from megakd.data.tasks import EncodedTask, Example, _spread
+from megakd.engine.run import Outcome, run_job
 from megakd.finetune.config import LabelregConfig, ModelInitConfig
+from megakd.finetune.jobs import FinetuneJob
 from megakd.finetune.models import load_pretrained
+from megakd.finetune.objectives import LabelregObjective
+from megakd.finetune.predict import predict
+from megakd.finetune.progress import Trainings, planned_steps
 from megakd.finetune.runtime import Runtime
 from megakd.finetune.scores import mean_std_record
-from megakd.finetune.trainer import (
-    LabelregObjective,
-    SeedResult,
-    Trainings,
-    model_max_len,
-    planned_steps,
-    predict,
-    run_seeds,
-)
+from megakd.finetune.trainer import model_max_len, run_seeds
+from megakd.finetune.training import SeedResult
 from megakd.glue.config import GlueConfig, electra_lr
 from megakd.glue.metrics import electra_score, glue_score, predictions, split_metrics, task_score
 from megakd.glue.tasks import AX, TASKS, GlueTask, read_split, split_source
+from megakd.launch import Launch
 from megakd.store import check_source
 from megakd.store.model_dir import load_classifier
 
@@ -66,6 +65,13 @@ def check_data(cfg: GlueConfig) -> None:
             read_split(cfg.glue.data_dir, task, split)
 
 
+def glue(cfg: GlueConfig, resume: str | None = None, launch: Launch | None = None) -> Outcome:
+    """`megakd glue`: the data checked before run.dir is touched, then every task in the run shell."""
+    check_data(cfg)
+    return run_job(FinetuneJob(cfg, launch or Launch.from_environ(), run_glue, steering=RESUMABLE_CHANGES, name="GLUE"),
+                   resume)
+
+
 def peak_lr(cfg: GlueConfig) -> float | list[float]:
     """`glue.lr` as fine-tuning's `finetune.lr`: `electra` becomes ELECTRA's rate for the model's width."""
     if cfg.glue.lr != "electra":
@@ -76,8 +82,8 @@ def peak_lr(cfg: GlueConfig) -> float | list[float]:
 
 
 def run_glue(cfg: GlueConfig, runtime: Runtime) -> dict:
-    """Every task of `glue.tasks` (MNLI first when others start from it); the results record. The caller has
-    run `check_data` before it opened the runtime."""
+    """Every task of `glue.tasks` (MNLI first when others start from it); the results record. `glue` has run
+    `check_data` before the run opened."""
     lr = peak_lr(cfg)
     tasks = cfg.task_list
     plan = {task.name: planned_steps(len(_limited(cfg, task, "train")), cfg.task_config(task, cfg.model, lr).finetune,

@@ -49,7 +49,7 @@ HISTORY_DIR = "config_history"
 # global, so an elastic resume continues the same sample order), and init.* (where step 0's weights
 # came from: a resumed run reads its checkpoint, never the init again). The saved state holds
 # nothing that depends on them, so they may differ at resume without being named.
-STEERING = ("run.", "train.max_steps", "train.log_every", "train.save_every", "train.max_bad_steps",
+STEERING = ("run.", "train.max_steps", "train.log_every", "train.max_bad_steps",
             "train.eval_every", "train.eval_samples", "train.probe_", "train.micro_batch_size", "init.",
             "data.num_workers", "data.cache_dir", "kernels.", "backend.dist_backend")
 # Model fields (under any model's section) that change how, not what, a model computes: the same
@@ -344,36 +344,42 @@ def flatten(d: dict, prefix: str = "") -> dict:
 PLAIN_STATE_BACKENDS = {"single", "ddp"}
 
 
-def _is_steering(key: str, old: Any, new: Any) -> bool:
+def _is_steering(key: str, old: Any, new: Any, steering: tuple[str, ...] = ()) -> bool:
     if key == "backend.name" and {old, new} <= PLAIN_STATE_BACKENDS:
         return True
-    return key.startswith(STEERING) or key.rsplit(".", 1)[-1] in STEERING_FIELDS
+    return key.startswith(STEERING + steering) or key.rsplit(".", 1)[-1] in STEERING_FIELDS
 
 
-def state_changes(saved: dict, current: dict) -> dict:
-    """{key: (old, new)} of every state-bearing key that differs (steering keys may change freely). Values
-    compare as saved, i.e. with credentials in URLs redacted (a URL's password is never in config.yaml)."""
+def state_changes(saved: dict, current: dict, steering: tuple[str, ...] = ()) -> dict:
+    """{key: (old, new)} of every state-bearing key that differs (steering keys, and the caller's `steering`,
+    may change freely). Values compare as saved, i.e. with credentials in URLs redacted (a URL's password
+    is never in config.yaml)."""
     old, new = flatten(redact_values(saved)), flatten(redact_values(current))
     return {key: (old.get(key), new.get(key)) for key in sorted(set(old) | set(new))
-            if old.get(key) != new.get(key) and not _is_steering(key, old.get(key), new.get(key))}
+            if old.get(key) != new.get(key) and not _is_steering(key, old.get(key), new.get(key), steering)}
 
 
-def check_changes(checkpoint: Path, saved: dict, current: dict, allowed: tuple[str, ...]) -> dict:
-    """Refuse unnamed or unchangeable state-bearing changes in one line; returns the allowed ones."""
-    state = state_changes(saved, current)
+def check_changes(where: Path, saved: dict, current: dict, allowed: tuple[str, ...], steering: tuple[str, ...] = (),
+                  fixed: str | None = None) -> dict:
+    """Refuse unnamed or unchangeable state-bearing changes in one line; returns the allowed ones.
+
+    `fixed`: every state-bearing key is unchangeable, for the reason given (a job whose finished parts
+    were made with the saved values); otherwise only the `FIXED` keys are, and `allowed` names the rest.
+    """
+    state = state_changes(saved, current, steering)
     unknown = sorted(set(allowed) - set(flatten(current)))
     if unknown:
         raise StoreError(f"--allow-change {unknown[0]}: not a config key")
-    fixed = {k: v for k, v in state.items() if k.startswith(FIXED)}
-    if fixed:
-        listed = "; ".join(f"{k}: {o!r} -> {n!r}" for k, (o, n) in fixed.items())
-        raise StoreError(f"{checkpoint}: cannot resume with a different {listed} (these keys fix the saved state's "
-                         "layout; start a new run instead)")
+    unchangeable = state if fixed is not None else {k: v for k, v in state.items() if k.startswith(FIXED)}
+    if unchangeable:
+        listed = "; ".join(f"{k}: {o!r} -> {n!r}" for k, (o, n) in unchangeable.items())
+        why = fixed or "these keys fix the saved state's layout; start a new run instead"
+        raise StoreError(f"{where}: cannot resume with a different {listed} ({why})")
     unnamed = {k: v for k, v in state.items() if k not in allowed}
     if unnamed:
         listed = "; ".join(f"{k}: {o!r} -> {n!r}" for k, (o, n) in unnamed.items())
         flags = " ".join(f"--allow-change {k}" for k in unnamed)
-        raise StoreError(f"{checkpoint}: config differs from the checkpoint in {listed}; resume with the saved "
+        raise StoreError(f"{where}: config differs from the checkpoint in {listed}; resume with the saved "
                          f"values, or make the change take effect with {flags}")
     return state
 

@@ -17,7 +17,7 @@ from megakd.config import ConfigError, load_config
 from megakd.convert import from_hf, save_model_dir, to_hf
 from megakd.data.tokenizer import Tokenizer, train_tokenizer
 from megakd.engine.losses import GeneratorLoss, TeacherKD
-from megakd.engine.pretrain import build_models, build_trainer, run_distill, run_pretraining
+from megakd.engine.pretrain import build_models, build_trainer, open_trainer, run_distill, run_pretraining
 from megakd.finish import finish_config
 from megakd.models.electra import MaskedLM
 from megakd.models.encoder import EncoderConfig
@@ -181,10 +181,13 @@ def test_dwt_run_kd_loss_falls_teacher_frozen(tiny_data, tmp_path, teacher_run):
     steps = 20
     cfg = _student_cfg(tiny_data, tmp_path / "student", teacher_run, **{"train.max_steps": steps,
                                                                          "optim.generator.lr": 3e-3})
-    trainer = build_trainer(cfg)
+    trainer = open_trainer(cfg)
     teacher = trainer.units["generator"].loss_module.kd.teacher
     before = {k: v.clone() for k, v in teacher.state_dict().items()}
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
     rows = _metrics(tmp_path / "student")
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     for r in rows:

@@ -130,7 +130,7 @@ def test_annealing_kd_schedule_and_loss_match_float64_reference():
     """Table 11's setting (τ_max 10, 20 phase-I epochs, 30 in all): T falls 10 → 1 over phase I, Φ(T) =
     1 − (T − 1)/τ_max scales the teacher's logits, phase II is CE on the labels."""
     from megakd.finetune.config import LabelregConfig
-    from megakd.finetune.trainer import LabelregObjective
+    from megakd.finetune.objectives import LabelregObjective
     from megakd.objectives.labelreg import akd_temperature, annealing_kd_loss
 
     temperatures = [akd_temperature(e, 20, 10.0) for e in range(30)]

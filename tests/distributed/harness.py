@@ -13,12 +13,14 @@ from pathlib import Path
 import torch
 
 from megakd.config import load_config
-from megakd.data.stream import PretrainingLoader
+from megakd.data.loader import PretrainingLoader
 from megakd.data.tokenizer import Tokenizer
 from megakd.engine.backends import free_local_port
-from megakd.engine.pretrain import build_trainer
+from megakd.engine.pretrain import PretrainingJob
+from megakd.engine.run import Run
 from megakd.engine.runlog import read_metrics as read_metrics_file
 from megakd.engine.trainer import Trainer
+from megakd.launch import Launch
 from megakd.store.checkpoint import latest_checkpoint
 from megakd.store.checkpoint_models import read_unit_state
 
@@ -147,20 +149,28 @@ class _RankRngLayout:
 def reference_run(overrides: list[str], world: int) -> Path:
     """Train with the `single` backend on exactly the global batches a `world`-rank run sees."""
     cfg = load_config(CONFIG, [*overrides, "backend.name=single"])
-    base = build_trainer(cfg)  # micro-batch as in the parallel run, so `world` x its accumulation
-    tokenizer = Tokenizer.load(cfg.data.tokenizer)
-    loaders = [PretrainingLoader(cfg.data.shards, tokenizer, micro_batch_size=cfg.train.micro_batch_size, rank=r,
-                                 world_size=world, seed=cfg.train.seed, mask_prob=cfg.data.mask_prob)
-               for r in range(world)]
-    rngs = []
-    for r in range(world):
-        # The sampling generator a rank-r trainer owns (checked against the trainer for rank 0).
-        rngs.append(torch.Generator().manual_seed(cfg.train.seed * 100_003 + r))
-    if not torch.equal(rngs[0].get_state(), base.rng.get_state()):
-        raise AssertionError("the trainer's sampling-generator seeding changed: update reference_run")
-    # Micro-batch i of a step is what rank i sees, and its replacements are sampled with rank i's
-    # generator, so the step's summed gradient is the data-parallel one: only summation order differs.
-    replay = Trainer(cfg, base.backend, _RankRngLayout(base.layout, rngs), _RankInterleaved(loaders),
-                     tokenizer_dir=base.tokenizer_dir, validator=base.validator)
-    replay.train()
+    job = PretrainingJob(cfg, Launch())  # one process
+    run = Run(job, job.build_backend())  # the run shell's steps (`run_job`), training the replay in the job's place
+    try:
+        run.open()
+        base = job.build(run)  # micro-batch as in the parallel run, so `world` x its accumulation
+        tokenizer = Tokenizer.load(cfg.data.tokenizer)
+        loaders = [PretrainingLoader(cfg.data.shards, tokenizer, micro_batch_size=cfg.train.micro_batch_size,
+                                     rank=r, world_size=world, seed=cfg.train.seed, mask_prob=cfg.data.mask_prob)
+                   for r in range(world)]
+        rngs = []
+        for r in range(world):
+            # The sampling generator a rank-r trainer owns (checked against the trainer for rank 0).
+            rngs.append(torch.Generator().manual_seed(cfg.train.seed * 100_003 + r))
+        if not torch.equal(rngs[0].get_state(), base.loop.streams.sampling.get_state()):
+            raise AssertionError("the trainer's sampling-generator seeding changed: update reference_run")
+        # Micro-batch i of a step is what rank i sees, and its replacements are sampled with rank i's
+        # generator, so the step's summed gradient is the data-parallel one: only summation order differs.
+        replay = Trainer(cfg, run, _RankRngLayout(base.layout, rngs), _RankInterleaved(loaders),
+                         tokenizer_dir=base.tokenizer_dir, validator=base.validator)
+        run.start()
+        replay.train()
+    finally:
+        job.close()
+        run.close()
     return Path(cfg.run.dir)

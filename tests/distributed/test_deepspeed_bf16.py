@@ -44,10 +44,10 @@ ACCUMULATION_PROBE = """
 import json, sys
 import torch
 from megakd.config import load_config
-from megakd.engine.pretrain import build_trainer
+from megakd.engine.pretrain import open_trainer
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 
-trainer = build_trainer(load_config(sys.argv[1], sys.argv[2:]))
+trainer = open_trainer(load_config(sys.argv[1], sys.argv[2:]))
 out = {}
 for unit in trainer.units.values():
     engine = unit.wrapped
@@ -60,7 +60,7 @@ for unit in trainer.units.values():
                       "optimizer": type(optimizer).__name__, "accumulation": engine.gradient_accumulation_steps()}
 out["step"] = trainer.train().step
 print("RESULT", json.dumps(out))
-trainer.backend.close()
+trainer.close()
 """
 
 

@@ -38,6 +38,7 @@ from megakd.config import BackendConfig
 from megakd.engine.backends import exit_process, leave_process_group
 from megakd.engine.deepspeed_backend import init_deepspeed
 from megakd.engine.deepspeed_config import EngineConfigs
+from megakd.launch import Launch
 
 SIZES, ACCUMULATION = (3000, 700, 24, 1500), 2
 
@@ -57,7 +58,7 @@ class Probe(torch.nn.Module):
         return sum((w * x.to(w.dtype)).sum() for w, x in zip(self.ws, xs))
 
 
-rank, world, _ = init_deepspeed("gloo")
+rank, world, _ = init_deepspeed(Launch.from_environ(), "gloo")
 generator = torch.Generator().manual_seed(0)
 data = [[[bf16_exact(generator, n) for n in SIZES] for _ in range(ACCUMULATION)] for _ in range(world)]
 terms = [[data[r][m][i] for r in range(world) for m in range(ACCUMULATION)] for i in range(len(SIZES))]
@@ -111,19 +112,18 @@ def test_bf16_gradients_are_summed_across_ranks_in_fp32(tmp_path):
 # during backward, plus the last bucket's at the end of backward).
 TRAIN_PROBE = """
 import json, sys
-import torch.distributed as dist
 from megakd.config import load_config
-from megakd.engine.backends import exit_process, leave_process_group
-from megakd.engine.pretrain import build_trainer
+from megakd.engine.backends import exit_process
+from megakd.engine.pretrain import open_trainer
+from tests.distributed.worker import one_process_group
 
-spec = json.loads(sys.argv[1])
-out = {}
-for name, overrides in spec["runs"].items():
-    trainer = build_trainer(load_config(spec["config"], overrides))
-    out[name] = {}
+
+def train(overrides):
+    trainer = open_trainer(load_config(spec["config"], overrides))
+    out = {}
     for unit in trainer.units.values():
         engine, zero = unit.wrapped, unit.wrapped.optimizer
-        calls = out[name][unit.name] = {
+        calls = out[unit.name] = {
             "overlap_comm": [engine.zero_overlap_comm(), zero.overlap_comm],
             "contiguous_gradients": [engine.zero_contiguous_gradients(), zero.contiguous_gradients],
             "reduce_bucket_size": [engine.zero_reduce_bucket_size(), zero.reduce_bucket_size],
@@ -135,12 +135,20 @@ for name, overrides in spec["runs"].items():
             return reduce(tensor, dtype)
 
         zero.average_tensor = counted
-    trainer.open_run(None)
-    trainer.train()  # the backend stays open: closing it leaves the process group the next run needs
-if dist.get_rank() == 0:
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    return out, trainer.backend.is_main
+
+
+spec = json.loads(sys.argv[1])
+out = {}
+with one_process_group():
+    for name, overrides in spec["runs"].items():
+        out[name], main = train(overrides)
+if main:
     print("RESULT", json.dumps(out))
-dist.barrier()
-leave_process_group()
 exit_process(0)
 """
 

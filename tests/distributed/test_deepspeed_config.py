@@ -12,7 +12,7 @@ from megakd.cli import main
 from megakd.config import BackendConfig, ConfigError, load_config
 from megakd.engine.deepspeed_backend import cpu_adam_like
 from megakd.engine.deepspeed_config import EngineConfigs, merge_user_config
-from megakd.engine.pretrain import build_trainer
+from megakd.engine.pretrain import open_trainer
 from tests.distributed.harness import (
     CONFIG,
     assert_metrics_close,
@@ -61,7 +61,7 @@ def test_the_engine_runs_with_the_merged_config(tiny_data, tmp_path):
         "backend.name": "deepspeed", "backend.zero_stage": 3, "backend.deepspeed_config": str(user),
         "train.max_steps": 1, "run.export_hf": "false"}))
     linear, local_rank = torch.nn.functional.linear, os.environ.get("LOCAL_RANK")
-    trainer = build_trainer(cfg)
+    trainer = open_trainer(cfg)
     try:
         assert torch.nn.functional.linear is not linear  # ZeRO-3's memory-efficient linear, while open
         for unit in trainer.units.values():
@@ -71,7 +71,7 @@ def test_the_engine_runs_with_the_merged_config(tiny_data, tmp_path):
             assert engine.gradient_clipping() == pytest.approx(unit.max_grad_norm)
         assert trainer.train().step == 1
     finally:
-        trainer.backend.close()
+        trainer.close()
     assert torch.nn.functional.linear is linear and os.environ.get("LOCAL_RANK") == local_rank
 
 

@@ -1,6 +1,6 @@
 """Elastic resume through the trainer: 2 -> 1 and 1 -> 2 gloo processes, 0 -> 2 data workers.
 
-The data position is global (megakd/data/stream.py), so with dropout off and no sampling (BERT-MLM)
+The data position is global (megakd/data/order.py), so with dropout off and no sampling (BERT-MLM)
 a run that changes its layout at step 2 follows the uninterrupted run: same global batches, the
 only difference the order of float32 sums (tests/distributed/harness.py's tolerances). The
 loader-level tests in tests/data/test_stream.py check the per-epoch multiset of sample indices
@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from megakd.config import load_config
-from megakd.engine.pretrain import build_trainer
+from megakd.engine.pretrain import run_pretraining
 from tests.distributed.harness import (
     CONFIG,
     assert_metrics_close,
@@ -43,11 +43,7 @@ def _assert_validation_close(got: list[dict], want: list[dict]) -> None:
 
 
 def _single(tiny_data, run, resume=None, **extra):
-    cfg = load_config(CONFIG, _overrides(tiny_data, run, **extra))
-    trainer = build_trainer(cfg)
-    if resume:
-        trainer.open_run(str(resume))
-    trainer.train()
+    run_pretraining(load_config(CONFIG, _overrides(tiny_data, run, **extra)), str(resume) if resume else None)
 
 
 def test_two_to_one_and_one_to_two_processes_follow_the_uninterrupted_run(tiny_data, tmp_path):

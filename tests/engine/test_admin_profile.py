@@ -11,13 +11,16 @@ import pytest
 import torch
 
 from megakd.config import load_config
+from megakd.configio import save_config
 from megakd.data.tokenizer import Tokenizer
 from megakd.engine import pretrain
 from megakd.engine.backends import SingleProcessBackend
 from megakd.engine.hooks import Hook
+from megakd.engine.run import Resume
 from megakd.store import StoreError, checkpoint
 from megakd.store.admin_profile import PROFILE_FILE, read_profile, write_profile
-from tests.helpers import tiny_overrides
+from megakd.store.rundir import RunDirLock
+from tests.helpers import tiny_overrides, trained
 
 TINY = "configs/electra-tiny.yaml"
 ADMIN = {"model.generator.init": "admin", "model.discriminator.init": "admin"}
@@ -39,18 +42,6 @@ def passes(monkeypatch) -> list[int]:
 
     monkeypatch.setattr(pretrain, "admin_initialize", counted)
     return seen
-
-
-def _train(cfg, resume=None, hook: Hook | None = None):
-    trainer = pretrain.build_trainer(cfg, resume=resume)
-    if hook is not None:
-        trainer.add_hook(hook)
-    try:
-        trainer.open_run(resume)
-        trainer.train()
-    finally:
-        trainer.close()
-    return trainer
 
 
 def _weights(trainer) -> dict[str, torch.Tensor]:
@@ -82,18 +73,19 @@ class _NodeLost(Hook):
 
 def _died_before_first_checkpoint(tiny_data, run) -> None:
     with pytest.raises(RuntimeError, match="node lost"):
-        _train(_cfg(tiny_data, run, **{"train.max_steps": 2, "train.save_every": 0}), hook=_NodeLost(at=1))
+        trained(_cfg(tiny_data, run, **{"train.max_steps": 2, "train.save_every": 0}),
+                extend=lambda trainer: trainer.add_hook(_NodeLost(at=1)))
     assert checkpoint.list_checkpoints(run) == [] and (run / PROFILE_FILE).is_file()
 
 
 def test_a_resume_from_a_checkpoint_does_not_profile_and_ends_as_the_uninterrupted_run(tiny_data, tmp_path, passes):
     steps = {"train.max_steps": 2, "train.save_every": 1}
-    full = _train(_cfg(tiny_data, tmp_path / "full", **steps))
+    full = trained(_cfg(tiny_data, tmp_path / "full", **steps))
     assert passes == [1, 2]  # generator, discriminator
     run = tmp_path / "resumed"
-    _train(_cfg(tiny_data, run, **{**steps, "train.max_steps": 1}))
+    trained(_cfg(tiny_data, run, **{**steps, "train.max_steps": 1}))
     del passes[:]
-    resumed = _train(_cfg(tiny_data, run, **steps), resume="auto")
+    resumed = trained(_cfg(tiny_data, run, **steps), "auto")
     assert passes == [] and resumed.step == 2
     _assert_equal(_weights(full), _weights(resumed))
 
@@ -108,11 +100,10 @@ def test_a_restart_before_the_first_checkpoint_reads_the_saved_profile(tiny_data
     steps = {"train.max_steps": 1, "train.save_every": 0}
     start, end = {}, {}
     for name, resume in (("restarted", "auto"), ("fresh", None)):  # one after the other: dropout draws from
-        trainer = pretrain.build_trainer(_cfg(tiny_data, tmp_path / "run" if resume else tmp_path / name, **steps),
-                                         resume=resume)  # the global generator, which a build seeds
+        trainer = pretrain.open_trainer(_cfg(tiny_data, tmp_path / "run" if resume else tmp_path / name, **steps),
+                                        resume)  # the global generator, which a build seeds
         start[name], omegas = _weights(trainer), _omegas(trainer)
         try:
-            trainer.open_run(resume)
             trainer.train()
         finally:
             trainer.close()
@@ -128,7 +119,7 @@ def test_a_restart_before_the_first_checkpoint_reads_the_saved_profile(tiny_data
 def test_a_run_that_fails_in_its_first_step_still_saves_the_profile(tiny_data, tmp_path):
     """The loop saves it before its first step: the ω the run was built with, read back intact."""
     run = tmp_path / "run"
-    trainer = pretrain.build_trainer(_cfg(tiny_data, run, **{"train.max_steps": 1}))
+    trainer = pretrain.open_trainer(_cfg(tiny_data, run, **{"train.max_steps": 1}))
     built = _omegas(trainer)
 
     def out_of_memory(_):
@@ -137,7 +128,6 @@ def test_a_run_that_fails_in_its_first_step_still_saves_the_profile(tiny_data, t
     trainer.loop.step = out_of_memory
     with pytest.raises(RuntimeError, match="out of memory"):
         try:
-            trainer.open_run(None)
             trainer.train()
         finally:
             trainer.close()
@@ -148,7 +138,7 @@ def test_a_run_that_fails_in_its_first_step_still_saves_the_profile(tiny_data, t
 
 
 def _finished(tiny_data, run):
-    """(config as build_trainer finishes it, tokenizer, shards): what `admin_profile` takes."""
+    """(config as `PretrainingJob` finishes it, tokenizer, shards): what `admin_profile` takes."""
     cfg = _cfg(tiny_data, run)
     tokenizer = Tokenizer.load(tiny_data[0])
     pretrain.finish_config(cfg, tokenizer)
@@ -215,13 +205,17 @@ def test_a_damaged_or_foreign_profile_is_refused_in_one_line_and_left_as_it_is(t
     path = run / PROFILE_FILE
     bad = make(_valid_profile(tiny_data, run))
     path.write_bytes(bad)
+    with RunDirLock(run) as lock:  # the run that wrote it died before its first checkpoint
+        lock.announce()
+    save_config(_finished(tiny_data, run)[0], run / "config.yaml")
     del passes[:]
     with pytest.raises(StoreError) as refused:
-        pretrain.build_trainer(_cfg(tiny_data, run), resume="auto")
+        pretrain.open_trainer(_cfg(tiny_data, run), "auto")
     message = str(refused.value)
     assert message.startswith(f"{path}: ") and expected in message and "\n" not in message, message
     assert path.read_bytes() == bad and passes == []
-    pretrain.build_trainer(_cfg(tiny_data, run)).close()  # a new run never reads it (it claims run.dir afresh)
+    # a new run never reads it: it claims run.dir afresh (run.overwrite moves the old contents aside)
+    pretrain.open_trainer(_cfg(tiny_data, run, **{"run.overwrite": True})).close()
     assert passes == [1, 2]
 
 
@@ -283,9 +277,11 @@ def test_only_rank_0_profiles_and_every_rank_gets_its_omegas_or_its_failure(tiny
     (run / PROFILE_FILE).write_text("{}")
     failed: list[torch.Tensor] = []
     with pytest.raises(StoreError, match=f"^{run / PROFILE_FILE}: not an Admin profile"):
-        pretrain.admin_profile(cfg, list(pretrain.build_models(cfg)), store, tokenizer, _OtherRank(0, failed), "auto")
+        pretrain.admin_profile(cfg, list(pretrain.build_models(cfg)), store, tokenizer, _OtherRank(0, failed),
+                               Resume("auto"))
     with pytest.raises(StoreError, match="^Admin init: failed on rank 0"):
-        pretrain.admin_profile(cfg, list(pretrain.build_models(cfg)), store, tokenizer, _OtherRank(1, failed), "auto")
+        pretrain.admin_profile(cfg, list(pretrain.build_models(cfg)), store, tokenizer, _OtherRank(1, failed),
+                               Resume("auto"))
     assert passes == [1, 2]
 
 

@@ -9,17 +9,11 @@ import torch
 import torch._inductor.config as inductor_config
 
 from megakd.config import load_config
-from megakd.engine.pretrain import build_trainer
-from tests.helpers import tiny_overrides
+from tests.helpers import tiny_overrides, trained
 
 
 def _train(tiny_data, run_dir, resume=None, **extra):
-    cfg = load_config("configs/electra-tiny.yaml", tiny_overrides(tiny_data, run_dir, **extra))
-    trainer = build_trainer(cfg)
-    if resume:
-        trainer.open_run(resume)
-    trainer.train()
-    return trainer
+    return trained(load_config("configs/electra-tiny.yaml", tiny_overrides(tiny_data, run_dir, **extra)), resume)
 
 
 def _losses(run_dir) -> list[tuple[float, float]]:

@@ -8,7 +8,7 @@ import torch
 from megakd.config import load_config
 from megakd.engine.backends import SingleProcessBackend
 from megakd.engine.layouts import DecoupledElectra, JointElectra, MaskedLMOnly, layout_class
-from megakd.engine.pretrain import build_trainer
+from megakd.engine.pretrain import open_trainer
 from megakd.engine.units import StepContext
 from megakd.store import StoreError
 from megakd.store.checkpoint import latest_checkpoint
@@ -41,44 +41,52 @@ def test_layout_units_steps_and_checkpoints(tiny_data, tmp_path, name):
     cfg = load_config(CONFIG, tiny_overrides(tiny_data, tmp_path / "run", **{"train.max_steps": 2, **extra}))
     assert layout_class(cfg) is cls
     backend = _CountingBackend(cfg.train.precision)
-    trainer = build_trainer(cfg, backend)
-    assert type(trainer.layout) is cls and list(trainer.units) == units
-    tokens_read: list[float] = []
+    trainer = open_trainer(cfg, backend=backend)
+    backend.all_reduces = 0  # opening the run shared its decision
+    try:
+        assert type(trainer.layout) is cls and list(trainer.units) == units
+        tokens_read: list[float] = []
 
-    def batches():
-        for batch in trainer.loader:
-            tokens_read.append(float(batch["attention_mask"].sum()))
-            yield batch
+        def batches():
+            for batch in trainer.loader:
+                tokens_read.append(float(batch["attention_mask"].sum()))
+                yield batch
 
-    flags_read = []
-    step = StepContext(index=0, rng=trainer.rng, stop_flags=lambda: flags_read.append(1) or (True, False))
-    result = backend.train_step(trainer.layout, batches(), step)
-    # One agreement for finiteness and stopping: the stop flags were read once and came back agreed.
-    assert backend.all_reduces == 1 and flags_read == [1]
-    assert result.stop and not result.interrupted and result.skipped is None
-    assert set(result.norms) == set(units) and all(n > 0 for n in result.norms.values())
-    assert len(tokens_read) == backend.accumulation_steps and float(result.stats["tokens"]) == sum(tokens_read)
-    metrics = trainer.layout.ratios({k: float(v) for k, v in result.stats.items()})
-    assert ("rtd_f1" in metrics) == (name != "mlm") and 0 <= metrics["gen_acc"] <= 1
-    trainer.train()  # the second step, then the final checkpoint
+        flags_read = []
+        step = StepContext(index=0, rng=trainer.loop.streams.sampling,
+                           stop_flags=lambda: flags_read.append(1) or (True, False))
+        result = backend.train_step(trainer.layout, batches(), step)
+        # One agreement for finiteness and stopping: the stop flags were read once and came back agreed.
+        assert backend.all_reduces == 1 and flags_read == [1]
+        assert result.stop and not result.interrupted and result.skipped is None
+        assert set(result.norms) == set(units) and all(n > 0 for n in result.norms.values())
+        assert len(tokens_read) == backend.accumulation_steps and float(result.stats["tokens"]) == sum(tokens_read)
+        metrics = trainer.layout.ratios({k: float(v) for k, v in result.stats.items()})
+        assert ("rtd_f1" in metrics) == (name != "mlm") and 0 <= metrics["gen_acc"] <= 1
+        trainer.train()  # the second step, then the final checkpoint
+    finally:
+        trainer.close()
     models = load_checkpoint(latest_checkpoint(tmp_path / "run"))
     expected = trainer.layout.probe_encoder().state_dict()
     got = (models.discriminator if name != "mlm" else models.generator).encoder.state_dict()
     assert all(torch.equal(expected[k], got[k]) for k in expected)
 
 
-def test_the_run_dir_lock_is_held_from_open_to_the_end_of_train_and_released_on_a_failed_open(tiny_data, tmp_path):
+def test_the_run_dir_lock_is_held_from_open_to_close_and_released_on_a_failed_open(tiny_data, tmp_path):
     run = tmp_path / "run"
     cfg = load_config(CONFIG, tiny_overrides(tiny_data, run, **{"train.max_steps": 1}))
-    trainer = build_trainer(cfg)
     with pytest.raises(FileNotFoundError):
-        trainer.open_run(str(tmp_path / "no-such-checkpoint"))
+        open_trainer(cfg, str(tmp_path / "no-such-checkpoint"))
     with RunDirLock(run):  # the failed open released it
         pass
-    trainer.open_run(None)
-    with pytest.raises(StoreError, match="in use by another megakd job"):
-        RunDirLock(run).acquire()
-    trainer.train()
-    with RunDirLock(run):  # released when training ended
+    trainer = open_trainer(cfg)
+    try:
+        with pytest.raises(StoreError, match="in use by another megakd job"):
+            RunDirLock(run).acquire()
+        trainer.train()
+        with pytest.raises(StoreError, match="in use by another megakd job"):  # the run ends at close
+            RunDirLock(run).acquire()
+    finally:
+        trainer.close()
+    with RunDirLock(run):  # released when the run ended
         pass
-    trainer.close()

@@ -13,15 +13,13 @@ from megakd.config import load_config
 from megakd.engine.pretrain import build_trainer
 from megakd.engine.runlog import plot_metrics
 from megakd.models.logreg import fit_logistic_regression, predict_logistic_regression
-from tests.helpers import tiny_overrides
+from tests.helpers import tiny_overrides, trained
 
 PROBE = {"train.probe_fit_examples": 120, "train.probe_eval_examples": 60, "train.probe_max_seq_len": 48}
 
 
 def _train(tiny_data, run_dir, **extra):
-    trainer = build_trainer(load_config("configs/electra-tiny.yaml", tiny_overrides(tiny_data, run_dir, **extra)))
-    trainer.train()
-    return trainer
+    return trained(load_config("configs/electra-tiny.yaml", tiny_overrides(tiny_data, run_dir, **extra)))
 
 
 def _scipy_logreg(x: np.ndarray, y: np.ndarray, classes: int, l2: float) -> tuple[np.ndarray, np.ndarray]:

@@ -10,11 +10,10 @@ import torch
 
 from megakd.config import load_config
 from megakd.engine.losses import GeneratorLoss
-from megakd.engine.pretrain import build_trainer
 from megakd.models.electra import MaskedLM
 from megakd.models.encoder import EncoderConfig
 from megakd.objectives.electra import SamplingTemperature
-from tests.helpers import tiny_overrides
+from tests.helpers import tiny_overrides, trained
 
 
 @pytest.mark.parametrize("start,end,steps", [(2.0, 1.0, 12), (0.5, 3.0, 7), (2.0, None, 5), (1.5, 1.5, 4)])
@@ -56,9 +55,7 @@ def test_run_logs_the_temperature_of_each_interval(tiny_data, tmp_path):
     cfg = load_config("configs/electra-tiny.yaml", tiny_overrides(tiny_data, tmp_path / "run", **{
         "train.max_steps": 6, "train.log_every": 2, "electra.sampling_temperature": 3.0,
         "electra.sampling_temperature_end": 1.0, "electra.sampling_anneal_steps": 4}))
-    trainer = build_trainer(cfg)
-    trainer.open_run(None)
-    trainer.train()
+    trained(cfg)
     rows = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     # optimizer steps 0-1, 2-3, 4-5 run at 3, 2.5 | 2, 1.5 | 1, 1
     assert [r["sampling_temperature"] for r in rows] == pytest.approx([2.75, 1.75, 1.0], rel=1e-12)
@@ -67,8 +64,6 @@ def test_run_logs_the_temperature_of_each_interval(tiny_data, tmp_path):
 def test_constant_temperature_logs_no_temperature(tiny_data, tmp_path):
     cfg = load_config("configs/electra-tiny.yaml", tiny_overrides(tiny_data, tmp_path / "run", **{
         "train.max_steps": 1, "electra.sampling_temperature": 2.0}))
-    trainer = build_trainer(cfg)
-    trainer.open_run(None)
-    trainer.train()
+    trained(cfg)
     row = json.loads((tmp_path / "run/metrics.jsonl").read_text().splitlines()[0])
     assert "sampling_temperature" not in row

@@ -14,19 +14,15 @@ from megakd.config import load_config
 from megakd.data.shards import write_shards
 from megakd.data.storage import StorageError
 from megakd.data.tokenizer import Tokenizer
-from megakd.engine.pretrain import build_trainer
 from megakd.store import checkpoint
-from tests.helpers import tiny_overrides
+from tests.helpers import tiny_overrides, trained
 from tests.remote_servers import http_server  # noqa: F401  (fixture)
 
 
 def _train(tiny_data, run_dir, shards, resume=None, **extra):
     steps = {"train.max_steps": 16, "train.save_every": 0, "train.log_every": 1, "data.shuffle_shards": 1,
              "data.read_retries": 1, "data.shards": shards, **extra}
-    trainer = build_trainer(load_config("configs/electra-tiny.yaml", tiny_overrides(tiny_data, run_dir, **steps)))
-    trainer.open_run(resume)
-    trainer.train()
-    return trainer
+    return trained(load_config("configs/electra-tiny.yaml", tiny_overrides(tiny_data, run_dir, **steps)), resume)
 
 
 def _metrics(run_dir):

@@ -12,19 +12,21 @@ import pytest
 import torch
 
 from megakd.config import ConfigError, load_config
-from megakd.engine.pretrain import build_trainer
+from megakd.engine.pretrain import build_trainer, open_trainer
+from megakd.engine.run import Stopped
 from megakd.engine.session import TooManyBadSteps
 from megakd.errors import UserError
 from megakd.store import StoreError
 from tests.helpers import tiny_overrides as tiny_overrides_for
+from tests.helpers import trained
+
+
+def _cfg(tiny_data, run_dir, **extra):
+    return load_config("configs/electra-tiny.yaml", tiny_overrides_for(tiny_data, run_dir, **extra))
 
 
 def _train(tiny_data, run_dir, resume=None, **extra):
-    cfg = load_config("configs/electra-tiny.yaml", tiny_overrides_for(tiny_data, run_dir, **extra))
-    trainer = build_trainer(cfg)
-    trainer.open_run(resume)
-    trainer.train()
-    return trainer
+    return trained(_cfg(tiny_data, run_dir, **extra), resume)
 
 
 def _metrics(run_dir):
@@ -86,10 +88,11 @@ def test_sigterm_then_resume_is_bit_exact(tiny_data, tmp_path, extra):
     full = _train(tiny_data, tmp_path / "full", **steps)
     run = tmp_path / "resumed"
     watcher = _kill_when_logged(run / "metrics.jsonl", 3)
-    first = _train(tiny_data, run, **steps)
+    with pytest.raises(Stopped) as first:
+        _train(tiny_data, run, **steps)
     watcher.join()
-    assert 3 <= first.step < 8  # stopped early, on the signal, with a checkpoint
-    assert (run / f"checkpoints/step_{first.step:08d}").is_dir()
+    assert 3 <= first.value.step < 8 and not first.value.interrupted  # stopped early, on the signal, with a checkpoint
+    assert (run / f"checkpoints/step_{first.value.step:08d}").is_dir()
     resumed = _train(tiny_data, run, resume="auto", **steps)
     assert resumed.step == 8
     assert _metrics(run) == _metrics(tmp_path / "full")
@@ -105,19 +108,20 @@ def test_checkpoint_from_another_model_is_refused(tiny_data, tmp_path):
     cfg = load_config("configs/electra-tiny.yaml",
                       tiny_overrides_for(tiny_data, run, **{"model.discriminator.hidden_size": 64}))
     with pytest.raises(StoreError, match=r"cannot resume with a different model.discriminator.hidden_size: 48 -> 64"):
-        build_trainer(cfg).open_run("auto")
+        open_trainer(cfg, "auto")
 
 
 def test_nonfinite_losses_skip_then_stop(tiny_data, tmp_path):
-    cfg = load_config("configs/electra-tiny.yaml", tiny_overrides_for(tiny_data, tmp_path / "run", **{
-        "train.max_steps": 10, "train.max_bad_steps": 3}))
-    trainer = build_trainer(cfg)
+    trainer = open_trainer(_cfg(tiny_data, tmp_path / "run", **{"train.max_steps": 10, "train.max_bad_steps": 3}))
     disc = trainer.units["discriminator"].model
     with torch.no_grad():
         disc.head.prediction.bias.fill_(float("nan"))
     before = {k: v.clone() for k, v in trainer.units["generator"].model.state_dict().items()}
     with pytest.raises(TooManyBadSteps, match=r"train.max_bad_steps=3: 3 steps in a row .*non-finite loss"):
-        trainer.train()
+        try:
+            trainer.train()
+        finally:
+            trainer.close()
     assert trainer.step == 0
     after = trainer.units["generator"].model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)  # skipped steps change nothing
@@ -127,14 +131,16 @@ def test_nonfinite_grad_norm_with_finite_loss_skips_every_unit(tiny_data, tmp_pa
     """λ = 1e300 is finite, but the λ-weighted fp32 loss overflows in backward: the loss the trainer
     checks is finite and only the gradient norm shows it. No unit may step (the generator's
     gradients are fine, yet its update is skipped too, so the two schedules stay together)."""
-    cfg = load_config("configs/electra-tiny.yaml", tiny_overrides_for(tiny_data, tmp_path / "run", **{
+    trainer = open_trainer(_cfg(tiny_data, tmp_path / "run", **{
         "train.max_steps": 10, "train.max_bad_steps": 2, "electra.loss_weight": 1e300}))
-    trainer = build_trainer(cfg)
     before = {name: {k: v.clone() for k, v in u.model.state_dict().items()} for name, u in trainer.units.items()}
     lrs = {name: u.lr for name, u in trainer.units.items()}
     with pytest.raises(TooManyBadSteps, match="non-finite gradient norm"):
-        trainer.train()
-    assert trainer.step == 0 and trainer.bad_steps == 2
+        try:
+            trainer.train()
+        finally:
+            trainer.close()
+    assert trainer.step == 0 and trainer.loop.progress.bad_steps == 2
     for name, unit in trainer.units.items():
         assert all(torch.equal(before[name][k], v) for k, v in unit.model.state_dict().items()), name
         assert unit.lr == lrs[name] and unit.scheduler.last_epoch == 0, name
@@ -177,7 +183,7 @@ def test_world_size_must_divide_batch(tiny_data, tmp_path):
 
 
 def test_admin_init_profiles_the_first_batch(tiny_data, tmp_path):
-    from megakd.data.stream import PretrainingLoader
+    from megakd.data.loader import PretrainingLoader
     from megakd.data.tokenizer import Tokenizer
     from megakd.engine.pretrain import build_models
     from megakd.models.admin import admin_initialize
@@ -244,9 +250,10 @@ def test_run_saved_before_fused_qkv_resumes_with_it(tiny_data, tmp_path):
 
 
 @pytest.mark.parametrize("command", ["pretrain", "finetune"])
-def test_single_backend_in_a_launched_rank_is_refused_naming_the_fix(monkeypatch, command):
+def test_single_backend_in_a_launched_rank_is_refused_naming_the_fix(command):
     """Under torchrun, backend.name=single would run the job once per rank, side by side."""
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    from megakd.launch import Launch
+
     if command == "pretrain":
         from megakd.engine.pretrain import build_backend
 
@@ -257,9 +264,8 @@ def test_single_backend_in_a_launched_rank_is_refused_naming_the_fix(monkeypatch
 
         cfg = load_config("configs/finetune-rt.yaml", ["backend.name=single"], cls=FinetuneConfig)
     with pytest.raises(UserError, match=r"backend.name=single, but the launcher started 2 ranks.*backend.name=ddp"):
-        build_backend(cfg)
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    assert build_backend(cfg).world_size == 1
+        build_backend(cfg, Launch(world_size=2, launched=True))
+    assert build_backend(cfg, Launch()).world_size == 1
 
 
 def test_added_hooks_run_when_due_and_write_their_lines(tiny_data, tmp_path):
@@ -268,15 +274,15 @@ def test_added_hooks_run_when_due_and_write_their_lines(tiny_data, tmp_path):
     returns None writes nothing), and the metrics of the run are those of a run without hooks."""
     from megakd.engine.hooks import StepHook
 
-    cfg = load_config("configs/electra-tiny.yaml", tiny_overrides_for(
-        tiny_data, tmp_path / "hooked", **{"train.max_steps": 4, "train.log_every": 2}))
-    trainer = build_trainer(cfg)
+    trainer = open_trainer(_cfg(tiny_data, tmp_path / "hooked", **{"train.max_steps": 4, "train.log_every": 2}))
     seen = []
     trainer.add_hook(StepHook(2, lambda step: seen.append(step) or {"joined": step * 10}))
     trainer.add_hook(StepHook(3, lambda step: {"alone": step}, own_line=True))
     trainer.add_hook(StepHook(1, lambda step: None))
-    trainer.open_run(None)
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
     assert seen == [2, 4]
     rows = _metrics(tmp_path / "hooked")
     assert [(r["step"], r.get("joined"), r.get("alone")) for r in rows] == [(2, 20, None), (3, None, 3), (4, 40, None)]
@@ -314,23 +320,21 @@ def test_a_stateful_part_added_by_a_job_is_checkpointed_and_resumes_bit_exactly(
     steps = {"train.max_steps": 6, "train.log_every": 1, "train.save_every": 0}
 
     def run(run_dir, resume=None, ema=True):
-        trainer = build_trainer(load_config("configs/electra-tiny.yaml", tiny_overrides_for(tiny_data, run_dir,
-                                                                                           **steps)))
-        part = _WeightEMA(trainer.units["discriminator"].model) if ema else None
-        if ema:
-            trainer.add_hook(part, state="weight_ema")
-        try:
-            trainer.open_run(resume)
-            trainer.train()
-        finally:
-            trainer.close()
-        return trainer, part
+        parts = []
+
+        def add_ema(trainer):  # before the checkpoint loads: the resume restores its state
+            parts.append(_WeightEMA(trainer.units["discriminator"].model))
+            trainer.add_hook(parts[0], state="weight_ema")
+
+        trainer = trained(_cfg(tiny_data, run_dir, **steps), resume, extend=add_ema if ema else None)
+        return trainer, parts[0] if ema else None
 
     _, full = run(tmp_path / "full")
     watcher = _kill_when_logged(tmp_path / "resumed" / "metrics.jsonl", 2)
-    first, _ = run(tmp_path / "resumed")
+    with pytest.raises(Stopped) as first:
+        run(tmp_path / "resumed")
     watcher.join()
-    assert 2 <= first.step < 6
+    assert 2 <= first.value.step < 6
     resumed, ema = run(tmp_path / "resumed", resume="auto")
     assert resumed.step == 6 and ema.shadow.keys() == full.shadow.keys()
     assert all(torch.equal(ema.shadow[k], full.shadow[k]) for k in full.shadow)

@@ -11,18 +11,18 @@ import torch.nn.functional as F
 
 from megakd.cli import main
 from megakd.config import ConfigError, load_config
+from megakd.data.loader import PretrainingLoader
 from megakd.data.shards import in_valid_split, read_manifest
 from megakd.data.sources import iter_documents
-from megakd.data.stream import PretrainingLoader
 from megakd.data.tokenizer import Tokenizer
-from megakd.engine.pretrain import build_trainer
+from megakd.engine.pretrain import open_trainer
 from megakd.engine.validation import VALID_SEED
 from megakd.objectives.electra import corrupt, roc_auc, rtd_labels, sample_replacements
 from megakd.store import load_model
 from megakd.store.checkpoint import latest_checkpoint
 from megakd.store.checkpoint_models import load_checkpoint
 from tests.distributed.harness import assert_resume_exact
-from tests.helpers import mlm_logits, tiny_overrides
+from tests.helpers import mlm_logits, tiny_overrides, trained
 
 VAL_KEYS = ("val_gen_loss", "val_gen_acc", "val_disc_loss", "val_disc_acc", "val_rtd_f1", "val_rtd_auc")
 
@@ -59,12 +59,10 @@ def test_valid_fraction_holds_out_documents_by_hash(tmp_path):
                  "--out", str(tmp_path / "x"), "--valid-fraction", "1.5"]) == 2
 
 
-def _run(tiny_data, run_dir, **extra):
-    cfg = load_config("configs/electra-tiny.yaml", tiny_overrides(tiny_data, run_dir, **{
+def _cfg(tiny_data, run_dir, **extra):
+    return load_config("configs/electra-tiny.yaml", tiny_overrides(tiny_data, run_dir, **{
         "train.max_steps": 4, "train.save_every": 2, "run.export_hf": "false", "run.keep_last": 0,
         "data.valid_shards": str(tiny_data[1]), "train.eval_samples": 12, **extra}))
-    trainer = build_trainer(cfg)
-    return trainer, cfg
 
 
 def _metrics(run_dir) -> list[dict]:
@@ -123,8 +121,7 @@ ANNEALED = {"electra.sampling_temperature": 3.0, "electra.sampling_temperature_e
 @pytest.mark.parametrize("extra,temperature", [({}, 1.0), (ANNEALED, 2.0)], ids=["constant", "annealed"])
 def test_validation_numbers_match_a_float64_reference(tiny_data, tmp_path, extra, temperature):
     run = tmp_path / "run"
-    trainer, _ = _run(tiny_data, run, **{"train.eval_every": 2, "kernels.backend": "torch", **extra})
-    trainer.train()
+    trained(_cfg(tiny_data, run, **{"train.eval_every": 2, "kernels.backend": "torch", **extra}))
     rows = {r["step"]: r for r in _metrics(run)}
     assert all(k in rows[2] and k in rows[4] for k in VAL_KEYS) and "val_gen_loss" not in rows[3]
     want = _reference_validation(tiny_data, latest_checkpoint(run), micro_batch=4, batches=3,  # 12 samples / 4
@@ -137,15 +134,13 @@ def test_validation_numbers_match_a_float64_reference(tiny_data, tmp_path, extra
 @pytest.mark.slow
 def test_validation_leaves_training_and_exact_resume_untouched(tiny_data, tmp_path):
     with_eval, without = tmp_path / "eval", tmp_path / "plain"
-    _run(tiny_data, with_eval, **{"train.eval_every": 2})[0].train()
-    _run(tiny_data, without)[0].train()
+    trained(_cfg(tiny_data, with_eval, **{"train.eval_every": 2}))
+    trained(_cfg(tiny_data, without))
     training_keys = [k for k in _metrics(without)[0] if k != "tokens_per_s"]
     for a, b in zip(_metrics(with_eval), _metrics(without), strict=True):
         assert {k: a[k] for k in training_keys} == {k: b[k] for k in training_keys}
     resumed = tmp_path / "resumed"
-    trainer, _ = _run(tiny_data, resumed, **{"train.eval_every": 2})
-    trainer.open_run(str(with_eval / "checkpoints" / "step_00000002"))
-    trainer.train()
+    trained(_cfg(tiny_data, resumed, **{"train.eval_every": 2}), str(with_eval / "checkpoints" / "step_00000002"))
     assert_resume_exact(with_eval, resumed, [3, 4], ("generator", "discriminator"))
     assert "val_rtd_auc" in _metrics(resumed)[-1]
 
@@ -154,7 +149,7 @@ def test_eval_every_without_validation_shards_is_one_line(tiny_data, tmp_path):
     cfg = load_config("configs/electra-tiny.yaml", tiny_overrides(tiny_data, tmp_path / "run", **{
         "train.eval_every": 5}))
     with pytest.raises(ConfigError, match="train.eval_every=5 needs validation shards"):
-        build_trainer(cfg)
+        open_trainer(cfg)
 
 
 def test_mlm_student_with_a_teacher_logs_teacher_agreement(tiny_data, tiny_electra_run, tmp_path):
@@ -164,7 +159,7 @@ def test_mlm_student_with_a_teacher_logs_teacher_agreement(tiny_data, tiny_elect
         "train.max_steps": 2, "run.export_hf": "false", "data.valid_shards": str(tiny_data[1]),
         "train.eval_every": 2, "train.eval_samples": 8, "distill.teacher": str(tiny_electra_run),
         "model.generator.dropout": 0.0}))
-    build_trainer(cfg).train()
+    trained(cfg)
     row = _metrics(run)[-1]
     assert set(row) >= {"val_gen_loss", "val_gen_acc", "val_teacher_agreement"} and "val_rtd_f1" not in row
     student = load_checkpoint(latest_checkpoint(run)).generator.eval().double()

@@ -11,8 +11,8 @@ worker: `torchrun ... test_zero_elastic.py SPEC.json`, see `_worker`):
 3. 1 process: `two_to_one_<s>` resumes `two_<s>` step 2 (elastic) to step 4; `one_same_<s>`
    resumes `one_<s>` step 2 at its own world size.
 
-Right after `open_run` each resumed run gathers, per parameter of both units, the fp32 master
-weight and Adam's exp_avg / exp_avg_sq (`safe_get_full_*`, on every rank; rank 0 writes them).
+Right after `open_trainer` (the checkpoint loaded) each resumed run gathers, per parameter of both units,
+the fp32 master weight and Adam's exp_avg / exp_avg_sq (`safe_get_full_*`, on every rank; rank 0 writes them).
 
 Asserted, and the tolerances:
 - The state an elastic resume loads equals the state an ordinary resume of the same checkpoint
@@ -200,25 +200,23 @@ def _full_state(trainer) -> dict[str, torch.Tensor]:
 
 
 def _worker(spec_path: str) -> None:
-    import torch.distributed as dist
-
     from megakd.config import load_config
-    from megakd.engine.pretrain import build_trainer
+    from megakd.engine.pretrain import open_trainer
+    from tests.distributed.worker import one_process_group
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     spec = json.loads(Path(spec_path).read_text())
-    for run in spec["runs"]:
-        trainer = build_trainer(load_config(spec["config"], run["overrides"]))
-        trainer.open_run(run.get("resume"))
-        if run.get("resume"):
-            state = _full_state(trainer)
-            if trainer.backend.is_main:
-                trainer.run_dir.mkdir(parents=True, exist_ok=True)
-                torch.save(state, trainer.run_dir / STATE_FILE)
-        trainer.train()
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    with one_process_group():
+        for run in spec["runs"]:
+            trainer = open_trainer(load_config(spec["config"], run["overrides"]), run.get("resume"))
+            try:
+                if run.get("resume"):
+                    state = _full_state(trainer)
+                    if trainer.backend.is_main:
+                        torch.save(state, trainer.run_dir / STATE_FILE)
+                trainer.train()
+            finally:
+                trainer.close()
 
 
 if __name__ == "__main__":

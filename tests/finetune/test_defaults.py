@@ -15,7 +15,7 @@ import megakd.finetune.trainer as trainer
 from megakd.cli import main
 from megakd.config import load_config
 from megakd.finetune.config import FinetuneConfig, auto_lr
-from megakd.finetune.trainer import selection_rows
+from megakd.finetune.lr_select import selection_rows
 
 ROOT = Path(__file__).parents[2]
 CONFIG = ROOT / "configs" / "finetune-rt.yaml"

@@ -16,10 +16,15 @@ from megakd.config import ConfigError, load_config
 from megakd.data.default_corpus import CORPUS_DIR
 from megakd.data.tasks import EncodedTask, Example
 from megakd.data.tokenizer import Tokenizer, train_tokenizer
+from megakd.engine.backends import SingleProcessBackend
+from megakd.engine.run import Run
 from megakd.engine.session import TooManyBadSteps
 from megakd.finetune.config import FinetuneConfig, ModelInitConfig, auto_lr
+from megakd.finetune.jobs import FinetuneJob
 from megakd.finetune.models import build_classifier, load_pretrained
-from megakd.finetune.trainer import MAX_BAD_STEPS, train_seed
+from megakd.finetune.runtime import Runtime
+from megakd.finetune.training import MAX_BAD_STEPS, train_seed
+from megakd.launch import Launch
 from megakd.models.electra import SequenceClassifier
 from megakd.models.encoder import EncoderConfig
 from megakd.store.model_dir import load_classifier, save_classifier
@@ -113,7 +118,7 @@ def test_random_init_regression_without_a_pretrained_model(tiny_data, tmp_path, 
     (stderr, `capsys`'s even under -s, is not a terminal: plain progress lines) names the task and seed in
     every progress line, counts epochs from 1 as people do and the runs of the plan; the files keep their
     `epoch` counted from 0."""
-    caplog.set_level(logging.INFO, logger="megakd.finetune.trainer")
+    caplog.set_level(logging.INFO, logger="megakd.finetune")
     caplog.set_level(logging.INFO, logger="megakd.engine.hooks")
     run = tmp_path / "reg"
     assert main(["finetune", "-c", str(CONFIG), f"run.dir={run}", "model.path=", "model.init=random",
@@ -169,8 +174,8 @@ class _NaNObjective:
 
 
 def test_non_finite_losses_skip_updates_then_stop(tiny_data, tmp_path):
-    cfg = load_config(CONFIG, ["model.init=random", f"model.tokenizer={tiny_data[0]}", "finetune.batch_size=1",
-                               "model.encoder.vocab_size=512"], cls=FinetuneConfig)
+    cfg = load_config(CONFIG, ["model.init=random", "model.path=", f"model.tokenizer={tiny_data[0]}",
+                               "finetune.batch_size=1", "model.encoder.vocab_size=512"], cls=FinetuneConfig)
     tok = Tokenizer.load(tiny_data[0])
     task = EncodedTask([Example(i, f"Sentence number {i}.", None, i % 2) for i in range(12)], tok, 32, False)
     torch.manual_seed(0)
@@ -178,7 +183,8 @@ def test_non_finite_losses_skip_updates_then_stop(tiny_data, tmp_path):
                                              intermediate_size=16), 2)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(TooManyBadSteps, match=f"limit of {MAX_BAD_STEPS}: {MAX_BAD_STEPS} steps in a row"):
-        train_seed(cfg, 0, model, tok, task, task, _NaNObjective(), tmp_path, lr=1e-3)
+        train_seed(cfg, 0, model, tok, task, task, _NaNObjective(), tmp_path, lr=1e-3,
+                   runtime=Runtime(Run(FinetuneJob(cfg, Launch()), SingleProcessBackend())))
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 

@@ -9,8 +9,8 @@ import torch
 
 from megakd.config import ScheduleConfig
 from megakd.engine.optim import build_scheduler
-from megakd.finetune.config import OptimConfig
-from megakd.finetune.trainer import build_optimizer
+from megakd.finetune.config import FinetuneSettings
+from megakd.finetune.optim import build_optimizer
 from megakd.models.electra import SequenceClassifier
 from megakd.models.encoder import EncoderConfig
 
@@ -24,7 +24,7 @@ def _model(position_encoding: str = "absolute") -> SequenceClassifier:
 @pytest.mark.parametrize("position_encoding", ["absolute", "t5_relative"])
 def test_each_parameter_trains_at_its_layers_rate(position_encoding):
     model, lr, decay = _model(position_encoding), 1e-3, 0.8
-    optimizer = build_optimizer(model, dataclasses.replace(OptimConfig(), optimizer="adamw", layer_lr_decay=decay,
+    optimizer = build_optimizer(model, dataclasses.replace(FinetuneSettings(), optimizer="adamw", layer_lr_decay=decay,
                                                            weight_decay=0.01), lr)
     assert isinstance(optimizer, torch.optim.AdamW)
     rate = {id(p): (g["lr"], g["weight_decay"]) for g in optimizer.param_groups for p in g["params"]}
@@ -50,5 +50,5 @@ def test_each_parameter_trains_at_its_layers_rate(position_encoding):
 
 
 def test_no_decay_keeps_the_two_adamax_groups():
-    optimizer = build_optimizer(_model(), OptimConfig(), 1e-4)
+    optimizer = build_optimizer(_model(), FinetuneSettings(), 1e-4)
     assert isinstance(optimizer, torch.optim.Adamax) and len(optimizer.param_groups) == 2

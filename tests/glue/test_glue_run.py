@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 from sklearn.metrics import accuracy_score, matthews_corrcoef
 
+from make_glue_data import write_glue_data
 from megakd.cli import main
-from megakd.finetune import trainer
+from megakd.finetune import progress
 from megakd.glue.config import electra_lr
-from megakd.glue.synthetic import write_glue_data
 from megakd.glue.tasks import TASKS, read_split
 
 CONFIG = Path(__file__).parents[2] / "configs" / "glue.yaml"
@@ -174,9 +174,9 @@ def test_the_time_left_is_the_plan_s_steps_at_the_seconds_per_step_so_far(monkey
     evaluations included), so the 10 + 40 steps left (a resumed run's trained steps not among them) take
     100 s; runs finished before the process count as runs, not as time."""
     now = {"t": 0.0}
-    monkeypatch.setattr(trainer, "time", types.SimpleNamespace(perf_counter=lambda: now["t"]))
-    caplog.set_level(logging.INFO, logger=trainer.__name__)
-    runs = trainer.Trainings([10, 10, 20, 20, 40])
+    monkeypatch.setattr(progress, "time", types.SimpleNamespace(perf_counter=lambda: now["t"]))
+    caplog.set_level(logging.INFO, logger=progress.__name__)
+    runs = progress.Trainings([10, 10, 20, 20, 40])
     runs.where = "task 1 of 2"
     runs.reused(10)
     runs.start("cola seed 2", 10)

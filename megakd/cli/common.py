@@ -23,8 +23,8 @@ def stop_exit(outcome) -> int | None:
     stops too); None when the run finished."""
     if not outcome.stopped:
         return None
-    at = f" at step {outcome.step}" if outcome.step is not None else ""
-    log.warning("stopped%s on a signal after a checkpoint; run the same command with --resume auto to continue", at)
+    at = f" (step {outcome.step})" if outcome.step is not None else ""
+    log.warning("stopped on a signal after a checkpoint%s; run the same command with --resume auto to continue", at)
     return EXIT_INTERRUPTED if outcome.interrupted else 0
 
 

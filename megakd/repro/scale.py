@@ -19,6 +19,9 @@ from megakd.finetune.config import FinetuneConfig, auto_lr
 from megakd.finish import finish_config
 from megakd.repro.dwt import TEACHERS as DWT_TEACHERS
 from megakd.repro.findings import FINDINGS, MODULES
+from megakd.repro.gen_size import DEPTHS as GEN_SIZE_DEPTHS
+from megakd.repro.gen_size import DISC_LR as GEN_SIZE_DISC_LR
+from megakd.repro.gen_size import GENERATOR_LRS as GEN_SIZE_LRS
 from megakd.repro.report import write_text_atomically
 from megakd.repro.settings import FINETUNE_RT, FULL_FINETUNE, Settings, finetuned_model, student_overrides
 from megakd.repro.soteacher import SOTEACHER_RT
@@ -56,6 +59,14 @@ PAPERS: dict[str, PaperRegime] = {
     "labelreg": PaperRegime("DistilRoBERTa student, RoBERTa-large teacher", 82e6, "4.3×",
                             "the public pretrained DistilRoBERTa", None, "2e-5, batch 32, 30 epochs",
                             "mean ± std of 5 runs; Wilcoxon over 8 seeds (SST-5)"),
+    "gen_size": PaperRegime("original ELECTRA and DecoupledOptim, base discriminator beside 4- to 12-layer generators",
+                            None, "generator ÷ discriminator 1/3 to 1 (layers)", "125K steps × 2048 × 512", None,
+                            "(λ, lr) or (η_G, η_D) tuned per point; η_D up to 1.5e-3, batch 2048",
+                            "runs per point not stated; diverged runs omitted", "electra-base.yaml"),
+    "electra_vs_mlm": PaperRegime("ELECTRA-Small discriminator against a masked LM of its size (§3.4; the §3.5 "
+                                  "ablation at base size)", 14e6, "-", "1M steps × 128 × 128 (ELECTRA-Small)", None,
+                                  "3e-4, batch 128 (ELECTRA-Small)",
+                                  "GLUE dev medians of 10 fine-tuning runs of one pretrained model"),
     "tgt": PaperRegime("DistilBERT student, RoBERTa-large labeler, BART-base generator", 66e6, "5.4×",
                        "the public pretrained DistilBERT", None, "Adam 3e-5, batch 128",
                        "its numeric tables are lost: qualitative only"),
@@ -66,7 +77,7 @@ PAPERS: dict[str, PaperRegime] = {
 # ELECTRA run's discriminator, a masked LM's own) fine-tuned as the teacher or labeler
 # (megakd/repro/labelreg.py, soteacher.py, tgt.py): their model is the student, their LR the
 # student's fine-tuning one.
-MEASURED = {"lambda": "total", "disc_lr": "total", "dwt": "generator"}
+MEASURED = {"lambda": "total", "disc_lr": "total", "dwt": "generator", "gen_size": "total"}
 SHARED_ENCODER = {"soteacher": SOTEACHER_RT, "labelreg": FINETUNE_RT, "tgt": TGT_RT}  # -> their fine-tuning recipe
 
 
@@ -76,6 +87,9 @@ def _measured(name: str, cfg) -> str:
 
 def _training(name: str, cfg) -> str:
     """Peak LR(s) and batch here: the fine-tuning of a shared-encoder finding, else the pretraining."""
+    if name == "gen_size":  # its LRs are its own, not the recipe's
+        return (f"one LR {cfg.optim.discriminator.lr:g} (original); η_G {' / '.join(f'{lr:g}' for lr in GEN_SIZE_LRS)}"
+                f", η_D {GEN_SIZE_DISC_LR:g}, batch {cfg.train.global_batch_size}")
     if name not in SHARED_ENCODER:
         lrs = {cfg.optim.generator.lr, cfg.optim.discriminator.lr} if cfg.model.objective == "electra" \
             else {cfg.optim.generator.lr}
@@ -132,6 +146,8 @@ def scale_rows() -> list[list[str]]:
             ratios = [parameter_counts(_finding_config(name, (f"model.generator.num_layers={layers}",)))["generator"]
                       / here for layers in DWT_TEACHERS.values()]
             teacher = f"{max(ratios):.2f}× to {min(ratios):.2f}×"
+        elif name == "gen_size":  # the generators' depths over the discriminator's (megakd/repro/gen_size.py)
+            teacher = f"generator ÷ discriminator {GEN_SIZE_DEPTHS[0]}/{GEN_SIZE_DEPTHS[-1]} to 1 (layers)"
         else:
             teacher = "-"
         tokens_gap = f" ({_times(paper_tokens / _tokens(cfg))} fewer here)" if paper_tokens else ""

@@ -253,9 +253,19 @@ def _section(data: dict, parts: list[str], create: bool = False) -> dict | None:
 
 
 def upgrade_saved(cls: type, saved: dict) -> dict:
-    """A config dict saved by an older megakd (a checkpoint's config.yaml) in the key names of tree `cls`
-    today, so that comparing it with the current config sees no renamed key as changed."""
-    return _renamed(copy.deepcopy(saved), getattr(cls, "RENAMES", {}), None)
+    """A config dict saved by an older megakd (a checkpoint's config.yaml) as tree `cls` reads it today: in
+    today's key names, and with each key added since at its default (a new key defaults to what megakd did
+    before it existed), so that comparing it with the current config sees neither as a change."""
+    return _with_defaults(_renamed(copy.deepcopy(saved), getattr(cls, "RENAMES", {}), None), config_to_dict(cls()))
+
+
+def _with_defaults(saved: dict, defaults: dict) -> dict:
+    for key, value in defaults.items():
+        if key not in saved:
+            saved[key] = copy.deepcopy(value)
+        elif isinstance(value, dict) and isinstance(saved[key], dict):
+            _with_defaults(saved[key], value)
+    return saved
 
 
 # Values a config may hold once YAML aliases are expanded. A recipe has a few hundred; anchors and

@@ -185,8 +185,9 @@ class Run:
         saved = read_yaml_file(saved_file)
         if not isinstance(saved, dict):
             raise StoreError(f"{saved_file}: expected a mapping of config sections, got {type(saved).__name__}")
-        saved = upgrade_saved(type(self.job.cfg), saved)  # an older megakd's key names, as today's
-        changes = self.job.policy.check(found or saved_file, saved, config_to_dict(self.job.cfg), self.allow_change)
+        # an older megakd's config as today's tree reads it (renamed keys, keys added since at their defaults)
+        changes = self.job.policy.check(found or saved_file, upgrade_saved(type(self.job.cfg), saved),
+                                        config_to_dict(self.job.cfg), self.allow_change)
         return Resume(self.requested, found, saved, changes)
 
     def newest_checkpoint(self, root: Path) -> Path | None:

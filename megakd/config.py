@@ -183,6 +183,10 @@ class ElectraConfig:
     # optimizer steps (0 = train.max_steps), then hold it; null = constant.
     sampling_temperature_end: float | None = None
     sampling_anneal_steps: int = 0  # length of the anneal to sampling_temperature_end (0 = train.max_steps)
+    # Where the discriminator's RTD loss is taken: all = every non-padding token (ELECTRA); masked = the
+    # masked positions only ("ELECTRA 15 %", the ablation of docs/methods.md § ELECTRA objectives); the
+    # discriminator still reads the whole sequence, and its logged RTD F1 still counts every token
+    rtd_positions: Literal["all", "masked"] = "all"
 
     def temperature_schedule(self, max_steps: int) -> SamplingTemperature:
         return SamplingTemperature(self.sampling_temperature, self.sampling_temperature_end,

@@ -178,7 +178,8 @@ class DecoupledElectra(Layout):
     def build(cls, cfg, generator, discriminator, kd):
         return cls([
             _unit(cfg, "generator", _generator_loss(cfg, generator, kd), generator, cfg.optim.generator),
-            _unit(cfg, "discriminator", DiscriminatorLoss(discriminator, cfg.kernels.backend), discriminator,
+            _unit(cfg, "discriminator", DiscriminatorLoss(discriminator, cfg.kernels.backend,
+                                                          cfg.electra.rtd_positions), discriminator,
                   cfg.optim.discriminator, loss_scale=cfg.electra.loss_weight),
         ], kd)
 
@@ -208,8 +209,9 @@ class DecoupledElectra(Layout):
 
     @staticmethod
     def discriminator_inputs(batch: dict[str, Tensor], corrupted: Tensor) -> tuple:
-        """The discriminator's loss module's arguments: RTD on `corrupted` against the batch's ids."""
-        return corrupted, batch["input_ids"], batch["attention_mask"], batch.get("segment_ids")
+        """The discriminator's loss module's arguments: RTD on `corrupted` against the batch's ids (and its
+        masked positions, where electra.rtd_positions=masked takes the loss; the pipeline carries them too)."""
+        return corrupted, batch["input_ids"], batch["attention_mask"], batch.get("segment_ids"), batch["mlm_mask"]
 
     def combined_loss(self, mlm_loss: Tensor, rtd_loss: Tensor) -> Tensor:
         """L_MLM + λ·L_RTD (λ: the discriminator's loss_scale), for a backend that runs both models in one
@@ -246,7 +248,7 @@ class JointElectra(Layout):
         unweighted = cfg.optim.joint_clip == "unweighted"
         loss_module = JointElectraLoss(pair, cfg.electra.loss_weight, cfg.kernels.backend,
                                 cfg.electra.temperature_schedule(cfg.train.max_steps),
-                                kd, unweighted=unweighted)
+                                kd, unweighted=unweighted, rtd_positions=cfg.electra.rtd_positions)
         return cls([_unit(cfg, JOINT_UNIT, loss_module, pair, cfg.optim.discriminator,
                           loss_scale=cfg.electra.loss_weight if unweighted else 1.0)], kd)
 

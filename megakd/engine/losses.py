@@ -138,39 +138,60 @@ class GeneratorLoss(nn.Module):
 
 
 class DiscriminatorLoss(nn.Module):
-    """RTD over all non-padding tokens of the corrupted sequence (`segment_ids` for packed samples)."""
+    """RTD over all non-padding tokens of the corrupted sequence (`segment_ids` for packed samples).
 
-    def __init__(self, model: Discriminator, kernel_backend: str = "auto"):
+    `rtd_positions="masked"` (electra.rtd_positions) takes the loss over the masked positions only
+    (`mlm_mask`), ELECTRA 15 %: the encoder still attends over the whole sequence, and the RTD counts
+    (accuracy, F1) still cover every non-padding token, so runs of both settings log comparable metrics.
+    """
+
+    def __init__(self, model: Discriminator, kernel_backend: str = "auto", rtd_positions: str = "all"):
         super().__init__()
         self.model = model
         self.kernel_backend = kernel_backend
+        self.rtd_positions = rtd_positions
 
     def with_model(self, model: Discriminator) -> DiscriminatorLoss:
         """This loss around another model (see `GeneratorLoss.with_model`)."""
-        return type(self)(model, self.kernel_backend)
+        return type(self)(model, self.kernel_backend, self.rtd_positions)
+
+    def loss_mask(self, attention_mask: torch.Tensor, mlm_mask: torch.Tensor | None) -> torch.Tensor:
+        """The positions the loss is taken over: non-padding tokens, or under "masked" those also masked."""
+        if self.rtd_positions == "all":
+            return attention_mask
+        if mlm_mask is None:
+            raise ValueError("DiscriminatorLoss: rtd_positions='masked' needs the batch's mlm_mask")
+        return attention_mask.bool() & mlm_mask.bool()
 
     def forward(self, corrupted: torch.Tensor, original: torch.Tensor, attention_mask: torch.Tensor,
-                segment_ids: torch.Tensor | None = None) -> dict:
+                segment_ids: torch.Tensor | None = None, mlm_mask: torch.Tensor | None = None) -> dict:
         hidden = self.model(corrupted, attention_mask, segment_ids=segment_ids)
         transformed = self.model.head.transform(hidden)
         proj = self.model.head.prediction
-        loss = rtd_loss(transformed, proj.weight, proj.bias, corrupted, original, attention_mask, self.kernel_backend)
+        loss_mask = self.loss_mask(attention_mask, mlm_mask)
+        loss = rtd_loss(transformed, proj.weight, proj.bias, corrupted, original, loss_mask, self.kernel_backend)
         with torch.no_grad():  # functional, not proj(...): under ZeRO-3 the module's forward hooks would
             # release proj.weight, which the loss's backward still needs (seen after a resume)
             logits = nn.functional.linear(transformed, proj.weight, proj.bias).squeeze(-1)
             counts = rtd_counts(logits, rtd_labels(corrupted, original), attention_mask)
         stats = {f"rtd_{k}": v for k, v in counts.items()}
-        stats["disc_loss_sum"] = loss.detach().float() * counts["tokens"]
+        if self.rtd_positions == "all":
+            stats["disc_loss_sum"] = loss.detach().float() * counts["tokens"]
+        else:  # the loss is a mean over fewer positions: its own count keeps disc_loss a per-position BCE
+            stats["disc_loss_tokens"] = loss_mask.sum()
+            stats["disc_loss_sum"] = loss.detach().float() * stats["disc_loss_tokens"]
         stats["replaced"] = counts["tp"] + counts["fn"]
         return {"loss": loss, "logits": logits, "stats": stats}
 
     @staticmethod
     def ratios(s: dict[str, float]) -> dict[str, float]:
-        """disc_loss (BCE per non-padding token), disc_acc, RTD precision/recall/F1, replaced_frac."""
+        """disc_loss (BCE per position of the loss: every non-padding token, or under rtd_positions=masked
+        every masked one), disc_acc, RTD precision/recall/F1, replaced_frac (over non-padding tokens)."""
         if not s.get("rtd_tokens"):
             return {}
         p, r, f1 = precision_recall_f1(s["rtd_tp"], s["rtd_fp"], s["rtd_fn"])
-        return {"disc_loss": s["disc_loss_sum"] / s["rtd_tokens"], "disc_acc": s["rtd_correct"] / s["rtd_tokens"],
+        loss_tokens = max(s["disc_loss_tokens"], 1) if "disc_loss_tokens" in s else s["rtd_tokens"]
+        return {"disc_loss": s["disc_loss_sum"] / loss_tokens, "disc_acc": s["rtd_correct"] / s["rtd_tokens"],
                 "rtd_precision": p, "rtd_recall": r, "rtd_f1": f1, "replaced_frac": s["replaced"] / s["rtd_tokens"]}
 
 
@@ -184,14 +205,14 @@ class JointElectraLoss(nn.Module):
 
     def __init__(self, pair: ElectraPair, loss_weight: float, kernel_backend: str = "auto",
                  temperature: float | SamplingTemperature = 1.0, kd: TeacherKD | None = None,
-                 unweighted: bool = False):
+                 unweighted: bool = False, rtd_positions: str = "all"):
         super().__init__()
         self.model = pair
         # The per-model losses share the pair's parameters. A tuple keeps them out of the module tree,
         # so a wrapping engine's state dict names each parameter once, as "model.*" (what
         # megakd.convert reads from DeepSpeed checkpoints).
         self._parts = (GeneratorLoss(pair.generator, kernel_backend, temperature, kd),
-                       DiscriminatorLoss(pair.discriminator, kernel_backend))
+                       DiscriminatorLoss(pair.discriminator, kernel_backend, rtd_positions))
         self.loss_weight = loss_weight
         self.unweighted = unweighted
 
@@ -208,7 +229,8 @@ class JointElectraLoss(nn.Module):
         generator_loss, discriminator_loss = self._parts
         gen = generator_loss(batch, rng, step)
         corrupted = corrupt(batch["input_ids"], batch["mlm_mask"], gen["samples"], gen["positions"])
-        disc = discriminator_loss(corrupted, batch["input_ids"], batch["attention_mask"], batch.get("segment_ids"))
+        disc = discriminator_loss(corrupted, batch["input_ids"], batch["attention_mask"], batch.get("segment_ids"),
+                                  batch["mlm_mask"])
         loss = gen["loss"] / self.loss_weight + disc["loss"] if self.unweighted else \
             gen["loss"] + self.loss_weight * disc["loss"]
         return {

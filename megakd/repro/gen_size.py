@@ -38,27 +38,20 @@ from megakd.repro.finding_run import FindingRun, PretrainRun, ReportFn
 from megakd.repro.jobs import Job
 from megakd.repro.report import FindingReport, mean_std_text, pyplot, save_figure
 from megakd.repro.settings import (
-    CONFIGS,
-    FINETUNE_RT,
     FULL_FINETUNE,
+    FULL_PAIRS,
+    PAIR_TOKENS,
     PRETRAIN_RECIPE,
     QUICK_FINETUNE,
     QUICK_PRETRAIN,
     SILENT_RUN,
+    TASKS,
     Settings,
     recipe_value,
 )
 from megakd.repro.stats import claims_verdict, compare, over_draws
 from megakd.repro.training import digest, metric_rows, pretrain, seed_values
 
-FINETUNE_PAIRS = CONFIGS / "finetune-pairs.yaml"
-TASKS = {"RT": FINETUNE_RT, "pairs": FINETUNE_PAIRS}  # the second: chance 0.5 and a chance tf-idf floor
-# A pair is 2.34× an RT sentence in tokens (78.9 against 33.7, mean over the 3,000 training examples
-# FULL_FINETUNE keeps, with the recipe's 4K tokenizer), and the cost model counts examples as RT
-# sentences: full mode fine-tunes on 1,500 pairs (about the tokens of its 3,000 RT sentences), and the
-# plan prices a pair job's examples at PAIR_TOKENS RT sentences each.
-PAIR_TOKENS = 78.9 / 33.7
-FULL_PAIRS = ("task.max_train_examples=1500",)
 DEPTHS = (1, 2, 4)  # generator layers; the discriminator has 4 (the recipe's)
 QUICK_DEPTHS = (1, 2, 3)  # quick mode: its discriminator has 3
 LAMBDA = 50.0  # original ELECTRA's λ (the dissertation's usual choice, SPEC §1.1)

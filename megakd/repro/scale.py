@@ -64,8 +64,8 @@ PAPERS: dict[str, PaperRegime] = {
                             "(λ, lr) or (η_G, η_D) tuned per point; η_D up to 1.5e-3, batch 2048",
                             "runs per point not stated; diverged runs omitted", "electra-base.yaml"),
     "electra_vs_mlm": PaperRegime("ELECTRA-Small discriminator against a masked LM of its size (§3.4; the §3.5 "
-                                  "ablation at base size)", 14e6, "-", "1M steps × 128 × 128 (ELECTRA-Small)", None,
-                                  "3e-4, batch 128 (ELECTRA-Small)",
+                                  "ablation at base size)", 14e6, "-", "1M steps × 128 × 128 (ELECTRA-Small)",
+                                  1e6 * 128 * 128, "3e-4, batch 128 (ELECTRA-Small)",
                                   "GLUE dev medians of 10 fine-tuning runs of one pretrained model"),
     "tgt": PaperRegime("DistilBERT student, RoBERTa-large labeler, BART-base generator", 66e6, "5.4×",
                        "the public pretrained DistilBERT", None, "Adam 3e-5, batch 128",

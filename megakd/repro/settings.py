@@ -11,6 +11,15 @@ from megakd.config import Config, load_config
 CONFIGS = Path(__file__).parents[2] / "configs"
 PRETRAIN_RECIPE = CONFIGS / "electra-mini.yaml"  # the recipe meant to pay off downstream
 FINETUNE_RT = CONFIGS / "finetune-rt.yaml"
+FINETUNE_PAIRS = CONFIGS / "finetune-pairs.yaml"
+# The downstream tasks of gen_size and electra_vs_mlm: RT, and sentence pairs (chance 0.5, and the tf-idf floor
+# is chance too). A pair is 2.34× an RT sentence in tokens (78.9 against 33.7, mean over the 3,000 training
+# examples FULL_FINETUNE keeps, with the recipe's 4K tokenizer), and the cost model counts examples as RT
+# sentences: full mode fine-tunes on 1,500 pairs (about the tokens of its 3,000 RT sentences), and the plan
+# prices a pair job's examples at PAIR_TOKENS RT sentences each.
+TASKS = {"RT": FINETUNE_RT, "pairs": FINETUNE_PAIRS}
+PAIR_TOKENS = 78.9 / 33.7
+FULL_PAIRS = ("task.max_train_examples=1500",)
 RT_TRAIN_SENTENCES = 9071  # the bundled RT task's training split
 SILENT_RUN = ("run.export_hf=false", "run.plots=false", "run.tensorboard=false", "run.progress_bar=false",
               "run.save_every=0", "run.keep_last=1")

@@ -20,7 +20,9 @@ from megakd.repro.runner import execute
 from megakd.repro.settings import FULL_FINETUNE, PRETRAIN_RECIPE, QUICK_PRETRAIN, RT_TRAIN_SENTENCES
 from megakd.repro.training import _locked, cached_run_dir, pretrain
 
-BUDGET_MINUTES = 360  # the whole report on 2 cores (docs/recipes.md, Budget)
+# The whole report on 2 cores (docs/recipes.md, Budget): 532 min planned at --jobs 2 once gen_size and
+# electra_vs_mlm (issue 63, each planned under two hours alone) joined the six findings of 342 min.
+BUDGET_MINUTES = 540
 
 
 def test_full_report_fits_the_budget_on_two_cores(tmp_path):

@@ -33,9 +33,9 @@ def cmd_repro(args: argparse.Namespace) -> int:
         plan = plan_findings(names, args.work, quick=args.quick, seeds=seeds, recipe=args.recipe,
                              workers=args.jobs, costs=costs)
         print(plan.table(names, costs))
-        from megakd.repro.report import staleness
+        from megakd.repro.report import staleness, unmeasured
 
-        stale = staleness(args.out)
+        stale = staleness(args.out) + unmeasured(args.out)
         if stale:
             print(f"\n{args.out}, section by section:\n" + "\n".join(f"  {line}" for line in stale))
         return 0

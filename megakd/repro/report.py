@@ -221,14 +221,11 @@ def measured_by_current_code(stamp: str | None, changes: list[str] | None) -> bo
 
 
 def staleness(report: str | Path) -> list[str]:
-    """One line per finding: the code that measured its section of `report` and the commits that have
-    changed how the code it runs (`measuring_paths`) works since (`code_changes`), so an older measurement
-    shows before it is trusted, and what changed can be read before deciding to re-run it; a finding with
-    no section yet says so."""
-    sections = section_changes(report)
-    lines = [f"{name}: not measured yet (megakd repro {name} writes its section)"
-             for name in FINDINGS if name not in sections]
-    for name, (stamp, changes) in sections.items():
+    """One line per section of `report`: the code that measured it and the commits that have changed how
+    the code it runs (`measuring_paths`) works since (`code_changes`), so an older measurement shows before
+    it is trusted, and what changed can be read before deciding to re-run it."""
+    lines = []
+    for name, (stamp, changes) in section_changes(report).items():
         if stamp is None:
             lines.append(f"{name}: measuring code not recorded (re-run it to stamp it)")
         elif changes is None:
@@ -242,6 +239,13 @@ def staleness(report: str | Path) -> list[str]:
                          f"(megakd/, kernels/, configs/) since{f' ({shown}{more})' if changes else ''}: older code, "
                          "re-run it to measure this version")
     return lines
+
+
+def unmeasured(report: str | Path) -> list[str]:
+    """One line per finding `report` has no section for yet."""
+    sections = set(section_changes(report))
+    return [f"{name}: not measured yet (megakd repro {name} writes its section)" for name in FINDINGS
+            if name not in sections]
 
 
 def pyplot():

@@ -133,3 +133,38 @@ def mlm_logits(model, input_ids, attention_mask=None, token_type_ids=None):
     """Dense [B, L, V] logits of a megakd `MaskedLM`: what tests compare and inspect (training applies the
     head only at masked positions, or through the fused kernels)."""
     return model.head(model(input_ids, attention_mask, token_type_ids))
+
+
+def masked_batch(vocab: int, mask_id: int, seed: int = 3) -> dict:
+    """A micro-batch of four sequences, one padded, ~30 % of the non-padding tokens masked."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(5, vocab, (4, 24), generator=g)
+    attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
+    attention_mask[1, 17:] = False
+    mlm_mask = (torch.rand(input_ids.shape, generator=g) < 0.3) & attention_mask
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "mlm_mask": mlm_mask,
+            "masked_input_ids": input_ids.masked_fill(mlm_mask, mask_id)}
+
+
+class RecordedRun:
+    """A micro-batch run for `Layout.micro_step` outside any backend: it calls each unit's loss module and
+    keeps its outputs and the losses it would backward."""
+
+    def __init__(self):
+        self.losses: dict = {}
+        self.outputs: dict = {}
+
+    def unit(self, _unit):
+        import torch
+
+        return torch.enable_grad()
+
+    def forward(self, unit, *args):
+        self.outputs[unit.name] = out = unit.loss_module(*args)
+        return out
+
+    def backward(self, unit, loss):
+        self.losses[unit.name] = loss
+

@@ -54,14 +54,14 @@ from megakd.repro.training import digest, metric_rows, pretrain, seed_values
 
 DEPTHS = (1, 2, 4)  # generator layers; the discriminator has 4 (the recipe's)
 QUICK_DEPTHS = (1, 2, 3)  # quick mode: its discriminator has 3
-LAMBDA = 50.0  # original ELECTRA's λ (the dissertation's usual choice, SPEC §1.1)
+LAMBDA = 50.0  # original ELECTRA's λ: the dissertation sweeps {50, 70, 100, 200}, 50 the usual choice
 # Original ELECTRA: one optimizer, at `optim.discriminator`'s settings (docs/pretraining.md), the recipe's
 # 1e-3; the joint gradient clipped as original ELECTRA clips it (`optim.joint_clip: weighted`).
 ORIGINAL = ("electra.decoupled=false", f"electra.loss_weight={LAMBDA:g}", "optim.joint_clip=weighted")
 # DecoupledOptim's η_D: 1.5e-3, 7.5× disc_lr's fixed η_G, the largest rate at which disc_lr's RTD F1 still
 # rose in both draws (docs/REPRODUCTION.md, `disc_lr`: 15× was finite but fell), and the paper's default.
 DISC_LR = 1.5e-3
-# The η_G grid: the top three of the paper's DecoupledOptim grid {1, 2, 5, 10} × 1e-4 (SPEC §1.9); 1e-4 is
+# The η_G grid: the top three of the dissertation's DecoupledOptim grid {1, 2, 5, 10} × 1e-4; 1e-4 is
 # left out because at 2e-4 disc_lr's generators (1,200 steps) were still at masked accuracy ~0.11.
 GENERATOR_LRS = (2e-4, 5e-4, 1e-3)
 QUICK_GENERATOR_LRS = (2e-4, 1e-3)

@@ -16,7 +16,7 @@ from megakd.engine.layouts import build_layout
 from megakd.engine.pipeline import DATA_KEYS, build_stages
 from megakd.engine.units import StepContext
 from megakd.models.electra import Discriminator, MaskedLM
-from tests.helpers import tiny_overrides
+from tests.helpers import RecordedRun, masked_batch, tiny_overrides
 
 pytest.importorskip("deepspeed")
 
@@ -25,43 +25,19 @@ SETTINGS = {"electra.loss_weight": 7.0, "model.generator.dropout": 0.0, "model.d
             "kernels.backend": "torch"}
 
 
-class _Recorded:
-    """A micro-batch run that calls each unit's loss module and keeps the losses it would backward."""
-
-    def __init__(self):
-        self.losses: dict[str, torch.Tensor] = {}
-
-    def unit(self, _unit):
-        return torch.enable_grad()
-
-    def forward(self, unit, *args):
-        return unit.loss_module(*args)
-
-    def backward(self, unit, loss):
-        self.losses[unit.name] = loss
-
-
-def _batch(vocab: int, mask_id: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(3)
-    input_ids = torch.randint(5, vocab, (4, 24), generator=g)
-    attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
-    attention_mask[1, 17:] = False
-    mlm_mask = (torch.rand(input_ids.shape, generator=g) < 0.3) & attention_mask
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "mlm_mask": mlm_mask,
-            "masked_input_ids": input_ids.masked_fill(mlm_mask, mask_id)}
-
-
-@pytest.mark.parametrize("objective", ["electra", "mlm"])
-def test_one_stage_pipeline_computes_the_layouts_micro_step(tiny_data, tmp_path, objective):
-    cfg = load_config(CONFIG, tiny_overrides(tiny_data, tmp_path, **SETTINGS, **{"model.objective": objective}))
+@pytest.mark.parametrize("objective, rtd_positions", [("electra", "all"), ("mlm", "all"), ("electra", "masked")])
+def test_one_stage_pipeline_computes_the_layouts_micro_step(tiny_data, tmp_path, objective, rtd_positions):
+    """`rtd_positions=masked` (ELECTRA 15 %) too: the stage passes the mlm mask to the discriminator's loss."""
+    cfg = load_config(CONFIG, tiny_overrides(tiny_data, tmp_path, **SETTINGS, **{
+        "model.objective": objective, "electra.rtd_positions": rtd_positions}))
     torch.manual_seed(cfg.train.seed)
     generator = MaskedLM(cfg.model.generator)
     discriminator = Discriminator(cfg.model.discriminator) if objective == "electra" else None
     layout = build_layout(cfg, generator, discriminator)
     (stage,) = build_stages(layout, 1)
-    batch = _batch(cfg.model.generator.vocab_size, 4)
+    batch = masked_batch(cfg.model.generator.vocab_size, 4)
 
-    run = _Recorded()
+    run = RecordedRun()
     want = layout.micro_step(run, batch, StepContext(index=2, rng=torch.Generator().manual_seed(5)))
     with stage.running(StepContext(index=2, rng=torch.Generator().manual_seed(5))):
         loss = stage(tuple(batch[k] for k in DATA_KEYS))

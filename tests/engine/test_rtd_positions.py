@@ -1,7 +1,8 @@
 """electra.rtd_positions=masked (ELECTRA 15 %): the discriminator's RTD loss over the masked positions only.
 
 Against a float64 reference BCE taken over the masked positions alone (the kernel tests' reference,
-`fused_rtd_loss_reference`), through the loss module, both ELECTRA layouts and a one-stage pipeline.
+`fused_rtd_loss_reference`), through the loss module and both ELECTRA layouts (the one-stage pipeline's
+case is in tests/engine/test_pipeline_heads.py).
 """
 
 from __future__ import annotations
@@ -18,22 +19,11 @@ from megakd.engine.losses import DiscriminatorLoss
 from megakd.engine.units import StepContext
 from megakd.models.electra import Discriminator, MaskedLM
 from megakd.objectives.electra import rtd_loss
-from tests.helpers import tiny_overrides
+from tests.helpers import RecordedRun, masked_batch, tiny_overrides
 from tests.kernels.helpers import BACKENDS
 
 CONFIG = "configs/electra-tiny.yaml"
 STILL = {"model.generator.dropout": 0.0, "model.discriminator.dropout": 0.0}
-
-
-def _batch(vocab: int, mask_id: int, seed: int = 3) -> dict[str, torch.Tensor]:
-    """Four sequences, one padded; ~30 % of the non-padding tokens masked."""
-    g = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(5, vocab, (4, 24), generator=g)
-    attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
-    attention_mask[1, 17:] = False
-    mlm_mask = (torch.rand(input_ids.shape, generator=g) < 0.3) & attention_mask
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "mlm_mask": mlm_mask,
-            "masked_input_ids": input_ids.masked_fill(mlm_mask, mask_id)}
 
 
 def _discriminator(tiny_data, tmp_path) -> Discriminator:
@@ -64,7 +54,7 @@ def _corrupted(batch: dict[str, torch.Tensor], vocab: int) -> torch.Tensor:
 def test_masked_loss_is_the_bce_over_masked_positions_only(tiny_data, tmp_path, backend):
     model = _discriminator(tiny_data, tmp_path)
     vocab = model.config.vocab_size
-    batch = _batch(vocab, 4)
+    batch = masked_batch(vocab, 4)
     corrupted = _corrupted(batch, vocab)
     original, attn, mlm = batch["input_ids"], batch["attention_mask"], batch["mlm_mask"]
     assert (corrupted != original).any() and ((corrupted == original) & mlm).any()  # both labels at masked slots
@@ -105,7 +95,7 @@ def test_masked_loss_is_the_bce_over_masked_positions_only(tiny_data, tmp_path, 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_masked_equals_all_when_every_token_is_masked(tiny_data, tmp_path, backend):
     model = _discriminator(tiny_data, tmp_path)
-    batch = _batch(model.config.vocab_size, 4)
+    batch = masked_batch(model.config.vocab_size, 4)
     attn = batch["attention_mask"]
     every = torch.ones_like(attn)  # padding "masked" too: the loss still skips it
     batch["mlm_mask"] = every
@@ -124,7 +114,7 @@ def test_fused_kernel_and_torch_path_agree_on_the_masked_loss(tiny_data, tmp_pat
         pytest.skip("the fused RTD kernel needs triton with TRITON_INTERPRET=1 on CPU")
     available = ("torch", "triton")
     model = _discriminator(tiny_data, tmp_path).float()
-    batch = _batch(model.config.vocab_size, 4)
+    batch = masked_batch(model.config.vocab_size, 4)
     corrupted = _corrupted(batch, model.config.vocab_size)
     out = {}
     for backend in available:
@@ -140,27 +130,9 @@ def test_fused_kernel_and_torch_path_agree_on_the_masked_loss(tiny_data, tmp_pat
 
 def test_masked_loss_without_the_mask_is_refused(tiny_data, tmp_path):
     model = _discriminator(tiny_data, tmp_path)
-    batch = _batch(model.config.vocab_size, 4)
+    batch = masked_batch(model.config.vocab_size, 4)
     with pytest.raises(ValueError, match="rtd_positions='masked' needs the batch's mlm_mask"):
         DiscriminatorLoss(model, "torch", "masked")(batch["input_ids"], batch["input_ids"], batch["attention_mask"])
-
-
-class _Recorded:
-    """A micro-batch run that calls each unit's loss module and keeps the losses it would backward."""
-
-    def __init__(self):
-        self.losses: dict[str, torch.Tensor] = {}
-        self.outputs: dict[str, dict] = {}
-
-    def unit(self, _unit):
-        return torch.enable_grad()
-
-    def forward(self, unit, *args):
-        self.outputs[unit.name] = out = unit.loss_module(*args)
-        return out
-
-    def backward(self, unit, loss):
-        self.losses[unit.name] = loss
 
 
 @pytest.mark.parametrize("decoupled", [True, False])
@@ -172,8 +144,8 @@ def test_both_electra_layouts_take_the_loss_at_the_masked_positions(tiny_data, t
     torch.manual_seed(cfg.train.seed)
     generator, discriminator = MaskedLM(cfg.model.generator), Discriminator(cfg.model.discriminator)
     layout = build_layout(cfg, generator, discriminator)
-    batch = _batch(cfg.model.generator.vocab_size, 4)
-    run = _Recorded()
+    batch = masked_batch(cfg.model.generator.vocab_size, 4)
+    run = RecordedRun()
     out = layout.micro_step(run, batch, StepContext(index=0, rng=torch.Generator().manual_seed(5)))
     attn, mlm = batch["attention_mask"], batch["mlm_mask"]
     with torch.no_grad():
@@ -188,28 +160,6 @@ def test_both_electra_layouts_take_the_loss_at_the_masked_positions(tiny_data, t
         gen_loss = stats["gen_loss_sum"] / stats["masked"]
         assert float(run.losses["electra"].detach()) == pytest.approx(gen_loss + cfg.electra.loss_weight * float(want),
                                                              rel=1e-5)
-
-
-def test_one_stage_pipeline_computes_the_masked_micro_step(tiny_data, tmp_path):
-    """The pipeline's discriminator head reads the layout's `discriminator_inputs`, mlm_mask included: its loss
-    and statistics are the layout's under rtd_positions=masked too (tests/engine/test_pipeline_heads.py's check)."""
-    pytest.importorskip("deepspeed")
-    from megakd.engine.pipeline import DATA_KEYS, build_stages
-
-    cfg = load_config(CONFIG, tiny_overrides(tiny_data, tmp_path, **STILL, **{
-        "electra.rtd_positions": "masked", "electra.loss_weight": 7.0, "kernels.backend": "torch"}))
-    torch.manual_seed(cfg.train.seed)
-    layout = build_layout(cfg, MaskedLM(cfg.model.generator), Discriminator(cfg.model.discriminator))
-    (stage,) = build_stages(layout, 1)
-    batch = _batch(cfg.model.generator.vocab_size, 4)
-    run = _Recorded()
-    want = layout.micro_step(run, batch, StepContext(index=2, rng=torch.Generator().manual_seed(5)))
-    with stage.running(StepContext(index=2, rng=torch.Generator().manual_seed(5))):
-        loss = stage(tuple(batch[k] for k in DATA_KEYS))
-    got = {k: v for head in stage.heads() for k, v in head.stats.items()}
-    assert torch.equal(loss, run.losses["generator"] + 7.0 * run.losses["discriminator"])
-    assert "disc_loss_tokens" in got and set(got) == set(want.stats)
-    assert all(torch.equal(got[k], want.stats[k].double()) for k in want.stats)
 
 
 def test_unknown_rtd_positions_is_refused(tiny_data, tmp_path):

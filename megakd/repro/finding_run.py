@@ -150,9 +150,10 @@ class FindingRun:
         return self.pretrain([*(QUICK_PRETRAIN if self.quick else ()), f"train.seed={draw}",
                               *student_overrides(self.quick)])
 
-    def call(self, key: str, label: str, fn: Callable[..., object], args: tuple, seconds: float) -> str:
-        """Declare a job of the finding's own (`fn` module-level); returns its key."""
-        self._add(Job(f"{self.name}:{key}", self.name, label, fn, args, seconds))
+    def call(self, key: str, label: str, fn: Callable[..., object], args: tuple, seconds: float,
+             after: tuple[str, ...] = ()) -> str:
+        """Declare a job of the finding's own (`fn` module-level), run after the jobs `after` names; its key."""
+        self._add(Job(f"{self.name}:{key}", self.name, label, fn, args, seconds, after))
         return f"{self.name}:{key}"
 
     def result(self, run: PretrainRun | FinetuneRun | str) -> object:

@@ -35,7 +35,6 @@ from statistics import fmean
 from megakd.config import load_config
 from megakd.engine.runlog import tail_mean
 from megakd.repro.finding_run import FindingRun, PretrainRun, ReportFn
-from megakd.repro.jobs import Job
 from megakd.repro.report import FindingReport, mean_std_text, pyplot, save_figure
 from megakd.repro.settings import (
     FULL_FINETUNE,
@@ -115,11 +114,11 @@ def declare(run: FindingRun) -> ReportFn:
         candidates = {lr: run.pretrain(arm(depth, SELECTION_DRAW, decoupled(lr))) for lr in lrs}
         name = digest([c.path.name for c in candidates.values()])
         choice = work / f"select-{name}.json"
-        selections[depth] = _add(run, f"select:{name}", f"choose η_G of the {depth}-layer generator", select_lr,
-                                 (str(run.recipe), base, {f"{lr:g}": str(c.path) for lr, c in candidates.items()},
-                                  str(choice), batches),
-                                 run.costs.job_start + batches * forward * len(lrs) * (len(lrs) + 1),
-                                 tuple(c.key for c in candidates.values()))
+        selections[depth] = run.call(f"select:{name}", f"choose η_G of the {depth}-layer generator", select_lr,
+                                     (str(run.recipe), base, {f"{lr:g}": str(c.path) for lr, c in candidates.items()},
+                                      str(choice), batches),
+                                     run.costs.job_start + batches * forward * len(lrs) * (len(lrs) + 1),
+                                     tuple(c.key for c in candidates.values()))
         for draw in run.settings.draws:
             runs["original ELECTRA", draw, depth] = run.pretrain(arm(depth, draw, ORIGINAL))
             overrides = {f"{lr:g}": arm(depth, draw, decoupled(lr)) for lr in lrs}
@@ -127,9 +126,9 @@ def declare(run: FindingRun) -> ReportFn:
             cached = draw == SELECTION_DRAW  # the chosen candidate is this draw's run: no training
             seconds = run.costs.job_start + (0.0 if cached else steps * run.costs.pretrain_step(
                 load_config(run.recipe, [*SILENT_RUN, *overrides[f"{lrs[-1]:g}"], "run.dir=_"])))
-            key = _add(run, f"chosen:{link.name}", f"pretrain the chosen η_G, {depth}-layer generator, draw {draw}",
-                       pretrain_chosen, (str(run.recipe), overrides, str(choice), run.work, str(link)), seconds,
-                       (selections[depth],))
+            key = run.call(f"chosen:{link.name}", f"pretrain the chosen η_G, {depth}-layer generator, draw {draw}",
+                           pretrain_chosen, (str(run.recipe), overrides, str(choice), run.work, str(link)), seconds,
+                           (selections[depth],))
             runs["DecoupledOptim", draw, depth] = PretrainRun(key, link)
     deepest = depths[-1]
     random_arch = run.pretrain(arm(deepest, SELECTION_DRAW, decoupled(lrs[0])))  # its architecture only
@@ -145,12 +144,12 @@ def declare(run: FindingRun) -> ReportFn:
     tuned = {(mode, draw, depth, task): finetune(task, [f"model.path={r.path}"], after=(r,))
              for (mode, draw, depth), r in runs.items() for task in TASKS}
     random_init = {task: finetune(task, [f"model.path={random_arch.path}", "model.init=random"]) for task in TASKS}
-    fig12 = {(mode, draw): _add(run, f"fig12:{digest([mode, draw, str(runs[mode, draw, deepest].path)])}",
-                                f"RTD F1 against the {deepest}-layer generator, {mode}, draw {draw}", rtd_f1,
-                                (str(run.recipe), base, str(runs[mode, draw, deepest].path),
-                                 [str(runs[mode, draw, d].path) for d in depths], batches),
-                                run.costs.job_start + batches * forward * (len(depths) + 1),
-                                tuple(runs[mode, draw, d].key for d in depths))
+    fig12 = {(mode, draw): run.call(f"fig12:{digest([mode, draw, str(runs[mode, draw, deepest].path)])}",
+                                    f"RTD F1 against the {deepest}-layer generator, {mode}, draw {draw}", rtd_f1,
+                                    (str(run.recipe), base, str(runs[mode, draw, deepest].path),
+                                    [str(runs[mode, draw, d].path) for d in depths], batches),
+                                    run.costs.job_start + batches * forward * (len(depths) + 1),
+                                    tuple(runs[mode, draw, d].key for d in depths))
              for mode in MODES for draw in run.settings.draws}
 
     def report() -> FindingReport:
@@ -185,12 +184,6 @@ def declare(run: FindingRun) -> ReportFn:
                              rows=table, verdict=verdict, reason=reason, plots=[str(plot.relative_to(run.out_dir))])
 
     return report
-
-
-def _add(run: FindingRun, key: str, label: str, fn, args: tuple, seconds: float, after: tuple[str, ...]) -> str:
-    """Declare a job of the finding's own after `after` (FindingRun.call takes no dependencies)."""
-    run.jobs.setdefault(f"{run.name}:{key}", Job(f"{run.name}:{key}", run.name, label, fn, args, seconds, after))
-    return f"{run.name}:{key}"
 
 
 def _width(run: FindingRun, base: list[str]) -> int:

@@ -147,7 +147,7 @@ def declare(run: FindingRun) -> ReportFn:
     fig12 = {(mode, draw): run.call(f"fig12:{digest([mode, draw, str(runs[mode, draw, deepest].path)])}",
                                     f"RTD F1 against the {deepest}-layer generator, {mode}, draw {draw}", rtd_f1,
                                     (str(run.recipe), base, str(runs[mode, draw, deepest].path),
-                                    [str(runs[mode, draw, d].path) for d in depths], batches),
+                                     [str(runs[mode, draw, d].path) for d in depths], batches),
                                     run.costs.job_start + batches * forward * (len(depths) + 1),
                                     tuple(runs[mode, draw, d].key for d in depths))
              for mode in MODES for draw in run.settings.draws}

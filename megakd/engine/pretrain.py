@@ -20,7 +20,7 @@ from megakd.engine.backends import TrainingBackend
 from megakd.engine.hooks import Hook
 from megakd.engine.layouts import Layout, build_layout
 from megakd.engine.losses import TeacherKD
-from megakd.engine.run import Outcome, Resume, ResumePolicy, Run, run_job
+from megakd.engine.run import Outcome, Resume, ResumePolicy, Run, run_job, start_job
 from megakd.engine.trainer import Trainer
 from megakd.engine.validation import VALID_SEED, Validator
 from megakd.engine.warm_start import warm_start
@@ -257,11 +257,7 @@ class PretrainingJob:
     def build(self, run: Run) -> Trainer:
         """The trainer, built knowing `run.resume`: a run that loads a checkpoint reads no `init.*` and
         profiles nothing (the checkpoint overwrites both)."""
-        try:
-            self.trainer = _build_trainer(self.cfg, run, self.tokenizer, self.tokenizer_dir, self.shards)
-        except BaseException:
-            run.backend.close()  # a config error found while building must not leave a process group behind
-            raise
+        self.trainer = _build_trainer(self.cfg, run, self.tokenizer, self.tokenizer_dir, self.shards)
         return self.trainer
 
     def prepare(self, run: Run) -> None:
@@ -283,7 +279,12 @@ def build_trainer(cfg: Config, backend: TrainingBackend | None = None, launch: L
     """A trainer for `cfg` outside a run (benchmarks and tools drive `Trainer.train_step`): its run directory
     is neither claimed nor resumed."""
     job = PretrainingJob(cfg, launch or Launch.from_environ())
-    return job.build(Run(job, backend or job.build_backend()))
+    run = Run(job, backend or job.build_backend())
+    try:
+        return job.build(run)
+    except BaseException:
+        run.backend.close()  # a config error found while building must not leave a process group behind
+        raise
 
 
 def open_trainer(cfg: Config, resume: str | None = None, allow_change: tuple[str, ...] = (),
@@ -293,15 +294,7 @@ def open_trainer(cfg: Config, resume: str | None = None, allow_change: tuple[str
     themselves: `Trainer.train()`, then `Trainer.close()` ends the run. `extend(trainer)` adds hooks and
     stateful parts (`Trainer.add_hook`) before a resumed checkpoint loads them."""
     job = PretrainingJob(cfg, launch or Launch.from_environ(), extend=extend)
-    run = Run(job, backend or job.build_backend(), resume, allow_change)
-    try:
-        run.open()
-        job.prepare(run)
-        run.start()
-    except BaseException:
-        job.close()
-        run.close()
-        raise
+    start_job(job, resume, allow_change, backend)
     return job.trainer
 
 

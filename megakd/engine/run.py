@@ -259,19 +259,36 @@ def _checkpoint_dir(spec: str) -> Path:
     return path
 
 
+def start_job(job: Job, resume: str | None = None, allow_change: tuple[str, ...] = (),
+              backend: TrainingBackend | None = None) -> Run:
+    """The shell's steps before training (open, prepare, start), undone if one fails; the started run, for
+    `run_job` and for callers that drive the training themselves (they end it with `end_job`)."""
+    run = Run(job, backend or job.build_backend(), resume, allow_change)
+    try:
+        run.open()
+        job.prepare(run)
+        run.start()
+    except BaseException:
+        end_job(job, run)
+        raise
+    return run
+
+
+def end_job(job: Job, run: Run) -> None:
+    """Let go of the job's resources, then the run directory and the backend, however the job ended."""
+    try:
+        job.close()
+    finally:
+        run.close()
+
+
 def run_job(job: Job, resume: str | None = None, allow_change: tuple[str, ...] = ()) -> Outcome:
     """Run `job` in the shell (the module docstring gives the order); how it ended."""
-    run = Run(job, job.build_backend(), resume, allow_change)
-    try:
-        with head_backward(job.cfg.kernels.head_backward):  # read by the fused head's loss (kernels/dispatch.py)
-            run.open()
-            job.prepare(run)
-            run.start()
-            return job.train(run)
-    except Stopped as stop:
-        return Outcome(step=stop.step, stopped=True, interrupted=stop.interrupted)
-    finally:
+    with head_backward(job.cfg.kernels.head_backward):  # read by the fused head's loss (kernels/dispatch.py)
+        run = start_job(job, resume, allow_change)
         try:
-            job.close()
+            return job.train(run)
+        except Stopped as stop:
+            return Outcome(step=stop.step, stopped=True, interrupted=stop.interrupted)
         finally:
-            run.close()
+            end_job(job, run)

@@ -65,7 +65,7 @@ PAPERS: dict[str, PaperRegime] = {
                             "runs per point not stated; diverged runs omitted", "electra-base.yaml"),
     "electra_vs_mlm": PaperRegime("ELECTRA-Small discriminator against a masked LM of its size (§3.4; the §3.5 "
                                   "ablation at base size)", 14e6, "-", "1M steps × 128 × 128 (ELECTRA-Small)",
-                                  1e6 * 128 * 128, "3e-4, batch 128 (ELECTRA-Small)",
+                                  1e6 * 128 * 128, "5e-4, batch 128 (ELECTRA-Small pretraining)",
                                   "GLUE dev medians of 10 fine-tuning runs of one pretrained model"),
     "tgt": PaperRegime("DistilBERT student, RoBERTa-large labeler, BART-base generator", 66e6, "5.4×",
                        "the public pretrained DistilBERT", None, "Adam 3e-5, batch 128",

@@ -227,7 +227,7 @@ def scale_gap() -> str:
 
     return (f"{span(params.values())} fewer parameters than the papers' models "
             f"({', '.join(f'{k} {v}' for k, v in params.items())}) and {span(tokens.values())} fewer "
-            f"pretraining token positions than the dissertation's ({', '.join(tokens)}); teachers are "
+            f"pretraining token positions than the papers' pretraining ({', '.join(tokens)}); teachers are "
             f"{span([here + '×' for _, here in teachers])} their students (the papers: "
             f"{span([paper + '×' for paper, _ in teachers])})")
 

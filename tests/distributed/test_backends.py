@@ -41,7 +41,7 @@ VARIANTS = {  # run name -> overrides on top of COMMON
     "ddp": {"backend.name": "ddp"},
     "zero1": {"backend.name": "deepspeed", "backend.zero_stage": 1},
     "zero2": {"backend.name": "deepspeed", "backend.zero_stage": 2},
-    "zero3": {"backend.name": "deepspeed", "backend.zero_stage": 3, "train.save_every": 2, "run.keep_last": 0},
+    "zero3": {"backend.name": "deepspeed", "backend.zero_stage": 3, "run.save_every": 2, "run.keep_last": 0},
     "joint_zero2": {"backend.name": "deepspeed", "backend.zero_stage": 2, "electra.decoupled": "false"},
 }
 

@@ -25,7 +25,7 @@ from tests.helpers import tiny_overrides
 pytestmark = pytest.mark.slow
 
 KEYS = ("gen_loss", "gen_acc", "lr_generator", "grad_norm_generator")
-COMMON = {"model.objective": "mlm", "model.generator.dropout": 0.0, "train.max_steps": 4, "train.save_every": 2,
+COMMON = {"model.objective": "mlm", "model.generator.dropout": 0.0, "train.max_steps": 4, "run.save_every": 2,
           "train.global_batch_size": 16, "train.micro_batch_size": 4, "run.export_hf": "false",
           "run.keep_last": 0, "kernels.backend": "torch"}
 

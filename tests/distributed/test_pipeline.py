@@ -59,7 +59,7 @@ def runs(tiny_data, tmp_path_factory):
                                                                  "optim.generator.lr": 3e-3})))
     dwt = {**MLM, **DWT, "distill.teacher": str(root / "teacher")}
     torchrun(2, [
-        {"overrides": overrides("electra", **PIPE, **{"train.save_every": 2, "run.keep_last": 0})},
+        {"overrides": overrides("electra", **PIPE, **{"run.save_every": 2, "run.keep_last": 0})},
         {"overrides": overrides("electra_resumed", **PIPE),
          "resume": str(root / "electra" / "checkpoints" / "step_00000002")},
         {"overrides": overrides("mlm", **PIPE, **MLM)},

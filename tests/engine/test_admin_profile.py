@@ -73,13 +73,13 @@ class _NodeLost(Hook):
 
 def _died_before_first_checkpoint(tiny_data, run) -> None:
     with pytest.raises(RuntimeError, match="node lost"):
-        trained(_cfg(tiny_data, run, **{"train.max_steps": 2, "train.save_every": 0}),
+        trained(_cfg(tiny_data, run, **{"train.max_steps": 2, "run.save_every": 0}),
                 extend=lambda trainer: trainer.add_hook(_NodeLost(at=1)))
     assert checkpoint.list_checkpoints(run) == [] and (run / PROFILE_FILE).is_file()
 
 
 def test_a_resume_from_a_checkpoint_does_not_profile_and_ends_as_the_uninterrupted_run(tiny_data, tmp_path, passes):
-    steps = {"train.max_steps": 2, "train.save_every": 1}
+    steps = {"train.max_steps": 2, "run.save_every": 1}
     full = trained(_cfg(tiny_data, tmp_path / "full", **steps))
     assert passes == [1, 2]  # generator, discriminator
     run = tmp_path / "resumed"
@@ -97,7 +97,7 @@ def test_a_restart_before_the_first_checkpoint_reads_the_saved_profile(tiny_data
     _died_before_first_checkpoint(tiny_data, run)
     saved = json.loads((run / PROFILE_FILE).read_text())
     del passes[:]
-    steps = {"train.max_steps": 1, "train.save_every": 0}
+    steps = {"train.max_steps": 1, "run.save_every": 0}
     start, end = {}, {}
     for name, resume in (("restarted", "auto"), ("fresh", None)):  # one after the other: dropout draws from
         trainer = pretrain.open_trainer(_cfg(tiny_data, tmp_path / "run" if resume else tmp_path / name, **steps),

@@ -41,7 +41,7 @@ def test_compiled_training_tracks_eager(tiny_data, tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_compiled_resume_is_bit_exact(tiny_data, tmp_path):
-    steps = {"train.max_steps": 4, "train.save_every": 2, "run.keep_last": 5, "train.compile": True}
+    steps = {"train.max_steps": 4, "run.save_every": 2, "run.keep_last": 5, "train.compile": True}
     full = _train(tiny_data, tmp_path / "full", **steps)
     resumed = _train(tiny_data, tmp_path / "resumed", resume=str(tmp_path / "full/checkpoints/step_00000002"),
                      **steps)

@@ -20,7 +20,7 @@ from tests.remote_servers import http_server  # noqa: F401  (fixture)
 
 
 def _train(tiny_data, run_dir, shards, resume=None, **extra):
-    steps = {"train.max_steps": 16, "train.save_every": 0, "train.log_every": 1, "data.shuffle_shards": 1,
+    steps = {"train.max_steps": 16, "run.save_every": 0, "train.log_every": 1, "data.shuffle_shards": 1,
              "data.read_retries": 1, "data.shards": shards, **extra}
     return trained(load_config("configs/electra-tiny.yaml", tiny_overrides(tiny_data, run_dir, **steps)), resume)
 

@@ -48,7 +48,7 @@ CONTRACT_KEYS = {"step", "gen_loss", "gen_acc", "disc_loss", "disc_acc", "rtd_pr
 
 def test_metrics_contract_and_run_dir(tiny_data, tmp_path):
     run = tmp_path / "run"
-    _train(tiny_data, run, **{"train.max_steps": 4, "train.save_every": 2, "run.keep_last": 1})
+    _train(tiny_data, run, **{"train.max_steps": 4, "run.save_every": 2, "run.keep_last": 1})
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for r in rows:
@@ -84,7 +84,7 @@ ANNEALED = {"electra.sampling_temperature": 3.0, "electra.sampling_temperature_e
 
 @pytest.mark.parametrize("extra", [{}, ANNEALED], ids=["constant-temperature", "annealed-temperature"])
 def test_sigterm_then_resume_is_bit_exact(tiny_data, tmp_path, extra):
-    steps = {"train.max_steps": 8, "train.log_every": 1, "train.save_every": 0, **extra}
+    steps = {"train.max_steps": 8, "train.log_every": 1, "run.save_every": 0, **extra}
     full = _train(tiny_data, tmp_path / "full", **steps)
     run = tmp_path / "resumed"
     watcher = _kill_when_logged(run / "metrics.jsonl", 3)
@@ -224,7 +224,7 @@ def test_run_saved_before_fused_qkv_resumes_with_it(tiny_data, tmp_path):
 
     from megakd.store.checkpoint import write_manifest
 
-    steps = {"train.max_steps": 3, "train.save_every": 2, "run.keep_last": 0}
+    steps = {"train.max_steps": 3, "run.save_every": 2, "run.keep_last": 0}
     separate = {f"model.{m}.fused_qkv": False for m in ("generator", "discriminator")}
     full = _train(tiny_data, tmp_path / "full", **steps, **separate)
     old = tmp_path / "old"
@@ -317,7 +317,7 @@ def test_a_stateful_part_added_by_a_job_is_checkpointed_and_resumes_bit_exactly(
     """One `add_hook(hook, state=...)` call: the EMA is saved with every checkpoint and, after a SIGTERM and
     `--resume auto`, ends equal to the uninterrupted run's (the resumed process starts from a fresh EMA, so
     only the restored state can make them equal). A checkpoint written without the part is refused in one line."""
-    steps = {"train.max_steps": 6, "train.log_every": 1, "train.save_every": 0}
+    steps = {"train.max_steps": 6, "train.log_every": 1, "run.save_every": 0}
 
     def run(run_dir, resume=None, ema=True):
         parts = []
@@ -353,7 +353,7 @@ def test_a_checkpoint_in_the_layout_before_named_parts_resumes_exactly(tiny_data
 
     from megakd.store import checkpoint
 
-    steps = {"train.max_steps": 4, "train.log_every": 1, "train.save_every": 2, "run.keep_last": 0}
+    steps = {"train.max_steps": 4, "train.log_every": 1, "run.save_every": 2, "run.keep_last": 0}
     full = _train(tiny_data, tmp_path / "full", **steps)
     run = tmp_path / "old"
     shutil.copytree(tmp_path / "full", run)

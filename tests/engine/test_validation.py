@@ -61,7 +61,7 @@ def test_valid_fraction_holds_out_documents_by_hash(tmp_path):
 
 def _cfg(tiny_data, run_dir, **extra):
     return load_config("configs/electra-tiny.yaml", tiny_overrides(tiny_data, run_dir, **{
-        "train.max_steps": 4, "train.save_every": 2, "run.export_hf": "false", "run.keep_last": 0,
+        "train.max_steps": 4, "run.save_every": 2, "run.export_hf": "false", "run.keep_last": 0,
         "data.valid_shards": str(tiny_data[1]), "train.eval_samples": 12, **extra}))
 
 

@@ -119,7 +119,7 @@ def _metrics(run_dir):
 def test_resume_after_warm_start_is_bit_exact_and_never_reads_the_init(wordpiece_data, wordpiece_electra_run,
                                                                         tmp_path):
     source = shutil.copytree(wordpiece_electra_run / "hf", tmp_path / "source")
-    steps = {"train.save_every": 2, "init.from": source}
+    steps = {"run.save_every": 2, "init.from": source}
     run_pretraining(_cfg(wordpiece_data, tmp_path / "whole", **steps, **{"train.max_steps": 4}))
     run_pretraining(_cfg(wordpiece_data, tmp_path / "split", **steps, **{"train.max_steps": 2}))
     shutil.rmtree(source)  # the resumed run continues from its checkpoint alone

@@ -61,7 +61,7 @@ from tests.helpers import tiny_overrides
 
 STAGES = (1, 2, 3)
 COMMON = {
-    "train.max_steps": 4, "train.save_every": 2, "run.keep_last": 0, "train.global_batch_size": 16,
+    "train.max_steps": 4, "run.save_every": 2, "run.keep_last": 0, "train.global_batch_size": 16,
     "train.micro_batch_size": 4, "model.generator.dropout": 0.0, "model.discriminator.dropout": 0.0,
     "run.export_hf": "false", "kernels.backend": "torch", "backend.name": "deepspeed",
 }

@@ -141,7 +141,7 @@ def _saved_steps(log_text: str) -> list[int]:
     return [int(s) for s in re.findall(r"saved checkpoint \S+/step_(\d{8})$", log_text, re.M)]
 
 
-TAKEOVER_RUN = {"train.max_steps": 100_000, "train.save_every": 2, "run.keep_last": 0, "run.export_hf": "false"}
+TAKEOVER_RUN = {"train.max_steps": 100_000, "run.save_every": 2, "run.keep_last": 0, "run.export_hf": "false"}
 
 
 @pytest.mark.parametrize("resumed", [True, False], ids=["removed-then-resumed-by-another-job", "replaced-by-a-copy"])
@@ -171,7 +171,7 @@ def test_lock_taken_over_mid_run_leaves_one_writer(tiny_data, tmp_path, resumed)
         if resumed:
             lock.unlink()
             b = _popen([*cmd, "--resume", "auto", *tiny_overrides(tiny_data, run, **{
-                **TAKEOVER_RUN, "train.max_steps": 14, "train.save_every": 3})], b_log)
+                **TAKEOVER_RUN, "train.max_steps": 14, "run.save_every": 3})], b_log)
         else:
             lock.with_name("copy").write_text(holder)
             os.replace(lock.with_name("copy"), lock)
@@ -205,7 +205,7 @@ def test_lock_taken_over_mid_run_leaves_one_writer(tiny_data, tmp_path, resumed)
                 want = next(expected, None)
             else:
                 strays.append(step)
-        save_every = TAKEOVER_RUN["train.save_every"]
+        save_every = TAKEOVER_RUN["run.save_every"]
         assert want is None and all(resumed_at < s <= resumed_at + save_every for s in strays), steps
         assert f"pid {b.pid}, job " in lock.read_text()  # B's own lock file, released at its end
     finally:

@@ -22,7 +22,7 @@ from tests.helpers import tiny_overrides
 
 pytestmark = pytest.mark.slow
 
-KILL_RUN = {"train.max_steps": 6, "train.save_every": 1, "run.keep_last": 2, "run.export_hf": "false"}
+KILL_RUN = {"train.max_steps": 6, "run.save_every": 1, "run.keep_last": 2, "run.export_hf": "false"}
 
 
 def _args(tiny_data, run):

@@ -29,7 +29,7 @@ from tests.finetune.test_distributed import tiny_finetune
 from tests.helpers import tiny_overrides
 
 CONFIG = REPO / "configs" / "electra-tiny.yaml"
-BASE = {"train.max_steps": 6, "train.save_every": 2, "run.keep_last": 3, "run.export_hf": "false"}
+BASE = {"train.max_steps": 6, "run.save_every": 2, "run.keep_last": 3, "run.export_hf": "false"}
 STEPS = ("step_00000002", "step_00000004", "step_00000006")
 
 
@@ -228,7 +228,7 @@ def test_second_job_on_a_locked_run_dir_stops_at_once(tiny_data, tmp_path):
 
     run = tmp_path / "run"
     first = subprocess.Popen([sys.executable, "-m", "megakd.cli", "pretrain",
-                              *_args(tiny_data, run, **{"train.max_steps": 100000, "train.save_every": 0})],
+                              *_args(tiny_data, run, **{"train.max_steps": 100000, "run.save_every": 0})],
                              cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 300
@@ -266,7 +266,7 @@ def test_allowed_lr_change_takes_effect_and_is_recorded(tiny_data, base_run, run
 @pytest.mark.slow
 def test_steering_keys_change_freely(tiny_data, base_run, run_copy):
     out = pretrain(tiny_data, run_copy, "--resume", "auto",
-                   **{"train.log_every": 3, "train.save_every": 0, "run.keep_last": 1})
+                   **{"train.log_every": 3, "run.save_every": 0, "run.keep_last": 1})
     assert out.code == 0, out.stderr[-2000:]
     assert not (run_copy / "config_history").exists()
     assert yaml.safe_load((run_copy / "config.yaml").read_text())["train"]["log_every"] == 3
@@ -385,7 +385,7 @@ def tiny_disk(small_disk):
 @pytest.mark.slow
 def test_disk_full_during_save_names_the_directory_and_cleans_up(tiny_data, tiny_disk):
     run = tiny_disk / "run"
-    out = pretrain(tiny_data, run, **{"train.max_steps": 2, "train.save_every": 1})
+    out = pretrain(tiny_data, run, **{"train.max_steps": 2, "run.save_every": 1})
     line = assert_one_line_error(out, f"{run / 'checkpoints'}: no space left on device while saving step 1",
                                  "written", "older checkpoints are intact")
     assert "KiB" in line or " B " in line
@@ -433,7 +433,7 @@ def _fill(disk: Path, leave: int) -> None:
 
 
 def _run_two_steps_then_fill(tiny_data, run: Path, disk: Path, **extra) -> None:
-    assert pretrain(tiny_data, run, "--resume", "auto", **{"train.max_steps": 2, "train.save_every": 2}).code == 0
+    assert pretrain(tiny_data, run, "--resume", "auto", **{"train.max_steps": 2, "run.save_every": 2}).code == 0
     _fill(disk, 0)
 
 
@@ -441,12 +441,12 @@ DISK_FULL = {
     # case: (prepare(tiny_data, run, disk), flags, overrides, fragments of the error line after the path)
     "metrics.jsonl append": (
         lambda data, run, disk: _fill(disk, 3 * 4096), ["--resume", "auto"],
-        {"train.max_steps": 16, "train.save_every": 4},
+        {"train.max_steps": 16, "run.save_every": 4},
         ("metrics.jsonl", "no space left on device while appending the", "stopped without saving",
          "--resume auto")),
     "TensorBoard event file (on by default)": (
         lambda data, run, disk: _fill(disk, 4 * 4096), ["--resume", "auto"],
-        {"train.max_steps": 16, "train.save_every": 4, "run.tensorboard": "true"},
+        {"train.max_steps": 16, "run.save_every": 4, "run.tensorboard": "true"},
         ("tb/events.out.tfevents.", "no space left on device while writing the events of step",
          "stopped without saving")),
     "config_history/ at a resume with a changed key": (
@@ -456,7 +456,7 @@ DISK_FULL = {
          "nothing was changed")),
     "end-of-run HF export": (
         lambda data, run, disk: _fill(disk, 3 * 4096), ["--resume", "auto"],
-        {"train.max_steps": 2, "train.save_every": 2, "run.export_hf": "true"},
+        {"train.max_steps": 2, "run.save_every": 2, "run.export_hf": "true"},
         ("/hf: no space left on device while writing the HuggingFace export", "needed",
          "the partial export was removed")),
 }

@@ -34,6 +34,9 @@ from tests.helpers import tiny_overrides
 MAX_STEPS = 6
 BOUND_S = 15.0  # from the fault to the last rank's exit, no timeout involved (measured: 0.11 s at most)
 ERROR = "megakd: error: "
+# free_local_port's port can be taken by another test's process before torchrun binds it; the launch then
+# starts no rank, and is tried again on a new port
+PORT_TRIES = 3
 LAUNCH_TIMEOUT_S = 120  # a launch takes 7-19 s here; a hang (as before the fix) would take the 30-minute timeout
 
 # (where the fault is, the rank it hits, a stop signal at the same moment, each rank's exit code (None: killed),
@@ -63,25 +66,17 @@ def _launch(tiny_data, run, *, resume: bool, fault: tuple | None, tmp_path) -> t
         env = {"FAULT_STEP": str(step), "FAULT_AT": at, "FAULT_RANK": str(rank), "FAULT_STOP": "1" if stop else "0"}
         if at == "hang":
             env["FAULT_TIMEOUT_S"] = str(TIMEOUT_S)
-    overrides = tiny_overrides(tiny_data, run, **{"train.max_steps": MAX_STEPS, "train.save_every": 1,
+    overrides = tiny_overrides(tiny_data, run, **{"train.max_steps": MAX_STEPS, "run.save_every": 1,
                                                   "run.keep_last": 2, "run.export_hf": "false",
                                                   "backend.name": "deepspeed", "backend.zero_stage": 2,
                                                   "backend.dist_backend": "gloo"})
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_local_port()}",
-           f"--log-dir={logs}", "--redirects=3", "-m", "tests.faults.save_faults", "pretrain",
-           *(["--resume", "auto"] if resume else []), "-c", str(CONFIG), *overrides]
-    proc = subprocess.Popen(cmd, env=child_env(FAULT_TIMES=str(times), **env), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, cwd=REPO)
-    try:
-        proc.wait(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        # the ranks (torchrun starts each in a session of its own) would wait out the 30-minute timeout
-        for pid in times.glob("pid-*"):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid.read_text()), signal.SIGKILL)
-        proc.kill()
-        proc.wait()
-        raise AssertionError(f"the launch hung ({fault}): {LAUNCH_TIMEOUT_S} s") from None
+    for _ in range(PORT_TRIES):
+        code = _torchrun(logs, times, env, overrides, resume, fault)
+        if any(logs.rglob("attempt_0")):
+            break
+        agent_log = (logs / "torchrun.log").read_text()
+        if "address already in use" not in agent_log.lower():  # only a lost port race is worth another try
+            raise AssertionError(f"torchrun started no rank ({fault}):\n{agent_log[-4000:]}")
     errs = [next(logs.rglob(f"attempt_0/{rank}/stderr.log")).read_text() for rank in range(2)]
     struck = float((times / "fault").read_text()) if (times / "fault").exists() else None
     exits = {}
@@ -89,7 +84,28 @@ def _launch(tiny_data, run, *, resume: bool, fault: tuple | None, tmp_path) -> t
         if struck is not None and (times / f"exit-{r}").exists():
             when, rank_code = (times / f"exit-{r}").read_text().split()
             exits[r] = (float(when) - struck, int(rank_code))
-    return proc.returncode, exits, errs
+    return code, exits, errs
+
+
+def _torchrun(logs, times, env: dict, overrides: list[str], resume: bool, fault: tuple | None) -> int:
+    """One torchrun launch of the 2 ranks; its own output goes to LOGS/torchrun.log."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_local_port()}",
+           f"--log-dir={logs}", "--redirects=3", "-m", "tests.faults.save_faults", "pretrain",
+           *(["--resume", "auto"] if resume else []), "-c", str(CONFIG), *overrides]
+    logs.mkdir(parents=True, exist_ok=True)
+    with open(logs / "torchrun.log", "w") as agent_log:
+        proc = subprocess.Popen(cmd, env=child_env(FAULT_TIMES=str(times), **env), stdout=agent_log,
+                                stderr=subprocess.STDOUT, cwd=REPO)
+        try:
+            return proc.wait(timeout=LAUNCH_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            # the ranks (torchrun starts each in a session of its own) would wait out the 30-minute timeout
+            for pid in times.glob("pid-*"):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid.read_text()), signal.SIGKILL)
+            proc.kill()
+            proc.wait()
+            raise AssertionError(f"the launch hung ({fault}): {LAUNCH_TIMEOUT_S} s") from None
 
 
 def _metrics(run) -> dict[int, dict]:

@@ -8,9 +8,9 @@ comes from learning at every position. Here: ELECTRA (DecoupledOptim, `configs/e
 15 % (`electra.rtd_positions=masked`) and the masked LM of `configs/bert-mini.yaml` (`model.objective=mlm`,
 electra-mini's generator trained alone: the discriminator's shape) at two encoder sizes, 2 × 64 (the shared
 student's, `STUDENT_SIZES`) and the recipe's 4 × 128, each at equal pretraining FLOPs (`megakd/bench/flops.py`:
-the generator's forward and backward counted), so the masked LM runs more steps. Each arm is scored on RT and
-on the sentence-pair task at two compute points (the checkpoint at half the FLOPs and the end) of each of two
-pretraining draws, beside the same architecture from random init and the tf-idf + logistic-regression floor
+the generator's forward and backward counted), so the masked LM runs more steps. Each arm is scored on RT at two
+compute points (the checkpoint at half the FLOPs and the end) and on the sentence-pair task at the end, in each of
+two pretraining draws, beside the same architecture from random init and the tf-idf + logistic-regression floor
 (`megakd/finetune/tfidf.py`).
 """
 
@@ -49,6 +49,7 @@ ARMS = {"ELECTRA": (), "ELECTRA 15 %": ("electra.rtd_positions=masked",), "MLM":
 RANDOM, TFIDF = "random init", "tf-idf floor"
 QUICK_TASKS = ("RT",)  # --quick: 39 jobs instead of 66, a few minutes on 2 cores
 POINTS = 2  # compute points per arm: checkpoints at 1/2 and 2/2 of its pretraining FLOPs
+PAIRS_DEV = ("task.max_dev_examples=1000",)  # full mode: 1,000 of the 2,316 dev pairs, an even spread
 TFIDF_SECONDS = 60.0  # the floor on all of RT's 9,071 sentences (tools/baseline_tfidf.py: "about a minute")
 
 
@@ -61,14 +62,15 @@ def _sizes(sizes: tuple[tuple[str, int], ...]) -> tuple[str, ...]:
 # generator, so all three arms fine-tune the same architecture.
 SIZES = {"2 × 64": _sizes(STUDENT_SIZES), "4 × 128": ()}
 QUICK_SIZES = {"1 × 16": _sizes(QUICK_STUDENT_SIZES), "1 × 32": ()}  # over QUICK_PRETRAIN's 1 × 32
-# Full mode, sized to plan under two hours with --jobs 2 (`megakd repro electra_vs_mlm --plan --jobs 2`: 98 min
-# at the default unit costs): ELECTRA and ELECTRA 15 % for 2,400 of the recipe's 5,000 steps at both sizes (twice
+# Full mode, sized to run under two hours with --jobs 2 on 2 cores: ELECTRA and ELECTRA 15 % for 2,400 of the recipe's 5,000 steps at both sizes (twice
 # disc_lr's and gen_size's 1,200: the 2 × 64 electra-mini student did not pay off downstream at the recipe's
 # length, docs/recipes.md, so pretraining gets the budget), the masked LM for the steps of the same FLOPs (1.93×
 # at 4 × 128, 1.77× at 2 × 64), two draws: 12 pretraining runs, 106 min of single-thread work (91 of them the
-# 4 × 128 runs); 48 fine-tuning runs of 3 seeds (24 per task, on 3,000 RT sentences / 1,500 pairs) and 4 of
-# random init, 92 min. A third compute point (+ 21 min at --jobs 2) or 2,800 steps (+ 9) would leave too little
-# room for the cost model's error; 1,200 steps with a third point would halve the pretraining instead.
+# 4 × 128 runs); 36 fine-tuning runs of 3 seeds (24 on 3,000 RT sentences, 12 on 1,500 pairs: the end point
+# only, against the 1,000 dev pairs of PAIRS_DEV) and 4 of random init. Measured on 2 cores, a pairs run took
+# ~365 s against the plan's 191 s (its dev split of 2,316 long pairs, scored every epoch, is not priced), so pairs
+# at both points and on the whole dev split would have taken ~170 min; the RT curve keeps both points. A third
+# compute point or more steps would not fit.
 FULL = Settings(PRETRAIN_RECIPE, seeds=(0, 1, 2), steps=2400, finetune=FULL_FINETUNE, draws=(0, 1))
 QUICK = Settings(PRETRAIN_RECIPE, seeds=(0, 1), steps=12, pretrain=QUICK_PRETRAIN, finetune=QUICK_FINETUNE,
                  draws=(0, 1))
@@ -98,6 +100,12 @@ def checkpoint_steps(steps: int) -> list[int]:
     end (a point k < POINTS is within k/2 steps of k/POINTS of the run)."""
     every = max(1, round(steps / POINTS))
     return [every * k for k in range(1, POINTS) if every * k < steps] + [steps]
+
+
+def scored_points(task: str, points: int) -> range:
+    """The compute points (indices of a run's checkpoints) fine-tuned on `task`: all of them on RT, whose curve
+    the verdict compares, and the last on pairs, the second task's check of the end point."""
+    return range(points - 1, points) if task == "pairs" else range(points)
 
 
 def _config(run: FindingRun, overrides: list[str]) -> Config:
@@ -132,8 +140,9 @@ def declare(run: FindingRun) -> ReportFn:
             job.seconds = run.costs.job_start + (job.seconds - run.costs.job_start) * PAIR_TOKENS
         return tuned
 
-    tuned = {(size, arm, draw, k, task): finetune(task, [f"model.path={step_dir(r.path, s)}"], r)
-             for (size, arm, draw), (r, points) in runs.items() for k, s in enumerate(points) for task in tasks}
+    tuned = {(size, arm, draw, k, task): finetune(task, [f"model.path={step_dir(r.path, points[k])}"], r)
+             for (size, arm, draw), (r, points) in runs.items() for task in tasks
+             for k in scored_points(task, len(points))}
     random_init = {(size, task): finetune(task, [f"model.path={runs[size, 'ELECTRA', draws[0]][0].path}",
                                                  "model.init=random"], runs[size, "ELECTRA", draws[0]][0])
                    for size in sizes for task in tasks}
@@ -145,12 +154,17 @@ def declare(run: FindingRun) -> ReportFn:
     def report() -> FindingReport:
         measured = {size: {draw: {"random": {t: seed_values(run.result(random_init[size, t])) for t in tasks},
                                   **{arm: {t: [seed_values(run.result(tuned[size, arm, draw, k, t]))
-                                               for k in range(len(runs[size, arm, draw][1]))] for t in tasks}
+                                               for k in scored_points(t, len(runs[size, arm, draw][1]))]
+                                           for t in tasks}
                                      for arm in ARMS}}
                            for draw in draws} for size in sizes}
         floor = {t: run.result(floors[t])["dev"]["accuracy"] for t in tasks}
         curves = {(size, arm): [flops[size, arm] * s for s in runs[size, arm, draws[0]][1]]
                   for size in sizes for arm in ARMS}
+        def cell(size: str, draw: int, arm: str, task: str, k: int) -> str:
+            scored = scored_points(task, len(curves[size, arm]))
+            return mean_std_text(measured[size][draw][arm][task][k - scored.start]) if k in scored else "—"
+
         table = []
         for size in sizes:
             for arm in ARMS:
@@ -159,7 +173,7 @@ def declare(run: FindingRun) -> ReportFn:
                     table.append([size, arm, f"{s:,}", f"{curves[size, arm][k]:.3g}",
                                   " / ".join(pretraining[w] for w in draws) if k == len(curves[size, arm]) - 1
                                   else "—",
-                                  *(mean_std_text(measured[size][w][arm][t][k]) for t in tasks for w in draws)])
+                                  *(cell(size, w, arm, t, k) for t in tasks for w in draws)])
             table.append([size, RANDOM, "0", "0", "—",
                           *(mean_std_text(measured[size][w]["random"][t]) for t in tasks for w in draws)])
         table.append(["—", TFIDF, "—", "—", "—", *(f"{floor[t]:.3f}" for t in tasks for _ in draws)])
@@ -176,8 +190,8 @@ def declare(run: FindingRun) -> ReportFn:
 
 
 def _task_overrides(run: FindingRun, task: str) -> tuple[str, ...]:
-    """A task's own fine-tuning overrides beside the mode's (full mode: the pairs' count)."""
-    return FULL_PAIRS if task == "pairs" and not run.quick else ()
+    """A task's own fine-tuning overrides beside the mode's (full mode: the pairs' train and dev counts)."""
+    return (*FULL_PAIRS, *PAIRS_DEV) if task == "pairs" and not run.quick else ()
 
 
 def _sentences(run: FindingRun, task: str) -> float:
@@ -221,8 +235,8 @@ def _setup(run: FindingRun, steps: int, sizes: dict, runs: dict, flops: dict, ta
             "(`megakd/bench/flops.py`, matrix FLOPs of forward and backward, the generator's included): "
             f"{budgets}. Compute points: the checkpoints at half the FLOPs and at the end of each run (the "
             "half-way one is mid-schedule: its LR has not decayed). Downstream: each checkpoint fine-tuned on RT "
-            "(`configs/finetune-rt.yaml`)" + (" and on the sentence-pair task (`configs/finetune-pairs.yaml`, chance "
-                                              "0.5)" if "pairs" in tasks else "") +
+            "(`configs/finetune-rt.yaml`)" + (", and the last on the sentence-pair task (`configs/finetune-pairs.yaml`, "
+                                              "chance 0.5)" if "pairs" in tasks else "") +
             f" with their defaults, seeds {seeds}, dev accuracy mean ± std, beside the same architecture from random "
             "init and the tf-idf + logistic-regression floor on the same split (`megakd/finetune/tfidf.py`). Rule, "
             "per encoder size and task, paired t-tests over fine-tuning seeds (p < 0.05) at each compute point: in "
@@ -235,8 +249,9 @@ def _setup(run: FindingRun, steps: int, sizes: dict, runs: dict, flops: dict, ta
             "against each of the two: between them (below ELECTRA or above the masked LM), or not; it does not "
             "enter the verdict." + (run.note if run.quick else
                                      " Fine-tuning used 3,000 of RT's 9,071 training sentences and 1,500 of the "
-                                     "25,397 training pairs (each an even spread, about the same number of tokens) "
-                                     "and the whole dev splits."))
+                                     "25,397 training pairs (each an even spread, about the same number of tokens), "
+                                     "RT's whole dev split and 1,000 of the 2,316 dev pairs (an even spread); the "
+                                     "tf-idf floor is on the same splits."))
 
 
 def curve_outcome(a: list[list[float]], b: list[list[float]]) -> tuple[int, list[PairedTest]]:
@@ -323,7 +338,7 @@ def _plot(measured: dict, curves: dict, floor: dict, path: Path) -> Path:
                 per_draw = [[fmean(seeds) for seeds in m[arm][task]] for m in by_draw.values()]
                 means = [fmean(v) for v in zip(*per_draw)]
                 spread = [(max(v) - min(v)) / 2 for v in zip(*per_draw)]
-                ax.errorbar(curves[size, arm], means, yerr=spread, fmt="o" + styles[size], color=colors[arm],
+                ax.errorbar(curves[size, arm][-len(means):], means, yerr=spread, fmt="o" + styles[size], color=colors[arm],
                             capsize=3, label=f"{arm}, {size}")
             ax.axhline(fmean(fmean(m["random"][task]) for m in by_draw.values()), color="gray",
                        linestyle=styles[size], linewidth=0.8)

@@ -64,6 +64,33 @@ def test_arms_pretrain_with_equal_flops_at_each_compute_point(tmp_path):
         assert electra["every"] * 2 == electra["steps"]
 
 
+def test_rt_scores_both_compute_points_and_pairs_the_end_on_a_dev_subset(tmp_path):
+    """The full plan's fine-tuning: every pretraining run's checkpoints at both points on RT (the curve), the last
+    only on pairs, against 1,000 of its dev pairs (what fits two hours); random init once per size and task."""
+    plan = plan_findings(["electra_vs_mlm"], tmp_path / "work", workers=2)
+    ends = {}  # pretraining run's directory -> its last step
+    for key, job in plan.jobs.items():
+        if key.startswith("pretrain:"):
+            cfg = load_config(job.args[0], [*SILENT_RUN, *job.args[1], "run.dir=_"])
+            ends[key.removeprefix("pretrain:")] = cfg.train.max_steps  # the key names the run's directory
+    scored = defaultdict(list)  # (task, run) -> the steps it fine-tunes
+    for key, job in plan.jobs.items():
+        if not key.startswith("finetune:"):
+            continue
+        config, overrides, *_ = job.args
+        task = "pairs" if "pairs" in Path(config).name else "RT"
+        assert ("task.max_dev_examples=1000" in overrides) == (task == "pairs")
+        path = next(o.split("=", 1)[1] for o in overrides if o.startswith("model.path="))
+        if "model.init=random" in overrides:
+            scored[task, "random"].append(path)
+            continue
+        run, step = re.fullmatch(r".*/pretrained/(\w+)/checkpoints/step_0*(\d+)", path).groups()
+        scored[task, run].append(int(step))
+    assert len(ends) == 12 and len(scored["RT", "random"]) == len(scored["pairs", "random"]) == 2
+    for run, end in ends.items():
+        assert sorted(scored["RT", run]) == [round(end / 2), end] and scored["pairs", run] == [end]
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Verdict rules on made-up measurements: {size: {draw: {arm: {task: [per point: per seed]}, random: {task}}}}
 

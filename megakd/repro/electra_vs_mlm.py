@@ -48,7 +48,8 @@ from megakd.store.checkpoint import step_dir
 ARMS = {"ELECTRA": (), "ELECTRA 15 %": ("electra.rtd_positions=masked",), "MLM": ("model.objective=mlm",)}
 RANDOM, TFIDF = "random init", "tf-idf floor"
 QUICK_TASKS = ("RT",)  # --quick: 39 jobs instead of 66, a few minutes on 2 cores
-POINTS = 2  # compute points per arm: checkpoints at 1/2 and 2/2 of its pretraining FLOPs
+POINT_NAMES = ("half-way", "end")  # compute points per arm: checkpoints at 1/2 and 2/2 of its pretraining FLOPs
+POINTS = len(POINT_NAMES)
 PAIRS_DEV = ("task.max_dev_examples=1000",)  # full mode: 1,000 of the 2,316 dev pairs, an even spread
 TFIDF_SECONDS = 60.0  # the floor on all of RT's 9,071 sentences (tools/baseline_tfidf.py: "about a minute")
 
@@ -62,14 +63,14 @@ def _sizes(sizes: tuple[tuple[str, int], ...]) -> tuple[str, ...]:
 # generator, so all three arms fine-tune the same architecture.
 SIZES = {"2 × 64": _sizes(STUDENT_SIZES), "4 × 128": ()}
 QUICK_SIZES = {"1 × 16": _sizes(QUICK_STUDENT_SIZES), "1 × 32": ()}  # over QUICK_PRETRAIN's 1 × 32
-# Full mode, sized to run under two hours with --jobs 2 on 2 cores: ELECTRA and ELECTRA 15 % for 2,400 of the recipe's 5,000 steps at both sizes (twice
-# disc_lr's and gen_size's 1,200: the 2 × 64 electra-mini student did not pay off downstream at the recipe's
-# length, docs/recipes.md, so pretraining gets the budget), the masked LM for the steps of the same FLOPs (1.93×
-# at 4 × 128, 1.77× at 2 × 64), two draws: 12 pretraining runs, 106 min of single-thread work (91 of them the
-# 4 × 128 runs); 36 fine-tuning runs of 3 seeds (24 on 3,000 RT sentences, 12 on 1,500 pairs: the end point
-# only, against the 1,000 dev pairs of PAIRS_DEV) and 4 of random init. Measured on 2 cores, a pairs run took
-# ~365 s against the plan's 191 s (its dev split of 2,316 long pairs, scored every epoch, is not priced), so pairs
-# at both points and on the whole dev split would have taken ~170 min; the RT curve keeps both points. A third
+# Full mode, sized to run under two hours with --jobs 2 on 2 cores: ELECTRA and ELECTRA 15 % for 2,400 of the
+# recipe's 5,000 steps at both sizes (twice disc_lr's and gen_size's 1,200: the 2 × 64 electra-mini student did
+# not pay off downstream at the recipe's length, docs/recipes.md, so pretraining gets the budget), the masked LM
+# for the steps of the same FLOPs (1.93× at 4 × 128, 1.77× at 2 × 64), two draws: 12 pretraining runs; 36
+# fine-tuning runs of 3 seeds (24 on 3,000 RT sentences, 12 on 1,500 pairs: the end point only, against the 1,000
+# dev pairs of PAIRS_DEV) and 4 of random init: 63 min at --jobs 2 with the four 4 × 128 ELECTRA-type runs cached,
+# about 90 from scratch (docs/recipes.md). Pairs at both points on the whole dev split measured ~170 min: a pairs
+# run took ~365 s against the plan's 191 s (its 2,316 long dev pairs, scored every epoch, are not priced). A third
 # compute point or more steps would not fit.
 FULL = Settings(PRETRAIN_RECIPE, seeds=(0, 1, 2), steps=2400, finetune=FULL_FINETUNE, draws=(0, 1))
 QUICK = Settings(PRETRAIN_RECIPE, seeds=(0, 1), steps=12, pretrain=QUICK_PRETRAIN, finetune=QUICK_FINETUNE,
@@ -161,6 +162,7 @@ def declare(run: FindingRun) -> ReportFn:
         floor = {t: run.result(floors[t])["dev"]["accuracy"] for t in tasks}
         curves = {(size, arm): [flops[size, arm] * s for s in runs[size, arm, draws[0]][1]]
                   for size in sizes for arm in ARMS}
+
         def cell(size: str, draw: int, arm: str, task: str, k: int) -> str:
             scored = scored_points(task, len(curves[size, arm]))
             return mean_std_text(measured[size][draw][arm][task][k - scored.start]) if k in scored else "—"
@@ -235,8 +237,8 @@ def _setup(run: FindingRun, steps: int, sizes: dict, runs: dict, flops: dict, ta
             "(`megakd/bench/flops.py`, matrix FLOPs of forward and backward, the generator's included): "
             f"{budgets}. Compute points: the checkpoints at half the FLOPs and at the end of each run (the "
             "half-way one is mid-schedule: its LR has not decayed). Downstream: each checkpoint fine-tuned on RT "
-            "(`configs/finetune-rt.yaml`)" + (", and the last on the sentence-pair task (`configs/finetune-pairs.yaml`, "
-                                              "chance 0.5)" if "pairs" in tasks else "") +
+            "(`configs/finetune-rt.yaml`)" + (", and the last on the sentence-pair task (`configs/finetune-pairs"
+                                              ".yaml`, chance 0.5)" if "pairs" in tasks else "") +
             f" with their defaults, seeds {seeds}, dev accuracy mean ± std, beside the same architecture from random "
             "init and the tf-idf + logistic-regression floor on the same split (`megakd/finetune/tfidf.py`). Rule, "
             "per encoder size and task, paired t-tests over fine-tuning seeds (p < 0.05) at each compute point: in "
@@ -285,8 +287,9 @@ def arm_claim(by_draw: dict[int, dict], a: str, b: str) -> tuple[int, str]:
         per_draw = {w: curve_outcome(m[a][task], m[b][task]) for w, m in by_draw.items()}
         found = {o for o, _ in per_draw.values()}
         outcomes.append(found.pop() if len(found) == 1 else 0)
-        tests = "; ".join(f"draw {w}: " + ", ".join(f"point {k + 1} {t.describe()}" for k, t in enumerate(tests))
-                          for w, (_, tests) in per_draw.items())
+        tests = "; ".join(f"draw {w}: " + ", ".join(f"{name} {t.describe()}"
+                                                    for name, t in zip(POINT_NAMES[-len(points):], points))
+                          for w, (_, points) in per_draw.items())  # a task scored at the end only: "end"
         parts.append(f"{task}, {a} − {b}: {tests}" + ("" if len({o for o, _ in per_draw.values()}) == 1
                                                       else " (the draws disagree: not counted)"))
     return _combined(outcomes), "; ".join(parts)
@@ -338,8 +341,8 @@ def _plot(measured: dict, curves: dict, floor: dict, path: Path) -> Path:
                 per_draw = [[fmean(seeds) for seeds in m[arm][task]] for m in by_draw.values()]
                 means = [fmean(v) for v in zip(*per_draw)]
                 spread = [(max(v) - min(v)) / 2 for v in zip(*per_draw)]
-                ax.errorbar(curves[size, arm][-len(means):], means, yerr=spread, fmt="o" + styles[size], color=colors[arm],
-                            capsize=3, label=f"{arm}, {size}")
+                ax.errorbar(curves[size, arm][-len(means):], means, yerr=spread, fmt="o" + styles[size],
+                            color=colors[arm], capsize=3, label=f"{arm}, {size}")
             ax.axhline(fmean(fmean(m["random"][task]) for m in by_draw.values()), color="gray",
                        linestyle=styles[size], linewidth=0.8)
         ax.axhline(floor[task], color="black", linestyle=":", linewidth=0.8)

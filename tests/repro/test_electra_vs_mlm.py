@@ -14,7 +14,17 @@ from megakd.cli import main
 from megakd.config import load_config
 from megakd.finish import finish_config
 from megakd.repro import plan_findings
-from megakd.repro.electra_vs_mlm import ARMS, QUICK_TASKS, TASKS, arm_claim, curve_outcome, placement, verdict_of
+from megakd.repro.electra_vs_mlm import (
+    ARMS,
+    POINTS,
+    QUICK_TASKS,
+    TASKS,
+    arm_claim,
+    curve_outcome,
+    placement,
+    scored_points,
+    verdict_of,
+)
 from megakd.repro.report import VERDICTS
 from megakd.repro.settings import SILENT_RUN
 
@@ -98,9 +108,11 @@ LOW, MID, HIGH = [0.60, 0.61, 0.62], [0.70, 0.71, 0.72], [0.80, 0.81, 0.82]
 
 
 def _draw(electra, masked, mlm, random=LOW) -> dict:
-    """One draw: each arm's two compute points the same seeds (lists of per-seed scores), on both tasks."""
+    """One draw as full mode scores it: each arm the same seeds (lists of per-seed scores) at both compute points
+    on RT and at the end on pairs."""
     return {"random": {t: random for t in TASKS},
-            **{arm: {t: [v, v] for t in TASKS} for arm, v in zip(ARMS, (electra, masked, mlm))}}
+            **{arm: {t: [v] * len(scored_points(t, POINTS)) for t in TASKS}
+               for arm, v in zip(ARMS, (electra, masked, mlm))}}
 
 
 def _measured(**per_size) -> dict:
@@ -113,6 +125,15 @@ def test_electra_ahead_at_every_size_is_reproduced():
     assert verdict == "reproduced"
     assert "small: ELECTRA ahead" in reason and "ELECTRA 15 % between them" in reason
     assert "loses" not in reason
+
+
+def test_reason_names_each_tasks_compute_points():
+    """RT's tests are at the half-way and end checkpoints, pairs' (scored at the end only) at the end."""
+    ahead = {0: _draw(HIGH, MID, MID), 1: _draw(HIGH, MID, MID)}
+    _, reason = arm_claim(ahead, "ELECTRA", "MLM")
+    rt, pairs = (re.search(rf"{task}, ELECTRA − MLM: draw 0: ([^;]*);", reason).group(1) for task in ("RT", "pairs"))
+    test = r"\+0\.1 \([^)]*\)"
+    assert re.fullmatch(f"half-way {test}, end {test}", rt) and re.fullmatch(f"end {test}", pairs)
 
 
 def test_electra_behind_at_one_size_names_it():
